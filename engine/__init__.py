@@ -1,0 +1,58 @@
+"""Phasewise engine: Qt-free inference core (loading, templates, sampling, decode loop,
+prefix KV cache, metrics). Imports neither `ui` nor `app` nor Qt."""
+
+from engine.errors import (
+    ContextOverflowError,
+    DownloadNotAllowedError,
+    InvalidRequestError,
+    ModelLoadError,
+    PhasewiseError,
+    SamplingError,
+)
+from engine.events import (
+    EngineEvent,
+    GenerationResult,
+    ModelInfo,
+    ModelLoaded,
+    ModelLoadFailed,
+    ModelLoading,
+    PrefillStarted,
+    RequestFailed,
+    RequestFinished,
+    RequestQueued,
+    SamplerSnapshot,
+    TextFlushed,
+    TokenEmitted,
+)
+from engine.metrics import RequestMetrics, percentile
+from engine.params import ChatMessage, GenerationRequest, SamplingParams
+from engine.worker import Engine, RequestHandle
+
+__all__ = [
+    "ChatMessage",
+    "ContextOverflowError",
+    "DownloadNotAllowedError",
+    "Engine",
+    "EngineEvent",
+    "GenerationRequest",
+    "GenerationResult",
+    "InvalidRequestError",
+    "ModelInfo",
+    "ModelLoadError",
+    "ModelLoadFailed",
+    "ModelLoaded",
+    "ModelLoading",
+    "PhasewiseError",
+    "PrefillStarted",
+    "RequestFailed",
+    "RequestFinished",
+    "RequestHandle",
+    "RequestMetrics",
+    "RequestQueued",
+    "SamplingError",
+    "SamplerSnapshot",
+    "SamplingParams",
+    "TextFlushed",
+    "TokenEmitted",
+    "percentile",
+]

@@ -1,0 +1,226 @@
+"""Benchmarks shared by `phasewise bench` and benchmarks/: measure, never assert.
+
+Everything runs in the calling thread on one LoadedModel, so our decode loop and the
+transformers generate() baseline see the same weights, prompt, dtype and token count.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.events import GenerationResult
+from engine.generate import DecodeSession, now_ns, prepare_prompt
+from engine.loader import LoadedModel
+from engine.metrics import RequestTimeline, percentile
+from engine.params import ChatMessage, GenerationRequest, SamplingParams
+from engine.prefix_cache import PrefixCache
+
+PASSAGE = (
+    "The history of computing is a story of layers. Each generation of engineers built tools "
+    "on top of the last, hiding detail behind cleaner abstractions: vacuum tubes gave way to "
+    "transistors, transistors to integrated circuits, and assembly language to compilers that "
+    "could reason about whole programs. Memory grew from a few kilobytes of magnetic core to "
+    "gigabytes of dynamic RAM, yet the distance between the processor and its data remained "
+    "the central problem of performance. Caches, prefetchers and wide vector units all exist "
+    "to hide that distance. "
+)
+
+
+def fixed_prompt_ids(loaded: LoadedModel, n_tokens: int) -> list[int]:
+    """Exactly n_tokens of a fixed English passage (no chat template), the same every run."""
+    tokenizer = loaded.tokenizer
+    ids: list[int] = []
+    while len(ids) < n_tokens:
+        ids += tokenizer(PASSAGE, add_special_tokens=False)["input_ids"]
+    return ids[:n_tokens]
+
+
+def run_ours(
+    loaded: LoadedModel,
+    prompt_ids: list[int],
+    max_tokens: int,
+    cache: PrefixCache | None = None,
+    conversation_id: str | None = None,
+) -> GenerationResult:
+    """One greedy request of exactly max_tokens tokens through the engine's decode loop."""
+    pool = cache or PrefixCache(loaded.model.config, budget_bytes=1 << 40)
+    request = GenerationRequest(
+        messages=[],
+        params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+        conversation_id=conversation_id,
+        prompt_token_ids=prompt_ids,
+    )
+    timeline = RequestTimeline(submitted_ns=now_ns())
+    return DecodeSession(loaded, pool).run(request, timeline, threading.Event(), lambda _e: None)
+
+
+@torch.inference_mode()
+def hf_generate_seconds(loaded: LoadedModel, prompt_ids: list[int], new_tokens: int) -> float:
+    """Wall time of transformers generate() for exactly new_tokens greedy tokens."""
+    input_ids = torch.tensor([prompt_ids], device=loaded.device)
+    start = time.perf_counter()
+    loaded.model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=loaded.tokenizer.eos_token_id,
+    )
+    if loaded.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+@dataclass
+class HfResult:
+    ttft_s: float
+    decode_tok_s: float
+
+
+def run_hf(loaded: LoadedModel, prompt_ids: list[int], max_tokens: int) -> HfResult:
+    """generate() baseline: TTFT from a 1-token run; decode rate from the difference."""
+    one = hf_generate_seconds(loaded, prompt_ids, 1)
+    full = hf_generate_seconds(loaded, prompt_ids, max_tokens)
+    rate = (max_tokens - 1) / (full - one) if full > one else 0.0
+    return HfResult(ttft_s=one, decode_tok_s=rate)
+
+
+def bench_decode(
+    loaded: LoadedModel,
+    *,
+    prompt_tokens: int = 128,
+    max_tokens: int = 64,
+    repeats: int = 3,
+    vs_hf: bool = False,
+    progress: Callable[[str], None] = lambda _m: None,
+) -> dict[str, Any]:
+    """Cold TTFT, prefill tok/s, decode tok/s and ITL percentiles; medians over repeats.
+
+    Runs alternate ours / generate() so drift in machine load hits both alike.
+    """
+    prompt_ids = fixed_prompt_ids(loaded, prompt_tokens)
+    progress("warm-up")
+    run_ours(loaded, prompt_ids[:16], 4)
+    if vs_hf:
+        hf_generate_seconds(loaded, prompt_ids[:16], 4)
+    ours: list[GenerationResult] = []
+    theirs: list[HfResult] = []
+    for i in range(repeats):
+        progress(f"run {i + 1}/{repeats}: phasewise")
+        ours.append(run_ours(loaded, prompt_ids, max_tokens))
+        if vs_hf:
+            progress(f"run {i + 1}/{repeats}: transformers generate()")
+            theirs.append(run_hf(loaded, prompt_ids, max_tokens))
+    itl = [x for r in ours for x in r.metrics.itl_s]
+    med = statistics.median
+    report: dict[str, Any] = {
+        "model": loaded.info.name,
+        "device": loaded.info.device,
+        "dtype": loaded.info.dtype,
+        "kernel": loaded.info.kernel,
+        "prompt_tokens": prompt_tokens,
+        "max_tokens": max_tokens,
+        "repeats": repeats,
+        "ttft_s": med(r.metrics.ttft_s for r in ours),
+        "prefill_s": med(r.metrics.prefill_s for r in ours),
+        "prefill_tok_s": med(r.metrics.prefilled_tokens / r.metrics.prefill_s for r in ours),
+        "decode_tok_s": med(r.metrics.decode_tok_s for r in ours),
+        "itl_p50_s": percentile(itl, 50),
+        "itl_p90_s": percentile(itl, 90),
+        "itl_p99_s": percentile(itl, 99),
+        "achieved_gb_s": med(r.metrics.achieved_gb_s for r in ours),
+        "prefill_tflop_s": med(r.metrics.prefill_tflop_s for r in ours),
+        "weight_bytes_per_step": loaded.info.weight_bytes_per_step,
+        "parameters": loaded.info.parameters,
+    }
+    if vs_hf:
+        report["hf_ttft_s"] = med(h.ttft_s for h in theirs)
+        report["hf_decode_tok_s"] = med(h.decode_tok_s for h in theirs)
+        report["decode_ratio_vs_hf"] = (
+            report["decode_tok_s"] / report["hf_decode_tok_s"] if report["hf_decode_tok_s"] else 0.0
+        )
+    return report
+
+
+TURN_QUESTIONS = (
+    "Summarise the passage above in two sentences.",
+    "Which hardware trend does it say matters most for performance, and why?",
+    "Explain how caches hide memory latency, with one concrete example.",
+    "Write a short numbered list of three layers of abstraction from the passage.",
+    "Give a one-paragraph conclusion for a talk about this passage.",
+    "Suggest a title for that talk.",
+    "Rewrite the title as a question.",
+    "Now answer that question in one sentence.",
+)
+
+
+def bench_turns(
+    loaded: LoadedModel,
+    *,
+    turns: int = 4,
+    max_tokens: int = 48,
+    context_tokens: int = 1100,
+    progress: Callable[[str], None] = lambda _m: None,
+) -> dict[str, Any]:
+    """A scripted multi-turn chat whose prompt passes ~1,000 tokens by the last turn.
+
+    Each turn reuses the conversation's prefix cache; finally the last turn's whole prompt runs
+    on an empty cache, so `cold_ttft_s_last_prompt` is measured in the same process.
+    """
+    context = fixed_text(loaded, context_tokens)
+    pool = PrefixCache(loaded.model.config, budget_bytes=1 << 40)
+    messages = [ChatMessage("system", "You are a concise assistant."),
+                ChatMessage("user", context + "\n\n" + TURN_QUESTIONS[0])]
+
+    run_ours(loaded, fixed_prompt_ids(loaded, 16), 4)  # warm-up, outside the pool
+    rows: list[dict[str, Any]] = []
+    last_prompt: list[int] = []
+    for turn in range(turns):
+        progress(f"turn {turn + 1}/{turns}")
+        request = GenerationRequest(
+            messages=list(messages),
+            params=SamplingParams(temperature=0.0, max_tokens=max_tokens),
+            conversation_id="bench-turns",
+        )
+        last_prompt = prepare_prompt(loaded, request).ids
+        timeline = RequestTimeline(submitted_ns=now_ns())
+        result = DecodeSession(loaded, pool).run(request, timeline, threading.Event(),
+                                                  lambda _e: None)
+        m = result.metrics
+        rows.append({
+            "turn": turn + 1,
+            "prompt_tokens": m.prompt_tokens,
+            "cached_tokens": m.cached_tokens,
+            "cached_share": m.cached_tokens / m.prompt_tokens,
+            "prefill_s": m.prefill_s,
+            "ttft_s": m.ttft_s,
+            "decode_tok_s": m.decode_tok_s,
+            "output_tokens": m.output_tokens,
+            "cache_miss_reason": m.cache_miss_reason,
+        })
+        messages.append(ChatMessage("assistant", result.text))
+        messages.append(ChatMessage("user", TURN_QUESTIONS[(turn + 1) % len(TURN_QUESTIONS)]))
+    progress("cold run of the last prompt")
+    cold = run_ours(loaded, last_prompt, 1)
+    cold_ttft = cold.metrics.ttft_s
+    return {
+        "model": loaded.info.name,
+        "device": loaded.info.device,
+        "turns": rows,
+        "cold_ttft_s_last_prompt": cold_ttft,
+        "last_ttft_over_cold": rows[-1]["ttft_s"] / cold_ttft if cold_ttft else 0.0,
+        "cache_bytes": pool.used_bytes,
+        "cache_budget_bytes": pool.budget_bytes,
+    }
+
+
+def fixed_text(loaded: LoadedModel, n_tokens: int) -> str:
+    return loaded.tokenizer.decode(fixed_prompt_ids(loaded, n_tokens))

@@ -1,0 +1,157 @@
+"""Events the engine thread emits. Plain dataclasses; t_ns is time.perf_counter_ns()."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from engine.metrics import RequestMetrics
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    source: str  # "default" | "folder" | "gguf" | "hub"
+    path: str
+    device: str
+    dtype: str
+    context_length: int
+    parameters: int
+    weight_bytes_per_step: int
+    kernel: str
+    template_fallback: bool = False
+
+
+@dataclass(frozen=True)
+class ModelLoading:
+    t_ns: int
+    stage: str  # one human-readable line: "converting GGUF (first start only)", ...
+
+
+@dataclass(frozen=True)
+class ModelLoaded:
+    t_ns: int
+    info: ModelInfo
+    load_s: float
+
+
+@dataclass(frozen=True)
+class ModelLoadFailed:
+    t_ns: int
+    message: str
+
+
+@dataclass(frozen=True)
+class RequestQueued:
+    request_id: str
+    t_ns: int
+
+
+@dataclass(frozen=True)
+class PrefillStarted:
+    request_id: str
+    t_ns: int
+    prompt_tokens: int
+    cached_tokens: int
+    cache_miss_reason: str
+
+
+@dataclass(frozen=True)
+class TokenEmitted:
+    """One sampled token. text is the printable delta (may be empty while a UTF-8 char is split)."""
+
+    request_id: str
+    t_ns: int
+    index: int
+    token_id: int
+    text: str
+
+
+@dataclass(frozen=True)
+class SamplerSnapshot:
+    """What the sampler saw for one token (emitted at most ~10 times a second).
+
+    candidates: the top tokens as (token_id, text, probability after temperature), most likely
+    first; kept: how many of them survive top-k / top-p / min-p; chosen_id: the token drawn.
+    """
+
+    request_id: str
+    t_ns: int
+    index: int
+    temperature: float
+    top_p: float
+    candidates: tuple[tuple[int, str, float], ...]
+    kept: int
+    chosen_id: int
+
+
+@dataclass(frozen=True)
+class TextFlushed:
+    """Text held back until the reply ended (a partial stop string or character)."""
+
+    request_id: str
+    t_ns: int
+    text: str
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    request_id: str
+    text: str
+    finish_reason: FinishReason
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    metrics: RequestMetrics
+    model: ModelInfo | None = None
+    error: str | None = None
+
+    def to_json_dict(self) -> dict:
+        """The `ask --json` object: text, finish reason, metrics and model fields, flat."""
+        out: dict = {"text": self.text, "finish_reason": self.finish_reason}
+        out.update(self.metrics.to_dict())
+        out["prompt_token_ids"] = self.prompt_token_ids
+        out["output_token_ids"] = self.token_ids
+        if self.model is not None:
+            out.update(
+                model=self.model.name,
+                device=self.model.device,
+                dtype=self.model.dtype,
+                kernel=self.model.kernel,
+                context_length=self.model.context_length,
+            )
+        if self.error:
+            out["error"] = self.error
+        return out
+
+
+@dataclass(frozen=True)
+class RequestFinished:
+    request_id: str
+    t_ns: int
+    result: GenerationResult = field(repr=False)
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    """The request could not run (bad input, overflow) or crashed; message is one line."""
+
+    request_id: str
+    t_ns: int
+    message: str
+
+
+EngineEvent = (
+    ModelLoading
+    | ModelLoaded
+    | ModelLoadFailed
+    | RequestQueued
+    | PrefillStarted
+    | TokenEmitted
+    | SamplerSnapshot
+    | TextFlushed
+    | RequestFinished
+    | RequestFailed
+)
+TERMINAL_EVENTS = (RequestFinished, RequestFailed)

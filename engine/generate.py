@@ -1,0 +1,221 @@
+"""The decode loop: prefill what the cache lacks, then one timed step per token.
+
+Hand-written rather than generate(), so every token is stamped the moment it is emitted and
+the KV cache stays ours to reuse on the next turn. Runs only in the engine thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.chat_template import FALLBACK_STOPS, encode_chat_with_spans
+from engine.detok import IncrementalDetokenizer, StopMatcher
+from engine.errors import ContextOverflowError, InvalidRequestError
+from engine.events import (
+    EngineEvent,
+    FinishReason,
+    GenerationResult,
+    PrefillStarted,
+    SamplerSnapshot,
+    TextFlushed,
+    TokenEmitted,
+)
+from engine.loader import LoadedModel
+from engine.metrics import RequestTimeline, compute_metrics
+from engine.params import GenerationRequest
+from engine.prefix_cache import CacheLease, PrefixCache, PromptLayout
+from engine.sampling import make_generator, sample_token, sampler_view
+
+Emit = Callable[[EngineEvent], None]
+SNAPSHOT_INTERVAL_NS = 100_000_000  # sampler snapshots at most 10 per second
+
+
+def now_ns() -> int:
+    return time.perf_counter_ns()
+
+
+def eos_token_ids(loaded: LoadedModel) -> set[int]:
+    ids: set[int] = set()
+    for source in (loaded.tokenizer.eos_token_id, loaded.model.generation_config.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(i) for i in source)
+    return ids
+
+
+@torch.inference_mode()
+def warm_up(loaded: LoadedModel) -> None:
+    """One short forward pass, so the first reply does not pay one-time kernel set-up
+    (about 3 s on a small CPU) inside its measured prefill."""
+    from transformers import DynamicCache
+
+    ids = torch.tensor([[loaded.tokenizer.eos_token_id or 0] * 4], device=loaded.device)
+    loaded.model(input_ids=ids, cache=DynamicCache(config=loaded.model.config), use_cache=True,
+                 logits_to_keep=1)
+
+
+@dataclass
+class PreparedPrompt:
+    ids: list[int]
+    layout: PromptLayout = field(default_factory=PromptLayout)
+
+
+def prepare_prompt(loaded: LoadedModel, request: GenerationRequest) -> PreparedPrompt:
+    """Tokenize the request and check that it fits the context (at least one reply token)."""
+    request.validate()
+    if request.prompt_token_ids is not None:
+        ids = list(request.prompt_token_ids)
+        layout = PromptLayout()
+    else:
+        ids, spans = encode_chat_with_spans(loaded.tokenizer, request.messages)
+        assistant = [s for s in spans if s[0] == "assistant"]
+        layout = PromptLayout(
+            spans=tuple(spans),
+            generated_span=(assistant[-1][1], assistant[-1][2]) if assistant else None,
+        )
+    if not ids:
+        raise InvalidRequestError("prompt is empty")
+    if len(ids) + 1 > loaded.info.context_length:
+        raise ContextOverflowError(len(ids), loaded.info.context_length)
+    return PreparedPrompt(ids, layout)
+
+
+class DecodeSession:
+    """Runs one request to completion on the engine thread."""
+
+    def __init__(self, loaded: LoadedModel, prefix_cache: PrefixCache) -> None:
+        self.loaded = loaded
+        self.prefix_cache = prefix_cache
+        self.eos_ids = eos_token_ids(loaded)
+        self.stops = FALLBACK_STOPS if loaded.info.template_fallback else ()
+
+    @torch.inference_mode()
+    def run(
+        self,
+        request: GenerationRequest,
+        timeline: RequestTimeline,
+        cancel: threading.Event,
+        emit: Emit,
+    ) -> GenerationResult:
+        timeline.prefill_start_ns = now_ns()
+        prompt = prepare_prompt(self.loaded, request)
+        params = request.params
+        budget = min(params.max_tokens, self.loaded.info.context_length - len(prompt.ids))
+        lease = self.prefix_cache.acquire(request.conversation_id, prompt.ids, prompt.layout)
+        emit(PrefillStarted(request.request_id, timeline.prefill_start_ns, len(prompt.ids),
+                            lease.cached_tokens, lease.miss_reason))
+        healthy = False
+        try:
+            result = self._decode(request, prompt.ids, lease, budget, timeline, cancel, emit)
+            healthy = True
+            return result
+        finally:
+            if healthy:
+                self.prefix_cache.release(lease)
+
+    def _decode(
+        self,
+        request: GenerationRequest,
+        prompt_ids: list[int],
+        lease: CacheLease,
+        budget: int,
+        timeline: RequestTimeline,
+        cancel: threading.Event,
+        emit: Emit,
+    ) -> GenerationResult:
+        params = request.params
+        device = self.loaded.device
+        generator = None if params.greedy else make_generator(params.seed, device)
+        detok = IncrementalDetokenizer(self.loaded.tokenizer)
+        stopper = StopMatcher(tuple(params.stop) + self.stops)
+        generated: list[int] = []
+        finish: FinishReason = "length"
+        self._last_snapshot_ns = 0
+
+        if cancel.is_set():
+            finish = "cancelled"
+        else:
+            logits = self._forward(prompt_ids[lease.cached_tokens :], lease)
+            timeline.first_logits_ns = now_ns()
+            while True:
+                seen = prompt_ids + generated if params.repetition_penalty != 1.0 else ()
+                token = sample_token(logits, params, generator, seen)
+                self._maybe_snapshot(emit, request, logits, token, len(generated))
+                generated.append(token)
+                if token in self.eos_ids and not params.ignore_eos:
+                    text = stopper.feed(detok.flush()) + stopper.flush()
+                    self._emit_token(emit, request, timeline, token, text)
+                    finish = "stop"
+                    break
+                text = stopper.feed(detok.push(token))
+                self._emit_token(emit, request, timeline, token, text)
+                if stopper.stopped:
+                    finish = "stop"
+                    break
+                if len(generated) >= budget:
+                    break
+                if cancel.is_set():
+                    finish = "cancelled"
+                    break
+                logits = self._forward([token], lease)
+        if finish != "stop":
+            tail = stopper.feed(detok.flush()) + stopper.flush()
+            if tail:
+                emit(TextFlushed(request.request_id, now_ns(), tail))
+        timeline.done_ns = now_ns()
+        metrics = compute_metrics(
+            timeline,
+            prompt_tokens=len(prompt_ids),
+            cached_tokens=lease.cached_tokens,
+            parameters=self.loaded.info.parameters,
+            weight_bytes_per_step=self.loaded.info.weight_bytes_per_step,
+            cache_miss_reason=lease.miss_reason,
+        )
+        return GenerationResult(
+            request_id=request.request_id,
+            text=stopper.emitted,
+            finish_reason=finish,
+            token_ids=generated,
+            prompt_token_ids=prompt_ids,
+            metrics=metrics,
+            model=self.loaded.info,
+        )
+
+    def _forward(self, ids: list[int], lease: CacheLease) -> torch.Tensor:
+        """Run ids through the model on top of the lease's cache; return last-position logits."""
+        input_ids = torch.tensor([ids], device=self.loaded.device)
+        out = self.loaded.model(input_ids=input_ids, cache=lease.cache, use_cache=True,
+                                logits_to_keep=1)
+        lease.ids.extend(ids)
+        logits = out.logits[0, -1]
+        if logits.device.type == "cuda":
+            torch.cuda.synchronize(logits.device)
+        return logits
+
+    def _maybe_snapshot(
+        self, emit: Emit, request: GenerationRequest, logits: torch.Tensor, token: int, index: int
+    ) -> None:
+        """Report the sampler's view of this token, throttled so it costs nothing per token."""
+        t = now_ns()
+        if index and t - self._last_snapshot_ns < SNAPSHOT_INTERVAL_NS:
+            return
+        self._last_snapshot_ns = t
+        top, kept = sampler_view(logits, request.params)
+        decode = self.loaded.tokenizer.decode
+        candidates = tuple((tid, decode([tid]), p) for tid, p in top)
+        emit(SamplerSnapshot(request.request_id, t, index, request.params.temperature,
+                             request.params.top_p, candidates, kept, token))
+
+    @staticmethod
+    def _emit_token(
+        emit: Emit, request: GenerationRequest, timeline: RequestTimeline, token: int, text: str
+    ) -> None:
+        t = now_ns()
+        timeline.token_ns.append(t)
+        emit(TokenEmitted(request.request_id, t, len(timeline.token_ns) - 1, token, text))

@@ -1,0 +1,479 @@
+"""The HUD's session model: pure Python, no Qt, testable headless.
+
+It folds engine events into per-reply records and answers the questions the HUD panels ask
+(breakdown, advisor, rolling throughput, percentiles, context forecast) and exports the
+session. Every time comes from the engine's perf_counter_ns stamps; nothing here reads a clock.
+The only UI-side stamp is painted_ns (same clock), used for render lag.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from engine.events import (
+    EngineEvent,
+    ModelInfo,
+    ModelLoaded,
+    PrefillStarted,
+    RequestFailed,
+    RequestFinished,
+    RequestQueued,
+    SamplerSnapshot,
+    TokenEmitted,
+)
+from engine.metrics import NS, RequestMetrics, percentile
+
+DOMINANT_SHARE = 0.6  # a phase "owns" the time above this share of e2e
+THROUGHPUT_WINDOW = 16  # tokens in the rolling decode tok/s window
+MIN_TOKENS_FOR_CAP = 24  # below this, advising a max_tokens cap is noise
+
+
+# ----- formatting --------------------------------------------------------------------------
+def fmt_seconds(s: float) -> str:
+    """Human seconds with a unit: '19 s', '1.5 s', '410 ms', '3.2 ms'."""
+    if s >= 10:
+        return f"{s:,.0f} s"
+    if s >= 1:
+        return f"{s:.1f} s"
+    if s >= 0.01:
+        return f"{s * 1000:.0f} ms"
+    return f"{s * 1000:.1f} ms"
+
+
+def fmt_ms(s: float) -> str:
+    """Seconds shown as milliseconds with one decimal: '23.7 ms'."""
+    return f"{s * 1000:.1f} ms"
+
+
+def nice_cap(output_tokens: int) -> int:
+    """A round max_tokens suggestion near a third of the reply (1,200 -> 400)."""
+    target = max(output_tokens / 3, 1)
+    magnitude = 10 ** math.floor(math.log10(target))
+    return max(int(target // magnitude * magnitude), 1)
+
+
+# ----- records -----------------------------------------------------------------------------
+@dataclass
+class Breakdown:
+    """Where one reply's time went. queue + prefill + decode + other == e2e."""
+
+    queue_s: float
+    prefill_s: float
+    decode_s: float
+    e2e_s: float
+    ttft_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    final: bool  # False while the reply is still streaming (built from live stamps)
+
+    @property
+    def other_s(self) -> float:
+        """First-token sampling and wrap-up: what the three phases don't cover."""
+        return max(self.e2e_s - self.queue_s - self.prefill_s - self.decode_s, 0.0)
+
+    @property
+    def decode_steps(self) -> int:
+        return max(self.output_tokens - 1, 0)
+
+    @property
+    def ms_per_token_s(self) -> float:
+        """Seconds per decoded token (1 / decode tok/s)."""
+        return self.decode_s / self.decode_steps if self.decode_steps else 0.0
+
+    @property
+    def prefilled_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+    def share(self, seconds: float) -> float:
+        return seconds / self.e2e_s if self.e2e_s > 0 else 0.0
+
+    def rows(self) -> list[tuple[str, str, float, float]]:
+        """(phase, detail, seconds, share) in the seed's table form."""
+        return [
+            ("queue", "waiting for the engine", self.queue_s, self.share(self.queue_s)),
+            ("prefill", f"{self.prompt_tokens:,} prompt tokens, {self.cached_tokens:,} cached",
+             self.prefill_s, self.share(self.prefill_s)),
+            ("decode", f"{self.decode_steps:,} tokens x {fmt_ms(self.ms_per_token_s)}",
+             self.decode_s, self.share(self.decode_s)),
+            ("other", "first sample + finish", self.other_s, self.share(self.other_s)),
+        ]
+
+    @classmethod
+    def from_metrics(cls, m: RequestMetrics) -> Breakdown:
+        return cls(m.queue_s, m.prefill_s, m.decode_s, m.e2e_s, m.ttft_s, m.prompt_tokens,
+                   m.cached_tokens, m.output_tokens, final=True)
+
+
+@dataclass
+class ReplyRecord:
+    """Everything the HUD knows about one request, live or finished."""
+
+    request_id: str
+    number: int
+    queued_ns: int
+    settings: dict[str, object] = field(default_factory=dict)
+    prefill_ns: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    miss_reason: str = ""
+    token_ns: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    token_texts: list[str] = field(default_factory=list)
+    painted_ns: dict[int, int] = field(default_factory=dict)
+    snapshot: SamplerSnapshot | None = None
+    metrics: RequestMetrics | None = None
+    finish_reason: str = ""
+    error: str = ""
+    done_ns: int = 0
+
+    @property
+    def done(self) -> bool:
+        return bool(self.finish_reason or self.error)
+
+    @property
+    def output_tokens(self) -> int:
+        return len(self.token_ns)
+
+    def itl_s(self) -> list[float]:
+        """Gaps between emitted tokens: the engine's list once finished, live stamps before."""
+        if self.metrics is not None:
+            return self.metrics.itl_s
+        return [(b - a) * NS for a, b in zip(self.token_ns, self.token_ns[1:])]
+
+    def itl_percentiles(self) -> tuple[float, float, float]:
+        if self.metrics is not None:
+            m = self.metrics
+            return m.itl_p50_s, m.itl_p90_s, m.itl_p99_s
+        itl = self.itl_s()
+        return percentile(itl, 50), percentile(itl, 90), percentile(itl, 99)
+
+    def render_lags_s(self) -> tuple[list[int], list[float]]:
+        """(token indices, painted - emitted seconds) for tokens the view reported painting."""
+        indices, lags = [], []
+        for index, painted in sorted(self.painted_ns.items()):
+            if index < len(self.token_ns):
+                indices.append(index)
+                lags.append((painted - self.token_ns[index]) * NS)
+        return indices, lags
+
+    def breakdown(self) -> Breakdown | None:
+        if self.metrics is not None:
+            return Breakdown.from_metrics(self.metrics)
+        if not self.token_ns or not self.prefill_ns:
+            return None
+        # Live estimate from engine stamps; prefill here includes the first sample.
+        queue_s = (self.prefill_ns - self.queued_ns) * NS
+        ttft_s = (self.token_ns[0] - self.queued_ns) * NS
+        decode_s = (self.token_ns[-1] - self.token_ns[0]) * NS
+        return Breakdown(queue_s, ttft_s - queue_s, decode_s, ttft_s + decode_s, ttft_s,
+                         self.prompt_tokens, self.cached_tokens, self.output_tokens, final=False)
+
+    def context_used(self) -> int:
+        """Tokens this reply leaves in the context: its prompt plus its output."""
+        return self.prompt_tokens + self.output_tokens
+
+
+@dataclass(frozen=True)
+class ContextForecast:
+    used: int
+    length: int
+    per_turn: float
+    turns_left: int | None  # None when there is no pace yet
+
+    @property
+    def fraction(self) -> float:
+        return self.used / self.length if self.length else 0.0
+
+    def describe(self) -> str:
+        head = f"{self.used:,} / {self.length:,} tokens ({self.fraction:.0%})"
+        if self.turns_left is None:
+            return head
+        if self.turns_left <= 0:
+            return f"{head}. The next turn will overflow the context."
+        return (f"{head}. At ~{self.per_turn:,.0f} tokens a turn, about "
+                f"{self.turns_left:,} more turn{'s' if self.turns_left != 1 else ''} fit.")
+
+
+@dataclass(frozen=True)
+class SettingMarker:
+    name: str
+    value: object
+    t_ns: int
+
+
+# ----- advisor -----------------------------------------------------------------------------
+def advise(b: Breakdown | None) -> str:
+    """One or two sentences: the dominant phase and its lever with a predicted saving.
+
+    Empty when no phase owns at least DOMINANT_SHARE of the reply's time.
+    """
+    if b is None or b.e2e_s <= 0:
+        return ""
+    phases = {"queue": b.queue_s, "prefill": b.prefill_s, "decode": b.decode_s}
+    phase, seconds = max(phases.items(), key=lambda kv: kv[1])
+    share = b.share(seconds)
+    if share < DOMINANT_SHARE:
+        return ""
+    return {"decode": _advise_decode, "prefill": _advise_prefill, "queue": _advise_queue}[
+        phase
+    ](b, share)
+
+
+def _advise_decode(b: Breakdown, share: float) -> str:
+    head = (f"Decode owns {share:.0%} ({b.decode_steps:,} tokens x "
+            f"{fmt_ms(b.ms_per_token_s)}).")
+    perceived = f"streaming already makes the perceived wait {fmt_seconds(b.ttft_s)}."
+    if b.output_tokens < MIN_TOKENS_FOR_CAP:
+        return f"{head} Each token is one full read of the weights; {perceived}"
+    cap = nice_cap(b.output_tokens)
+    saving = (b.output_tokens - cap) * b.ms_per_token_s
+    return (f"{head} A cap of {cap:,} tokens would save about {fmt_seconds(saving)}; "
+            f"{perceived}")
+
+
+def _advise_prefill(b: Breakdown, share: float) -> str:
+    per_token = b.prefill_s / b.prefilled_tokens if b.prefilled_tokens else 0.0
+    head = (f"Prefill owns {share:.0%} ({b.prefilled_tokens:,} new prompt tokens x "
+            f"{fmt_ms(per_token)}, {b.cached_tokens:,} cached).")
+    half = b.prefilled_tokens // 2
+    if half < 1:
+        return head
+    lever = ("Keeping the prompt's prefix cacheable (don't edit earlier messages)"
+             if b.cached_tokens == 0 else "Shortening the prompt")
+    return (f"{head} {lever} to skip {half:,} tokens would save about "
+            f"{fmt_seconds(half * per_token)} of TTFT.")
+
+
+def _advise_queue(b: Breakdown, share: float) -> str:
+    work = b.e2e_s - b.queue_s
+    return (f"Queueing owns {share:.0%} ({fmt_seconds(b.queue_s)} before prefill started). "
+            f"Wait for the running reply or batch requests; this reply itself took "
+            f"{fmt_seconds(work)}.")
+
+
+# ----- session -----------------------------------------------------------------------------
+class SessionModel:
+    """All replies of a session, folded from engine events in arrival order."""
+
+    def __init__(self) -> None:
+        self.replies: dict[str, ReplyRecord] = {}
+        self.model: ModelInfo | None = None
+        self.peaks: dict[str, object] | None = None  # calibrate.DevicePeaks as a dict
+        self.settings: dict[str, object] = {}
+        self.markers: list[SettingMarker] = []
+        self.t0_ns: int | None = None
+        # Session-wide rolling decode throughput: (session seconds, tok/s), one per token.
+        self.throughput_t: list[float] = []
+        self.throughput: list[float] = []
+        self.throughput_rid: list[str] = []
+
+    # -- folding events --
+    def apply(self, event: EngineEvent) -> ReplyRecord | None:
+        """Fold one event in; return the reply it touched (None for non-request events)."""
+        t_ns = getattr(event, "t_ns", None)
+        if t_ns is not None and self.t0_ns is None:
+            self.t0_ns = t_ns
+        if isinstance(event, ModelLoaded):
+            self.model = event.info
+            return None
+        if isinstance(event, RequestQueued):
+            return self._queued(event)
+        rid = getattr(event, "request_id", None)
+        reply = self.replies.get(rid) if rid is not None else None
+        if reply is None:
+            return None
+        if isinstance(event, PrefillStarted):
+            reply.prefill_ns = event.t_ns
+            reply.prompt_tokens = event.prompt_tokens
+            reply.cached_tokens = event.cached_tokens
+            reply.miss_reason = event.cache_miss_reason
+        elif isinstance(event, TokenEmitted):
+            self._token(reply, event)
+        elif isinstance(event, SamplerSnapshot):
+            reply.snapshot = event
+            reply.settings.update(temperature=event.temperature, top_p=event.top_p)
+        elif isinstance(event, RequestFinished):
+            self._finished(reply, event)
+        elif isinstance(event, RequestFailed):
+            reply.error = event.message
+            reply.done_ns = event.t_ns
+        return reply
+
+    def _queued(self, event: RequestQueued) -> ReplyRecord:
+        reply = ReplyRecord(event.request_id, len(self.replies) + 1, event.t_ns,
+                            settings=dict(self.settings))
+        self.replies[event.request_id] = reply
+        return reply
+
+    def _token(self, reply: ReplyRecord, event: TokenEmitted) -> None:
+        reply.token_ns.append(event.t_ns)
+        reply.token_ids.append(event.token_id)
+        reply.token_texts.append(event.text)
+        n = len(reply.token_ns)
+        if n < 2:
+            return
+        first = reply.token_ns[max(n - 1 - THROUGHPUT_WINDOW, 0)]
+        steps = min(n - 1, THROUGHPUT_WINDOW)
+        if event.t_ns > first:
+            self.throughput_t.append(self.session_s(event.t_ns))
+            self.throughput.append(steps / ((event.t_ns - first) * NS))
+            self.throughput_rid.append(reply.request_id)
+
+    def _finished(self, reply: ReplyRecord, event: RequestFinished) -> None:
+        result = event.result
+        reply.metrics = result.metrics
+        reply.finish_reason = result.finish_reason
+        reply.done_ns = event.t_ns
+        # The engine's numbers are authoritative; fill what PrefillStarted may have missed.
+        reply.prompt_tokens = result.metrics.prompt_tokens
+        reply.cached_tokens = result.metrics.cached_tokens
+        reply.miss_reason = result.metrics.cache_miss_reason
+        if result.model is not None:
+            self.model = result.model
+
+    def mark_setting(self, name: str, value: object, t_ns: int) -> SettingMarker:
+        if self.t0_ns is None:
+            self.t0_ns = t_ns
+        self.settings[name] = value
+        marker = SettingMarker(name, value, t_ns)
+        self.markers.append(marker)
+        return marker
+
+    def mark_painted(self, request_id: str, index: int, painted_ns: int) -> ReplyRecord | None:
+        reply = self.replies.get(request_id)
+        if reply is not None:
+            reply.painted_ns.setdefault(index, painted_ns)  # first paint is what the user saw
+        return reply
+
+    # -- queries --
+    def session_s(self, t_ns: int) -> float:
+        return (t_ns - (self.t0_ns or t_ns)) * NS
+
+    def ordered(self) -> list[ReplyRecord]:
+        return list(self.replies.values())
+
+    def latest(self) -> ReplyRecord | None:
+        return next(reversed(self.replies.values()), None) if self.replies else None
+
+    def finished(self) -> list[ReplyRecord]:
+        return [r for r in self.replies.values() if r.metrics is not None]
+
+    def turn_position(self, t_ns: int) -> float:
+        """Where a setting change at t_ns falls on a per-turn axis (between turns)."""
+        return sum(1 for r in self.replies.values() if r.queued_ns <= t_ns) + 0.5
+
+    def ttft_percentiles(self) -> tuple[float, float, float]:
+        ttfts = [r.metrics.ttft_s for r in self.finished()]
+        return percentile(ttfts, 50), percentile(ttfts, 90), percentile(ttfts, 99)
+
+    def conversation(self) -> list[ReplyRecord]:
+        """The latest run of turns: a 'first_turn' cache miss starts a new conversation."""
+        turns: list[ReplyRecord] = []
+        for reply in self.replies.values():
+            if not reply.prompt_tokens:
+                continue
+            if reply.miss_reason == "first_turn":
+                turns = []
+            turns.append(reply)
+        return turns
+
+    def context_forecast(self) -> ContextForecast | None:
+        if self.model is None:
+            return None
+        turns = self.conversation()
+        length = self.model.context_length
+        if not turns:
+            return ContextForecast(0, length, 0.0, None)
+        used = turns[-1].context_used()
+        growth = (used - turns[0].context_used()) / (len(turns) - 1) if len(turns) > 1 else used
+        if growth <= 0:
+            return ContextForecast(used, length, 0.0, None)
+        return ContextForecast(used, length, growth, int((length - used) // growth))
+
+    # -- export --
+    def reply_rows(self) -> list[dict[str, object]]:
+        return [self._reply_row(r) for r in self.replies.values()]
+
+    def _reply_row(self, r: ReplyRecord) -> dict[str, object]:
+        row: dict[str, object] = {
+            "request_id": r.request_id, "turn": r.number, "finish_reason": r.finish_reason,
+            "error": r.error, "queued_s": self.session_s(r.queued_ns),
+        }
+        if r.metrics is not None:
+            row.update({k: v for k, v in r.metrics.to_dict().items() if k != "itl_s"})
+        else:
+            row.update(prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
+                       output_tokens=r.output_tokens, cache_miss_reason=r.miss_reason)
+        row.update(self._device_fields())
+        row.update({f"setting_{k}": v for k, v in r.settings.items()})
+        return row
+
+    def token_rows(self) -> list[dict[str, object]]:
+        rows = []
+        for r in self.replies.values():
+            itl = r.itl_s()
+            for i, t in enumerate(r.token_ns):
+                painted = r.painted_ns.get(i)
+                rows.append({
+                    "request_id": r.request_id, "index": i, "token_id": r.token_ids[i],
+                    "text": r.token_texts[i], "emitted_s": self.session_s(t),
+                    "itl_s": itl[i - 1] if 0 < i <= len(itl) else "",
+                    "render_lag_s": (painted - t) * NS if painted is not None else "",
+                })
+        return rows
+
+    def _device_fields(self) -> dict[str, object]:
+        if self.model is None:
+            return {}
+        m = self.model
+        return {"model": m.name, "device": m.device, "dtype": m.dtype, "kernel": m.kernel,
+                "context_length": m.context_length}
+
+    def to_json_dict(self) -> dict[str, object]:
+        tokens_by_reply: dict[str, list[dict[str, object]]] = {}
+        for row in self.token_rows():
+            tokens_by_reply.setdefault(str(row["request_id"]), []).append(row)
+        replies = []
+        for r, row in zip(self.replies.values(), self.reply_rows()):
+            row = dict(row, itl_s=r.itl_s(), tokens=tokens_by_reply.get(r.request_id, []))
+            replies.append(row)
+        return {
+            "model": asdict(self.model) if self.model else None,
+            "device_peaks": self.peaks,
+            "settings": self.settings,
+            "setting_changes": [
+                {"name": m.name, "value": m.value, "t_s": self.session_s(m.t_ns)}
+                for m in self.markers
+            ],
+            "replies": replies,
+        }
+
+    def export_json(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.to_json_dict(), indent=1, default=str), "utf-8")
+        return path
+
+    def export_csv(self, path: str | Path) -> list[Path]:
+        """Write replies to `path` and tokens to `<stem>-tokens.csv` beside it."""
+        path = Path(path)
+        tokens_path = path.with_name(f"{path.stem}-tokens{path.suffix or '.csv'}")
+        _write_csv(path, self.reply_rows())
+        _write_csv(tokens_path, self.token_rows())
+        return [path, tokens_path]
+
+
+def _write_csv(path: Path, rows: Iterable[dict[str, object]]) -> None:
+    rows = list(rows)
+    columns: dict[str, None] = {}
+    for row in rows:
+        columns.update(dict.fromkeys(row))
+    with path.open("w", newline="", encoding="utf-8") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(columns), restval="")
+        writer.writeheader()
+        writer.writerows(rows)

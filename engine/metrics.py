@@ -1,0 +1,107 @@
+"""Per-request metrics, exactly as defined in design.md.
+
+Every input is a time.perf_counter_ns() stamp taken in the engine thread (the submit stamp is
+taken by the caller, on the same monotonic clock). Nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+NS = 1e-9
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default method); 0.0 for an empty list."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+@dataclass
+class RequestTimeline:
+    """Raw stamps of one request's life: submitted -> prefill -> tokens -> done."""
+
+    submitted_ns: int
+    prefill_start_ns: int = 0
+    first_logits_ns: int = 0
+    token_ns: list[int] = field(default_factory=list)
+    done_ns: int = 0
+
+
+@dataclass
+class RequestMetrics:
+    queue_s: float
+    prefill_s: float
+    ttft_s: float
+    itl_s: list[float]
+    tpot_s: float
+    decode_s: float
+    decode_tok_s: float
+    e2e_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    prefilled_tokens: int
+    output_tokens: int
+    parameters: int
+    weight_bytes_per_step: int
+    achieved_gb_s: float
+    prefill_tflop_s: float
+    itl_p50_s: float
+    itl_p90_s: float
+    itl_p99_s: float
+    cache_miss_reason: str = "first_turn"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def compute_metrics(
+    tl: RequestTimeline,
+    *,
+    prompt_tokens: int,
+    cached_tokens: int,
+    parameters: int,
+    weight_bytes_per_step: int,
+    cache_miss_reason: str,
+) -> RequestMetrics:
+    """Turn a finished request's stamps into the design.md metrics."""
+    n = len(tl.token_ns)
+    prefill_start = tl.prefill_start_ns or tl.done_ns
+    queue_s = (prefill_start - tl.submitted_ns) * NS
+    prefill_s = (tl.first_logits_ns - prefill_start) * NS if tl.first_logits_ns else 0.0
+    e2e_s = (tl.done_ns - tl.submitted_ns) * NS
+    ttft_s = (tl.token_ns[0] - tl.submitted_ns) * NS if n else 0.0
+    itl_s = [(b - a) * NS for a, b in zip(tl.token_ns, tl.token_ns[1:])]
+    decode_s = (tl.token_ns[-1] - tl.token_ns[0]) * NS if n > 1 else 0.0
+    decode_tok_s = (n - 1) / decode_s if decode_s > 0 else 0.0
+    tpot_s = (e2e_s - ttft_s) / (n - 1) if n > 1 else 0.0
+    prefilled = prompt_tokens - cached_tokens
+    prefill_tflop_s = 2 * parameters * prefilled / prefill_s / 1e12 if prefill_s > 0 else 0.0
+    return RequestMetrics(
+        queue_s=queue_s,
+        prefill_s=prefill_s,
+        ttft_s=ttft_s,
+        itl_s=itl_s,
+        tpot_s=tpot_s,
+        decode_s=decode_s,
+        decode_tok_s=decode_tok_s,
+        e2e_s=e2e_s,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached_tokens,
+        prefilled_tokens=prefilled,
+        output_tokens=n,
+        parameters=parameters,
+        weight_bytes_per_step=weight_bytes_per_step,
+        achieved_gb_s=weight_bytes_per_step * decode_tok_s / 1e9,
+        prefill_tflop_s=prefill_tflop_s,
+        itl_p50_s=percentile(itl_s, 50),
+        itl_p90_s=percentile(itl_s, 90),
+        itl_p99_s=percentile(itl_s, 99),
+        cache_miss_reason=cache_miss_reason,
+    )

@@ -1,0 +1,80 @@
+"""Request types: sampling settings and chat messages."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Literal
+
+from engine.errors import InvalidRequestError
+
+Role = Literal["system", "user", "assistant"]
+_request_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: Role
+    content: str
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each token. temperature == 0 means greedy (argmax, no randomness)."""
+
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    max_tokens: int = 512
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # benchmarks: always produce max_tokens tokens
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError with a one-line reason if any value is out of range."""
+        if not self.temperature >= 0:
+            raise InvalidRequestError(f"temperature must be >= 0 (got {self.temperature})")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top-p must be in (0, 1] (got {self.top_p})")
+        if self.top_k < 0:
+            raise InvalidRequestError(f"top-k must be >= 0 (got {self.top_k})")
+        if not 0 <= self.min_p < 1:
+            raise InvalidRequestError(f"min-p must be in [0, 1) (got {self.min_p})")
+        if not self.repetition_penalty > 0:
+            raise InvalidRequestError(
+                f"repetition penalty must be > 0 (got {self.repetition_penalty})"
+            )
+        if self.max_tokens < 1:
+            raise InvalidRequestError(f"max tokens must be >= 1 (got {self.max_tokens})")
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class GenerationRequest:
+    """One reply to generate. conversation_id keys the per-conversation prefix cache."""
+
+    messages: list[ChatMessage]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    conversation_id: str | None = None
+    request_id: str = field(default_factory=lambda: f"req-{next(_request_ids)}")
+    # Precomputed prompt (benchmarks): skips the chat template when set.
+    prompt_token_ids: list[int] | None = None
+
+    def validate(self) -> None:
+        self.params.validate()
+        if self.prompt_token_ids is not None:
+            if not self.prompt_token_ids:
+                raise InvalidRequestError("prompt is empty")
+            return
+        if not self.messages:
+            raise InvalidRequestError("no messages to answer")
+        last = self.messages[-1]
+        if last.role != "user" or not last.content.strip():
+            raise InvalidRequestError("prompt is empty: type a message first")

@@ -1,0 +1,193 @@
+"""Prefix KV cache: reuse what was computed for the shared start of a prompt.
+
+Each conversation keeps the token ids and KV cache of what it last computed. A new prompt
+reuses the longest common prefix with its own conversation's entry, or, when another entry
+shares a longer prefix (a new chat with the same system prompt), a cropped copy of that one.
+All entries form one pool, evicted least-recently-used under a byte budget.
+
+Only the engine thread touches this object.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import DynamicCache
+
+MISS_REASONS = (
+    "none",
+    "first_turn",
+    "edited_history",
+    "system_prompt_changed",
+    "evicted",
+    "model_changed",
+    "template_mismatch",
+    "dropped_old_turns",
+)
+_anonymous = itertools.count(1)
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def cache_nbytes(cache: Any) -> int:
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if tensor is not None and hasattr(tensor, "numel"):
+                total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def crop_to(cache: Any, length: int) -> None:
+    """Keep the first `length` positions (transformers' crop takes a negative count)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+@dataclass
+class CacheEntry:
+    ids: list[int]
+    cache: Any
+    nbytes: int
+
+
+@dataclass
+class CacheLease:
+    """A KV cache handed to one request. ids always mirrors what the cache holds."""
+
+    conversation_id: str
+    ids: list[int]
+    cache: Any
+    cached_tokens: int
+    miss_reason: str
+
+
+@dataclass(frozen=True)
+class PromptLayout:
+    """Token spans of the prompt's messages, to explain a miss: (role, start, end)."""
+
+    spans: tuple[tuple[str, int, int], ...] = ()
+    generated_span: tuple[int, int] | None = None  # the last reply we generated, if in prompt
+
+
+class PrefixCache:
+    def __init__(self, config: Any, budget_bytes: int) -> None:
+        self._config = config
+        self.budget_bytes = budget_bytes
+        self._entries: OrderedDict[str, CacheEntry] = OrderedDict()  # LRU order: oldest first
+        self._evicted: set[str] = set()
+        self._model_changed: set[str] = set()
+        self.evictions = 0
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
+
+    def conversations(self) -> list[str]:
+        return list(self._entries)
+
+    def reset(self, *, model_changed: bool = False, config: Any = None) -> None:
+        """Drop every entry (on a model switch the next turn of each chat says why)."""
+        if config is not None:
+            self._config = config
+        if model_changed:
+            self._model_changed |= set(self._entries) | self._evicted
+        self._entries.clear()
+        self._evicted.clear()
+
+    def drop(self, conversation_id: str) -> None:
+        self._entries.pop(conversation_id, None)
+
+    def acquire(
+        self,
+        conversation_id: str | None,
+        prompt_ids: Sequence[int],
+        layout: PromptLayout | None = None,
+    ) -> CacheLease:
+        """A cache holding the longest reusable prefix of prompt_ids (at most len - 1 tokens,
+        so the model always runs at least one token for fresh logits)."""
+        conv = conversation_id or f"anon-{next(_anonymous)}"
+        limit = len(prompt_ids) - 1
+        own = self._entries.pop(conv, None)
+        own_len = min(common_prefix_len(own.ids, prompt_ids), limit) if own else 0
+        donor_id, donor_len = self._best_donor(prompt_ids, limit)
+        if own is not None and own_len >= donor_len:
+            crop_to(own.cache, own_len)
+            ids = own.ids[:own_len]
+            reason = self._own_reason(own.ids, prompt_ids, own_len, limit, layout)
+            return CacheLease(conv, ids, own.cache, own_len, reason)
+        if donor_id is not None and donor_len > 0:
+            self._entries.move_to_end(donor_id)
+            cache = copy.deepcopy(self._entries[donor_id].cache)
+            crop_to(cache, donor_len)
+            ids = list(prompt_ids[:donor_len])
+        else:
+            cache, ids = DynamicCache(config=self._config), []
+        if own is None:
+            reason = self._fresh_reason(conv)
+        else:
+            reason = self._own_reason(own.ids, prompt_ids, own_len, limit, layout)
+        return CacheLease(conv, ids, cache, len(ids), reason)
+
+    def release(self, lease: CacheLease) -> None:
+        """Give a lease's cache back to the pool, then evict down to the budget."""
+        nbytes = cache_nbytes(lease.cache)
+        if not lease.ids or lease.cache.get_seq_length() != len(lease.ids):
+            return
+        self._entries[lease.conversation_id] = CacheEntry(list(lease.ids), lease.cache, nbytes)
+        self._entries.move_to_end(lease.conversation_id)
+        self._evicted.discard(lease.conversation_id)
+        self._model_changed.discard(lease.conversation_id)
+        self._evict_to_budget()
+
+    def _evict_to_budget(self) -> None:
+        while self._entries and self.used_bytes > self.budget_bytes:
+            conv, _ = self._entries.popitem(last=False)
+            self._evicted.add(conv)
+            self.evictions += 1
+
+    def _best_donor(self, prompt_ids: Sequence[int], limit: int) -> tuple[str | None, int]:
+        best_id, best_len = None, 0
+        for conv, entry in self._entries.items():
+            n = min(common_prefix_len(entry.ids, prompt_ids), limit)
+            if n > best_len:
+                best_id, best_len = conv, n
+        return best_id, best_len
+
+    def _fresh_reason(self, conv: str) -> str:
+        if conv in self._model_changed:
+            return "model_changed"
+        if conv in self._evicted:
+            return "evicted"
+        return "first_turn"
+
+    @staticmethod
+    def _own_reason(
+        old_ids: Sequence[int],
+        prompt_ids: Sequence[int],
+        matched: int,
+        limit: int,
+        layout: PromptLayout | None,
+    ) -> str:
+        if matched >= min(len(old_ids), limit):
+            return "none"
+        if layout is None:
+            return "edited_history"
+        if layout.generated_span and layout.generated_span[0] <= matched < layout.generated_span[1]:
+            return "template_mismatch"
+        for role, start, end in layout.spans:
+            if start <= matched < end:
+                return "system_prompt_changed" if role == "system" else "edited_history"
+        return "edited_history"
