@@ -162,7 +162,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
 
 # ----- phasewise bench -----------------------------------------------------------------------
 def cmd_bench(args: argparse.Namespace) -> int:
-    from engine import ModelLoadError
+    from engine import ModelLoadError, PhasewiseError
     from engine.bench import bench_decode, bench_turns
     from engine.loader import load_model
 
@@ -183,14 +183,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"--prompt-tokens + --max-tokens is {args.prompt_tokens + args.max_tokens}, over the "
             f"model's context of {loaded.info.context_length} tokens"
         )
-    if args.turns:
-        report = bench_turns(loaded, turns=args.turns, progress=progress)
-        print_turns_table(report)
-    else:
-        report = bench_decode(loaded, prompt_tokens=args.prompt_tokens,
-                              max_tokens=args.max_tokens, repeats=args.repeats,
-                              vs_hf="hf" in args.vs, progress=progress)
-        print_decode_table(report)
+    try:
+        if args.turns:
+            report = bench_turns(loaded, turns=args.turns, max_tokens=args.max_tokens,
+                                 progress=progress)
+            print_turns_table(report)
+        else:
+            report = bench_decode(loaded, prompt_tokens=args.prompt_tokens,
+                                  max_tokens=args.max_tokens, repeats=args.repeats,
+                                  vs_hf="hf" in args.vs, progress=progress)
+            print_decode_table(report)
+    except PhasewiseError as exc:
+        raise CliError(str(exc)) from None
     if args.json:
         print(json.dumps(report))
     return 0

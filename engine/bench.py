@@ -48,6 +48,7 @@ def run_ours(
     max_tokens: int,
     cache: PrefixCache | None = None,
     conversation_id: str | None = None,
+    reuse_cache: bool = True,
 ) -> GenerationResult:
     """One greedy request of exactly max_tokens tokens through the engine's decode loop."""
     pool = cache or PrefixCache(loaded.model.config, budget_bytes=1 << 40)
@@ -56,6 +57,7 @@ def run_ours(
         params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
         conversation_id=conversation_id,
         prompt_token_ids=prompt_ids,
+        reuse_cache=reuse_cache,
     )
     timeline = RequestTimeline(submitted_ns=now_ns())
     return DecodeSession(loaded, pool).run(request, timeline, threading.Event(), lambda _e: None)
@@ -166,7 +168,7 @@ def bench_turns(
     loaded: LoadedModel,
     *,
     turns: int = 4,
-    max_tokens: int = 48,
+    max_tokens: int = 64,
     context_tokens: int = 1100,
     progress: Callable[[str], None] = lambda _m: None,
 ) -> dict[str, Any]:
@@ -175,7 +177,8 @@ def bench_turns(
     Each turn reuses the conversation's prefix cache; finally the last turn's whole prompt runs
     on an empty cache, so `cold_ttft_s_last_prompt` is measured in the same process.
     """
-    context = fixed_text(loaded, context_tokens)
+    # Small test models have tiny contexts: keep the script inside a third of it.
+    context = fixed_text(loaded, min(context_tokens, loaded.info.context_length // 3))
     pool = PrefixCache(loaded.model.config, budget_bytes=1 << 40)
     messages = [ChatMessage("system", "You are a concise assistant."),
                 ChatMessage("user", context + "\n\n" + TURN_QUESTIONS[0])]
@@ -209,7 +212,7 @@ def bench_turns(
         messages.append(ChatMessage("assistant", result.text))
         messages.append(ChatMessage("user", TURN_QUESTIONS[(turn + 1) % len(TURN_QUESTIONS)]))
     progress("cold run of the last prompt")
-    cold = run_ours(loaded, last_prompt, 1)
+    cold = run_ours(loaded, last_prompt, 1, cache=pool, reuse_cache=False)
     cold_ttft = cold.metrics.ttft_s
     return {
         "model": loaded.info.name,
@@ -217,6 +220,10 @@ def bench_turns(
         "turns": rows,
         "cold_ttft_s_last_prompt": cold_ttft,
         "last_ttft_over_cold": rows[-1]["ttft_s"] / cold_ttft if cold_ttft else 0.0,
+        "cached_share_from_turn_2": (
+            sum(r["cached_tokens"] for r in rows[1:]) / sum(r["prompt_tokens"] for r in rows[1:])
+            if len(rows) > 1 else 0.0
+        ),
         "cache_bytes": pool.used_bytes,
         "cache_budget_bytes": pool.budget_bytes,
     }

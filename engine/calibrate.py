@@ -120,7 +120,7 @@ def _best_time(fn: Callable[[], object], dev: object, budget_s: float, reps: int
 
     fn()  # warm-up: allocation, kernel selection
     sync()
-    best = math_inf = float("inf")
+    best = float("inf")
     deadline = time.perf_counter() + budget_s
     for _ in range(reps):
         start = time.perf_counter()
@@ -129,7 +129,7 @@ def _best_time(fn: Callable[[], object], dev: object, budget_s: float, reps: int
         best = min(best, time.perf_counter() - start)
         if time.perf_counter() > deadline:
             break
-    return best if best < math_inf else 1e-9
+    return max(best, 1e-9)
 
 
 def _load_cache(path: Path) -> dict[str, dict[str, object]]:

@@ -51,7 +51,7 @@ def encode_chat_with_spans(
     tag = secrets.token_hex(8)
     sentinels = [f"\x00pw{tag}{i}\x00" for i in range(len(messages))]
     rendered = tokenizer.apply_chat_template(
-        [{"role": m.role, "content": s} for m, s in zip(messages, sentinels)],
+        [{"role": m.role, "content": s} for m, s in zip(messages, sentinels, strict=False)],
         tokenize=False,
         add_generation_prompt=add_generation_prompt,
         chat_template=None if has_chat_template(tokenizer) else FALLBACK_TEMPLATE,

@@ -64,25 +64,41 @@ def warm_up(loaded: LoadedModel) -> None:
 class PreparedPrompt:
     ids: list[int]
     layout: PromptLayout = field(default_factory=PromptLayout)
+    dropped_messages: int = 0
 
 
 def prepare_prompt(loaded: LoadedModel, request: GenerationRequest) -> PreparedPrompt:
     """Tokenize the request and check that it fits the context (at least one reply token)."""
     request.validate()
+    context = loaded.info.context_length
     if request.prompt_token_ids is not None:
         ids = list(request.prompt_token_ids)
-        layout = PromptLayout()
-    else:
-        ids, spans = encode_chat_with_spans(loaded.tokenizer, request.messages)
-        assistant = [s for s in spans if s[0] == "assistant"]
-        layout = PromptLayout(
-            spans=tuple(spans),
-            generated_span=(assistant[-1][1], assistant[-1][2]) if assistant else None,
-        )
+        if len(ids) + 1 > context:
+            raise ContextOverflowError(len(ids), context)
+        return PreparedPrompt(ids)
+    messages = list(request.messages)
+    dropped = 0
+    while True:
+        prompt = _encode_messages(loaded, messages)
+        if len(prompt.ids) + 1 <= context:
+            prompt.dropped_messages = dropped
+            return prompt
+        droppable = [i for i, m in enumerate(messages[:-1]) if m.role != "system"]
+        if request.overflow != "drop_oldest" or not droppable:
+            raise ContextOverflowError(len(prompt.ids), context)
+        del messages[droppable[0]]
+        dropped += 1
+
+
+def _encode_messages(loaded: LoadedModel, messages: list) -> PreparedPrompt:
+    ids, spans = encode_chat_with_spans(loaded.tokenizer, messages)
     if not ids:
         raise InvalidRequestError("prompt is empty")
-    if len(ids) + 1 > loaded.info.context_length:
-        raise ContextOverflowError(len(ids), loaded.info.context_length)
+    assistant = [s for s in spans if s[0] == "assistant"]
+    layout = PromptLayout(
+        spans=tuple(spans),
+        generated_span=(assistant[-1][1], assistant[-1][2]) if assistant else None,
+    )
     return PreparedPrompt(ids, layout)
 
 
@@ -107,7 +123,12 @@ class DecodeSession:
         prompt = prepare_prompt(self.loaded, request)
         params = request.params
         budget = min(params.max_tokens, self.loaded.info.context_length - len(prompt.ids))
-        lease = self.prefix_cache.acquire(request.conversation_id, prompt.ids, prompt.layout)
+        if request.reuse_cache:
+            lease = self.prefix_cache.acquire(request.conversation_id, prompt.ids, prompt.layout)
+        else:
+            lease = self.prefix_cache.cold_lease(request.conversation_id)
+        if prompt.dropped_messages and lease.miss_reason != "first_turn":
+            lease.miss_reason = "dropped_old_turns"
         emit(PrefillStarted(request.request_id, timeline.prefill_start_ns, len(prompt.ids),
                             lease.cached_tokens, lease.miss_reason))
         healthy = False

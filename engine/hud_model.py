@@ -33,6 +33,19 @@ THROUGHPUT_WINDOW = 16  # tokens in the rolling decode tok/s window
 MIN_TOKENS_FOR_CAP = 24  # below this, advising a max_tokens cap is noise
 
 
+def percentiles(values: list[float], qs: tuple[float, ...]) -> list[float]:
+    """Several percentiles with one sort; same interpolation as engine.metrics.percentile."""
+    if not values:
+        return [0.0 for _ in qs]
+    ordered = sorted(values)
+    out = []
+    for q in qs:
+        pos = (len(ordered) - 1) * q / 100
+        lo, hi = math.floor(pos), math.ceil(pos)
+        out.append(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo))
+    return out
+
+
 # ----- formatting --------------------------------------------------------------------------
 def fmt_seconds(s: float) -> str:
     """Human seconds with a unit: '19 s', '1.5 s', '410 ms', '3.2 ms'."""
@@ -126,6 +139,10 @@ class ReplyRecord:
     token_ids: list[int] = field(default_factory=list)
     token_texts: list[str] = field(default_factory=list)
     painted_ns: dict[int, int] = field(default_factory=dict)
+    # Appended as events arrive so a redraw never rebuilds 10,000-token lists.
+    live_itl_s: list[float] = field(default_factory=list)
+    lag_indices: list[int] = field(default_factory=list)
+    lags_s: list[float] = field(default_factory=list)
     snapshot: SamplerSnapshot | None = None
     metrics: RequestMetrics | None = None
     finish_reason: str = ""
@@ -144,23 +161,18 @@ class ReplyRecord:
         """Gaps between emitted tokens: the engine's list once finished, live stamps before."""
         if self.metrics is not None:
             return self.metrics.itl_s
-        return [(b - a) * NS for a, b in zip(self.token_ns, self.token_ns[1:])]
+        return self.live_itl_s
 
     def itl_percentiles(self) -> tuple[float, float, float]:
         if self.metrics is not None:
             m = self.metrics
             return m.itl_p50_s, m.itl_p90_s, m.itl_p99_s
-        itl = self.itl_s()
-        return percentile(itl, 50), percentile(itl, 90), percentile(itl, 99)
+        p50, p90, p99 = percentiles(self.itl_s(), (50, 90, 99))
+        return p50, p90, p99
 
     def render_lags_s(self) -> tuple[list[int], list[float]]:
         """(token indices, painted - emitted seconds) for tokens the view reported painting."""
-        indices, lags = [], []
-        for index, painted in sorted(self.painted_ns.items()):
-            if index < len(self.token_ns):
-                indices.append(index)
-                lags.append((painted - self.token_ns[index]) * NS)
-        return indices, lags
+        return self.lag_indices, self.lags_s
 
     def breakdown(self) -> Breakdown | None:
         if self.metrics is not None:
@@ -318,6 +330,7 @@ class SessionModel:
         n = len(reply.token_ns)
         if n < 2:
             return
+        reply.live_itl_s.append((event.t_ns - reply.token_ns[-2]) * NS)
         first = reply.token_ns[max(n - 1 - THROUGHPUT_WINDOW, 0)]
         steps = min(n - 1, THROUGHPUT_WINDOW)
         if event.t_ns > first:
@@ -347,8 +360,12 @@ class SessionModel:
 
     def mark_painted(self, request_id: str, index: int, painted_ns: int) -> ReplyRecord | None:
         reply = self.replies.get(request_id)
-        if reply is not None:
-            reply.painted_ns.setdefault(index, painted_ns)  # first paint is what the user saw
+        # The first paint is what the user saw; a token must be emitted before it's painted.
+        if reply is None or index in reply.painted_ns or index >= len(reply.token_ns):
+            return reply
+        reply.painted_ns[index] = painted_ns
+        reply.lag_indices.append(index)
+        reply.lags_s.append((painted_ns - reply.token_ns[index]) * NS)
         return reply
 
     # -- queries --
@@ -440,7 +457,7 @@ class SessionModel:
         for row in self.token_rows():
             tokens_by_reply.setdefault(str(row["request_id"]), []).append(row)
         replies = []
-        for r, row in zip(self.replies.values(), self.reply_rows()):
+        for r, row in zip(self.replies.values(), self.reply_rows(), strict=True):
             row = dict(row, itl_s=r.itl_s(), tokens=tokens_by_reply.get(r.request_id, []))
             replies.append(row)
         return {

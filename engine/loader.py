@@ -282,7 +282,8 @@ def _hub_snapshot(repo_id: str, allow_download: bool, notify: Progress) -> Path:
                 "Hugging Face Hub (Phasewise stays offline unless you allow it)"
             ) from None
     except Exception as exc:
-        raise ModelLoadError(f"cannot read {repo_id} from the local cache: {_one_line(exc)}") from exc
+        message = f"cannot read {repo_id} from the local cache: {_one_line(exc)}"
+        raise ModelLoadError(message) from exc
     notify(f"downloading {repo_id}")
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
@@ -316,7 +317,8 @@ def _convert_gguf(gguf: Path, target: Path, digest: str) -> None:
             folder, gguf_file=name, dtype=torch.float32, local_files_only=True
         )
     except Exception as exc:
-        raise ModelLoadError(f"{gguf} is corrupt or not a supported GGUF: {_one_line(exc)}") from exc
+        message = f"{gguf} is corrupt or not a supported GGUF: {_one_line(exc)}"
+        raise ModelLoadError(message) from exc
     # A GGUF-loaded model refuses save_pretrained; a plain model with the same weights saves.
     config = gguf_model.config
     if hasattr(config, "quantization_config"):

@@ -66,6 +66,11 @@ class GenerationRequest:
     request_id: str = field(default_factory=lambda: f"req-{next(_request_ids)}")
     # Precomputed prompt (benchmarks): skips the chat template when set.
     prompt_token_ids: list[int] | None = None
+    # A prompt over the context is refused; "drop_oldest" drops the oldest turns instead,
+    # keeping the system prompt and the last user message.
+    overflow: Literal["refuse", "drop_oldest"] = "refuse"
+    # False computes the whole prompt cold (benchmarks, cached-vs-cold checks).
+    reuse_cache: bool = True
 
     def validate(self) -> None:
         self.params.validate()

@@ -28,6 +28,7 @@ MISS_REASONS = (
     "model_changed",
     "template_mismatch",
     "dropped_old_turns",
+    "disabled",
 )
 _anonymous = itertools.count(1)
 
@@ -140,6 +141,12 @@ class PrefixCache:
         else:
             reason = self._own_reason(own.ids, prompt_ids, own_len, limit, layout)
         return CacheLease(conv, ids, cache, len(ids), reason)
+
+    def cold_lease(self, conversation_id: str | None) -> CacheLease:
+        """An empty cache for a request that must not reuse anything."""
+        conv = conversation_id or f"anon-{next(_anonymous)}"
+        self._entries.pop(conv, None)
+        return CacheLease(conv, [], DynamicCache(config=self._config), 0, "disabled")
 
     def release(self, lease: CacheLease) -> None:
         """Give a lease's cache back to the pool, then evict down to the budget."""

@@ -90,4 +90,4 @@ def sampler_view(
     else:
         filtered = filtered_probs(logits, params)
         kept = int((filtered.index_select(-1, top.indices) > 0).sum())
-    return [(int(i), float(p)) for i, p in zip(top.indices, top.values)], kept
+    return [(int(i), float(p)) for i, p in zip(top.indices, top.values, strict=False)], kept

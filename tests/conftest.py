@@ -11,8 +11,8 @@ import pytest
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from engine import Engine  # noqa: E402
-from tests.tiny_model import build_tiny_model  # noqa: E402
+from engine import Engine
+from tests.tiny_model import build_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,53 @@
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from engine.detok import IncrementalDetokenizer, StopMatcher
+
+TEXTS = [
+    "Hello, world! The capital of France is Paris.",
+    "Emoji 😀🎉 split across byte tokens, CJK 你好世界, café naïve.",
+    "Zero\u200bwidth, combining e\u0301, right-to-left שלום.",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_matches_whole_decode_and_never_splits_a_char(tokenizer, text: str) -> None:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.push(i) for i in ids]
+    pieces.append(detok.flush())
+    assert "".join(pieces) == tokenizer.decode(ids)
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_emoji_is_held_until_complete(tokenizer) -> None:
+    ids = tokenizer("😀", add_special_tokens=False)["input_ids"]
+    assert len(ids) > 1, "the tiny tokenizer should split this emoji into byte tokens"
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.push(i) for i in ids]
+    assert pieces[:-1] == [""] * (len(ids) - 1)
+    assert pieces[-1] == "😀"
+
+
+def test_stop_string_is_cut_and_never_shown() -> None:
+    stopper = StopMatcher(["<END>"])
+    shown = [stopper.feed(p) for p in ["Hello <", "EN", "D> more"]]
+    assert "".join(shown) == "Hello "
+    assert stopper.stopped
+    assert stopper.emitted == "Hello "
+
+
+def test_held_back_prefix_is_released_when_not_a_stop() -> None:
+    stopper = StopMatcher(["<END>"])
+    assert stopper.feed("a <E") == "a "
+    assert stopper.feed("X") == "<EX"
+    assert stopper.feed("<") == ""
+    assert stopper.flush() == "<"
+    assert stopper.emitted == "a <EX<"

@@ -1,0 +1,131 @@
+"""The engine thread with the tiny model: events, metrics, cancel, errors."""
+
+import threading
+
+import pytest
+
+from engine import (
+    ChatMessage,
+    Engine,
+    GenerationRequest,
+    PrefillStarted,
+    RequestFailed,
+    RequestFinished,
+    RequestQueued,
+    SamplerSnapshot,
+    SamplingParams,
+    TokenEmitted,
+)
+from engine.errors import PhasewiseError
+
+
+def ask(text: str, **params) -> GenerationRequest:
+    defaults = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
+    defaults.update(params)
+    return GenerationRequest([ChatMessage("user", text)], SamplingParams(**defaults))
+
+
+def test_event_sequence_and_metric_invariants(tiny_engine: Engine) -> None:
+    handle = tiny_engine.submit(ask("Hello there"))
+    events = list(handle.events(timeout=60))
+    kinds = [type(e) for e in events]
+    assert kinds[0] is RequestQueued
+    assert kinds[1] is PrefillStarted
+    assert kinds[-1] is RequestFinished
+    result = handle.wait()
+    m = result.metrics
+    tokens = [e for e in events if isinstance(e, TokenEmitted)]
+    assert len(tokens) == m.output_tokens == 12
+    assert result.finish_reason == "length"
+    assert m.prompt_tokens == m.cached_tokens + m.prefilled_tokens == len(result.prompt_token_ids)
+    assert len(m.itl_s) == m.output_tokens - 1
+    stamps = [e.t_ns for e in events]
+    assert stamps == sorted(stamps), "events are stamped on one monotonic clock, in order"
+    assert m.ttft_s >= m.queue_s + m.prefill_s
+    assert any(isinstance(e, SamplerSnapshot) for e in events)
+
+
+def test_streamed_text_equals_result_text(tiny_engine: Engine) -> None:
+    handle = tiny_engine.submit(ask("Emoji 😀 please", temperature=1.0, seed=3, max_tokens=30))
+    streamed = "".join(e.text for e in handle.events(timeout=60) if hasattr(e, "text"))
+    assert streamed == handle.wait().text
+
+
+def test_greedy_and_seeded_runs_repeat_exactly(tiny_engine: Engine) -> None:
+    def run(**kw) -> list[int]:
+        return tiny_engine.submit(ask("Hello", **kw)).wait(60).token_ids
+
+    assert run() == run()
+    assert run(temperature=1.0, seed=7) == run(temperature=1.0, seed=7)
+
+
+def test_cancel_stops_within_one_step(tiny_engine: Engine) -> None:
+    request = ask("Hello", max_tokens=200)
+    cancelled_at: list[int] = []
+
+    def cancel_on_third_token(event) -> None:
+        ours = isinstance(event, TokenEmitted) and event.request_id == request.request_id
+        if ours and event.index == 2 and not cancelled_at:
+            cancelled_at.append(event.index)
+            tiny_engine.cancel(request.request_id)
+
+    tiny_engine.add_listener(cancel_on_third_token)
+    result = tiny_engine.submit(request).wait(60)
+    assert result.finish_reason == "cancelled"
+    assert result.metrics.output_tokens == 3  # the token being emitted when cancel arrived
+
+
+def test_queued_requests_run_in_order_and_report_queue_time(tiny_engine: Engine) -> None:
+    handles = [tiny_engine.submit(ask(f"Hello {i}", max_tokens=8)) for i in range(3)]
+    results = [h.wait(60) for h in handles]
+    assert all(r.finish_reason == "length" for r in results)
+    assert results[2].metrics.queue_s > 0
+
+
+def test_prompt_longer_than_context_is_refused_with_count(tiny_engine: Engine) -> None:
+    handle = tiny_engine.submit(ask("Hello there, how are you? " * 100))
+    with pytest.raises(PhasewiseError, match=r"761 over the model's context of 256 tokens"):
+        handle.wait(60)
+    assert isinstance(list(handle.events(timeout=5))[-1], RequestFailed)
+    # the engine keeps working
+    assert tiny_engine.submit(ask("Hello")).wait(60).finish_reason == "length"
+
+
+def test_max_tokens_is_capped_by_context(tiny_engine: Engine) -> None:
+    result = tiny_engine.submit(ask("Hello", max_tokens=10_000)).wait(120)
+    assert result.finish_reason == "length"
+    assert result.metrics.prompt_tokens + result.metrics.output_tokens == 256
+
+
+def test_stop_string_ends_the_reply(tiny_engine: Engine) -> None:
+    sampled = {"temperature": 1.0, "seed": 5, "max_tokens": 20}
+    base = tiny_engine.submit(ask("Hello", **sampled)).wait(60).text
+    start = next(i for i in range(2, len(base) - 2) if base[i : i + 2].strip())
+    stop = base[start : start + 2]
+    result = tiny_engine.submit(ask("Hello", **sampled, stop=(stop,))).wait(60)
+    assert result.finish_reason == "stop"
+    assert result.text == base[: base.find(stop)]
+
+
+def test_failed_load_keeps_the_old_model(tiny_engine: Engine, tmp_path) -> None:
+    before = tiny_engine.model_info
+    with pytest.raises(PhasewiseError, match="not found"):
+        tiny_engine.load_model_sync(str(tmp_path / "missing"))
+    assert tiny_engine.model_info == before
+    assert tiny_engine.submit(ask("Hello")).wait(60).finish_reason == "length"
+
+
+def test_no_model_loaded_fails_clearly() -> None:
+    with Engine() as engine, pytest.raises(PhasewiseError, match="no model is loaded"):
+        engine.submit(ask("Hello")).wait(30)
+
+
+def test_shutdown_mid_reply_cancels(tiny_model_dir) -> None:
+    engine = Engine().start()
+    engine.load_model_sync(str(tiny_model_dir))
+    started = threading.Event()
+    engine.add_listener(lambda e: isinstance(e, TokenEmitted) and started.set())
+    handle = engine.submit(ask("Hello", max_tokens=10_000))
+    assert started.wait(60)
+    engine.shutdown()
+    assert handle.wait(30).finish_reason in ("cancelled", "length")
