@@ -3,36 +3,331 @@
 - on_engine_event(event): every engine event (engine.events dataclasses), on the GUI thread.
 - on_token_painted(request_id, index, painted_ns): the view painted token `index`.
 - mark_setting_change(name, value, t_ns): a slider changed (marker on time plots).
+
+Events only update the session model (cheap appends) and mark panels dirty; a single-shot
+QTimer redraws the dirty, visible panels at most 30 times a second.
 """
 
 from __future__ import annotations
 
-from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
+import contextlib
+import threading
+from pathlib import Path
 
-from engine.events import EngineEvent, RequestFinished
+from PySide6.QtCore import QTimer, Signal
+from PySide6.QtGui import QAction
+from PySide6.QtWidgets import (
+    QComboBox,
+    QFileDialog,
+    QFrame,
+    QGridLayout,
+    QHBoxLayout,
+    QLabel,
+    QMenu,
+    QScrollArea,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from engine.calibrate import DevicePeaks, device_peaks
+from engine.events import (
+    EngineEvent,
+    ModelLoaded,
+    PrefillStarted,
+    RequestFailed,
+    RequestFinished,
+    RequestQueued,
+    SamplerSnapshot,
+    TokenEmitted,
+)
+from engine.hud_model import ReplyRecord, SessionModel, advise, fmt_ms, fmt_seconds
+from ui.hud import style
+from ui.hud.panels import PANEL_TYPES, HudContext, Panel
+
+REDRAW_INTERVAL_MS = 34  # <= 30 Hz
+
+# Which panels each event can change (the rest keep their last drawing).
+_DIRTY_BY_EVENT: dict[type, frozenset[str]] = {
+    RequestQueued: frozenset({"header", "ttft", "cache"}),
+    PrefillStarted: frozenset({"cache", "context", "breakdown"}),
+    TokenEmitted: frozenset({"header", "itl", "throughput", "breakdown", "context"}),
+    SamplerSnapshot: frozenset({"sampler"}),
+    RequestFinished: frozenset({"all"}),
+    RequestFailed: frozenset({"header"}),
+    ModelLoaded: frozenset({"roofline", "context"}),
+}
+_TIME_MARKER_PANELS = ("throughput",)
+_TURN_MARKER_PANELS = ("ttft", "cache")
 
 
 class HudWidget(QWidget):
-    def __init__(self, parent: QWidget | None = None) -> None:
-        super().__init__(parent)
-        self._label = QLabel("No reply yet.")
-        self._label.setWordWrap(True)
-        layout = QVBoxLayout(self)
-        layout.addWidget(self._label)
-        layout.addStretch(1)
+    sig_peaks_ready = Signal(object)
+    """Device peaks (DevicePeaks) arrived from the background calibration thread."""
 
+    def __init__(self, parent: QWidget | None = None, *, calibrate: bool = True) -> None:
+        super().__init__(parent)
+        self.model = SessionModel()
+        self.peaks: DevicePeaks | None = None
+        self._calibrate = calibrate
+        self._calibrated_device: str | None = None
+        self._selected_id: str | None = None  # None follows the live (latest) reply
+        self._dirty: set[str] = set()
+        self._timer = QTimer(self)
+        self._timer.setSingleShot(True)
+        self._timer.setInterval(REDRAW_INTERVAL_MS)
+        self._timer.timeout.connect(self.flush)
+        self.panels: dict[str, Panel] = {cls.key: cls() for cls in PANEL_TYPES}
+        self._panel_actions: dict[str, QAction] = {}
+        self.setStyleSheet(style.STYLE_SHEET)
+        self._build()
+        self.sig_peaks_ready.connect(self.set_device_peaks)
+
+    # ----- layout ------------------------------------------------------------------------
+    def _build(self) -> None:
+        body = QWidget()
+        body.setObjectName("hudScrollBody")
+        column = QVBoxLayout(body)
+        column.setContentsMargins(8, 8, 8, 8)
+        column.setSpacing(8)
+        column.addLayout(self._toolbar())
+        column.addWidget(self._advisor_card())
+        for panel in self.panels.values():
+            panel.sig_hide_requested.connect(lambda key: self.set_panel_visible(key, False))
+            column.addWidget(panel)
+        column.addStretch(1)
+        scroll = QScrollArea()
+        scroll.setWidgetResizable(True)
+        scroll.setWidget(body)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(scroll)
+        self.setMinimumWidth(360)
+
+    def _toolbar(self) -> QHBoxLayout:
+        row = QHBoxLayout()
+        self.reply_combo = QComboBox()
+        self.reply_combo.addItem("Live reply", None)
+        self.reply_combo.setToolTip("Which reply the ITL, breakdown and advisor describe")
+        self.reply_combo.currentIndexChanged.connect(self._on_combo_changed)
+        row.addWidget(self.reply_combo, 1)
+        row.addWidget(self._menu_button("Panels", self._panels_menu()))
+        row.addWidget(self._menu_button("Export", self._export_menu()))
+        return row
+
+    def _menu_button(self, text: str, menu: QMenu) -> QToolButton:
+        button = QToolButton()
+        button.setText(text)
+        button.setMenu(menu)
+        button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
+        return button
+
+    def _panels_menu(self) -> QMenu:
+        menu = QMenu(self)
+        for key, panel in self.panels.items():
+            action = menu.addAction(panel.title)
+            action.setCheckable(True)
+            action.setChecked(True)
+            action.toggled.connect(lambda on, k=key: self.set_panel_visible(k, on))
+            self._panel_actions[key] = action
+        return menu
+
+    def _export_menu(self) -> QMenu:
+        menu = QMenu(self)
+        menu.addAction("Session metrics as CSV…", self._ask_export_csv)
+        menu.addAction("Session metrics as JSON…", self._ask_export_json)
+        menu.addAction("All plots as PNG…", self._ask_export_pngs)
+        return menu
+
+    def _advisor_card(self) -> QFrame:
+        card = QFrame()
+        card.setObjectName("hudAdvisor")
+        layout = QVBoxLayout(card)
+        layout.setContentsMargins(10, 8, 10, 8)
+        grid = QGridLayout()
+        grid.setHorizontalSpacing(12)
+        self._kpis: dict[str, QLabel] = {}
+        for col, name in enumerate(("TTFT", "decode", "ITL p50", "total")):
+            value = QLabel("–")
+            value.setObjectName("hudKpiValue")
+            caption = QLabel(name)
+            caption.setObjectName("hudKpiName")
+            grid.addWidget(value, 0, col)
+            grid.addWidget(caption, 1, col)
+            self._kpis[name] = value
+        layout.addLayout(grid)
+        self.advice_label = QLabel("Send a message to see where the time goes.")
+        self.advice_label.setObjectName("hudAdvice")
+        self.advice_label.setWordWrap(True)
+        layout.addWidget(self.advice_label)
+        return card
+
+    # ----- inputs from the window ----------------------------------------------------------
     def on_engine_event(self, event: EngineEvent) -> None:
-        if isinstance(event, RequestFinished):
-            m = event.result.metrics
-            self._label.setText(
-                f"TTFT {m.ttft_s * 1000:.0f} ms (queue {m.queue_s * 1000:.0f} ms, prefill "
-                f"{m.prefill_s * 1000:.0f} ms)\nDecode {m.decode_tok_s:.1f} tok/s, ITL p50 "
-                f"{m.itl_p50_s * 1000:.1f} ms\nPrompt {m.prompt_tokens} tokens, "
-                f"{m.cached_tokens} cached"
-            )
+        """Fold one engine event in; the redraw happens on the throttle timer."""
+        self.model.apply(event)
+        if isinstance(event, ModelLoaded):
+            self._start_calibration(event.info.device)
+        dirty = _DIRTY_BY_EVENT.get(type(event))
+        if dirty:
+            self._mark_dirty(dirty)
 
     def on_token_painted(self, request_id: str, index: int, painted_ns: int) -> None:
-        """Render-lag input; the full HUD plots it."""
+        """The chat view painted token `index` at painted_ns (perf_counter_ns)."""
+        if self.model.mark_painted(request_id, index, painted_ns) is not None:
+            self._mark_dirty({"render"})
 
     def mark_setting_change(self, name: str, value: object, t_ns: int) -> None:
-        """Slider-change marker; the full HUD draws it."""
+        """A slider changed: record it and drop a marker on the time and per-turn plots."""
+        marker = self.model.mark_setting(name, value, t_ns)
+        for key in _TIME_MARKER_PANELS:
+            self.panels[key].set_marker(name, value, self.model.session_s(marker.t_ns), 1.0)
+        for key in _TURN_MARKER_PANELS:
+            self.panels[key].set_marker(name, value, self.model.turn_position(marker.t_ns), 0.0)
+
+    def set_device_peaks(self, peaks: DevicePeaks) -> None:
+        """Peaks for the roofline (from the calibration thread, the table or a test)."""
+        self.peaks = peaks
+        self.model.peaks = peaks.to_dict()
+        self._mark_dirty({"roofline"})
+
+    # ----- selection and visibility --------------------------------------------------------
+    def select_reply(self, request_id: str | None) -> None:
+        """Show a past reply in the per-reply panels; None follows the live one."""
+        self._selected_id = request_id if request_id in self.model.replies else None
+        self._refresh_combo()
+        index = self.reply_combo.findData(self._selected_id)
+        if index >= 0 and index != self.reply_combo.currentIndex():
+            self.reply_combo.setCurrentIndex(index)
+        self._mark_dirty({"all"})
+
+    def selected_reply(self) -> ReplyRecord | None:
+        if self._selected_id is not None:
+            return self.model.replies.get(self._selected_id)
+        return self.model.latest()
+
+    def panel_keys(self) -> list[str]:
+        return list(self.panels)
+
+    def set_panel_visible(self, key: str, visible: bool) -> None:
+        self.panels[key].setHidden(not visible)
+        action = self._panel_actions[key]
+        if action.isChecked() != visible:
+            action.setChecked(visible)
+        if visible:
+            self._mark_dirty({key})
+
+    def is_panel_visible(self, key: str) -> bool:
+        return not self.panels[key].isHidden()
+
+    def advice_text(self) -> str:
+        reply = self.selected_reply()
+        return advise(reply.breakdown()) if reply else ""
+
+    # ----- redraw --------------------------------------------------------------------------
+    def _mark_dirty(self, keys: set[str] | frozenset[str]) -> None:
+        self._dirty |= keys
+        if not self._timer.isActive():
+            self._timer.start()
+
+    def flush(self) -> None:
+        """Redraw every dirty, visible panel now (the timer calls this; so may tests)."""
+        self._timer.stop()
+        dirty, self._dirty = self._dirty, set()
+        everything = "all" in dirty
+        ctx = HudContext(self.model, self.selected_reply(), self.peaks)
+        if everything or "header" in dirty:
+            self._refresh_combo()
+        self._refresh_summary(ctx.reply)
+        for key, panel in self.panels.items():
+            if panel.isHidden():
+                self._dirty.discard(key)
+                continue
+            if everything or key in dirty:
+                panel.refresh(ctx)
+
+    def _refresh_combo(self) -> None:
+        combo = self.reply_combo
+        combo.blockSignals(True)
+        for reply in self.model.ordered()[combo.count() - 1:]:
+            combo.addItem(f"Reply #{reply.number} · {reply.request_id}", reply.request_id)
+        combo.blockSignals(False)
+
+    def _refresh_summary(self, reply: ReplyRecord | None) -> None:
+        if reply is None:
+            return
+        b = reply.breakdown()
+        m = reply.metrics
+        self._kpis["TTFT"].setText(fmt_seconds(b.ttft_s) if b else "–")
+        tok_s = m.decode_tok_s if m else (1 / b.ms_per_token_s if b and b.ms_per_token_s else 0)
+        self._kpis["decode"].setText(f"{tok_s:,.1f} tok/s" if tok_s else "–")
+        self._kpis["ITL p50"].setText(fmt_ms(reply.itl_percentiles()[0]) if b else "–")
+        self._kpis["total"].setText(fmt_seconds(b.e2e_s) if b else "–")
+        if reply.error:
+            self.advice_label.setText(f"Reply #{reply.number} failed: {reply.error}")
+        elif b is not None:
+            advice = advise(b) or "No single phase dominates this reply; nothing to cut."
+            prefix = "" if b.final else "Live: "
+            self.advice_label.setText(prefix + advice)
+
+    def _on_combo_changed(self, index: int) -> None:
+        self.select_reply(self.reply_combo.itemData(index))
+
+    # ----- calibration ---------------------------------------------------------------------
+    def _start_calibration(self, device: str) -> None:
+        """Peaks for a new device come from a background thread (< 2 s once, then cached)."""
+        if not self._calibrate or device == self._calibrated_device:
+            return
+        self._calibrated_device = device
+        threading.Thread(target=self._calibration_worker, args=(device,),
+                         name="phasewise-calibrate", daemon=True).start()
+
+    def _calibration_worker(self, device: str) -> None:
+        try:
+            peaks = device_peaks(device)
+        except Exception:  # the roofline just stays empty; never crash the GUI for it
+            return
+        with contextlib.suppress(RuntimeError):  # the HUD was closed while calibrating
+            self.sig_peaks_ready.emit(peaks)
+
+    # ----- export --------------------------------------------------------------------------
+    def export_csv(self, path: str | Path) -> list[Path]:
+        """Per-reply CSV at path plus per-token CSV beside it (<stem>-tokens.csv)."""
+        return self.model.export_csv(path)
+
+    def export_json(self, path: str | Path) -> Path:
+        return self.model.export_json(path)
+
+    def export_plot_png(self, key: str, path: str | Path, width: int = 900) -> Path:
+        """One panel's plot as a PNG (drawn fresh from the current data)."""
+        from pyqtgraph.exporters import ImageExporter
+
+        panel = self.panels[key]
+        panel.refresh(HudContext(self.model, self.selected_reply(), self.peaks))
+        exporter = ImageExporter(panel.plot.getPlotItem())
+        exporter.parameters()["width"] = width
+        path = Path(path)
+        exporter.export(str(path))
+        return path
+
+    def export_all_pngs(self, folder: str | Path) -> list[Path]:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        return [self.export_plot_png(key, folder / f"hud-{key}.png") for key in self.panels]
+
+    def _ask_export_csv(self) -> None:
+        path, _ = QFileDialog.getSaveFileName(self, "Export CSV", "phasewise-session.csv",
+                                              "CSV (*.csv)")
+        if path:
+            self.export_csv(path)
+
+    def _ask_export_json(self) -> None:
+        path, _ = QFileDialog.getSaveFileName(self, "Export JSON", "phasewise-session.json",
+                                              "JSON (*.json)")
+        if path:
+            self.export_json(path)
+
+    def _ask_export_pngs(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self, "Export plots to folder")
+        if folder:
+            self.export_all_pngs(folder)

@@ -1,0 +1,231 @@
+"""The HUD's Qt-free session model: advisor, percentiles, forecast, export, calibration cache."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.calibrate import CACHE_FILE, DevicePeaks, device_peaks, table_peaks
+from engine.events import RequestFinished, TokenEmitted
+from engine.hud_model import Breakdown, SessionModel, advise, fmt_seconds, nice_cap
+from engine.metrics import percentile
+from tests.hud_events import MS, ReplySpec, conversation_specs, loaded_event, reply_events
+
+
+def breakdown(queue: float, prefill: float, decode: float, *, prompt: int = 100,
+              cached: int = 0, output: int = 100, other: float = 0.0) -> Breakdown:
+    e2e = queue + prefill + decode + other
+    return Breakdown(queue, prefill, decode, e2e, queue + prefill, prompt, cached, output,
+                     final=True)
+
+
+def session(specs: list[ReplySpec] | None = None) -> SessionModel:
+    model = SessionModel()
+    model.apply(loaded_event())
+    for spec in specs or conversation_specs():
+        for event in reply_events(spec):
+            model.apply(event)
+    return model
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open(encoding="utf-8", newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+# ----- advisor -------------------------------------------------------------------------------
+def test_advisor_decode_dominated_matches_the_seed_example() -> None:
+    b = breakdown(0.0, 1.5, 1200 * 0.0237, prompt=40, output=1201)
+    assert advise(b) == (
+        "Decode owns 95% (1,200 tokens x 23.7 ms). A cap of 400 tokens would save about "
+        "19 s; streaming already makes the perceived wait 1.5 s."
+    )
+
+
+def test_advisor_prefill_dominated_names_the_prompt_lever() -> None:
+    b = breakdown(0.001, 2.4, 0.1, prompt=3000, cached=0, output=5)
+    text = advise(b)
+    assert text.startswith("Prefill owns 96% (3,000 new prompt tokens x 0.8 ms, 0 cached).")
+    assert "skip 1,500 tokens would save about 1.2 s of TTFT" in text
+
+
+def test_advisor_queue_dominated_says_wait_or_batch() -> None:
+    text = advise(breakdown(3.0, 0.2, 0.5))
+    assert text.startswith("Queueing owns 81% (3.0 s before prefill started).")
+    assert "batch" in text
+
+
+def test_advisor_is_silent_when_nothing_dominates() -> None:
+    assert advise(breakdown(0.0, 1.0, 1.0)) == ""
+    assert advise(None) == ""
+
+
+def test_advisor_for_short_reply_skips_the_cap() -> None:
+    text = advise(breakdown(0.0, 0.01, 0.5, output=10))
+    assert text.startswith("Decode owns")
+    assert "cap" not in text
+
+
+def test_formatting_helpers() -> None:
+    assert [nice_cap(n) for n in (1200, 350, 90, 2)] == [400, 100, 30, 1]
+    assert [fmt_seconds(s) for s in (19.2, 1.53, 0.41, 0.0032)] == [
+        "19 s", "1.5 s", "410 ms", "3.2 ms"]
+
+
+# ----- folding events ------------------------------------------------------------------------
+def test_model_numbers_are_the_engines_and_breakdown_adds_up() -> None:
+    model = session()
+    for reply in model.finished():
+        m = reply.metrics
+        b = reply.breakdown()
+        assert b.final
+        assert b.queue_s + b.prefill_s + b.decode_s + b.other_s == pytest.approx(m.e2e_s)
+        assert (b.queue_s, b.prefill_s, b.decode_s) == (m.queue_s, m.prefill_s, m.decode_s)
+        assert reply.itl_s() == m.itl_s
+        assert reply.output_tokens == m.output_tokens
+
+
+def test_live_itl_and_percentiles_match_the_engine_definition() -> None:
+    spec = ReplySpec("r", 0, 50, 0, 40)
+    events = reply_events(spec)
+    model = SessionModel()
+    for event in events[:-1]:  # everything but RequestFinished: still live
+        model.apply(event)
+    live = model.replies["r"]
+    assert not live.done and live.breakdown() is not None and not live.breakdown().final
+    finished = events[-1]
+    assert isinstance(finished, RequestFinished)
+    m = finished.result.metrics
+    assert live.itl_s() == pytest.approx(m.itl_s)
+    assert live.itl_percentiles() == pytest.approx((m.itl_p50_s, m.itl_p90_s, m.itl_p99_s))
+
+
+def test_session_ttft_percentiles() -> None:
+    model = session()
+    ttfts = [r.metrics.ttft_s for r in model.finished()]
+    assert model.ttft_percentiles() == (
+        percentile(ttfts, 50), percentile(ttfts, 90), percentile(ttfts, 99))
+
+
+def test_rolling_throughput_has_one_point_per_later_token() -> None:
+    model = session([ReplySpec("r", 0, 10, 0, 30, itl_ms=25.0)])
+    assert len(model.throughput) == 29
+    assert model.throughput[-1] == pytest.approx(40.0, rel=0.05)  # 1 / 25 ms
+
+
+def test_context_forecast_uses_the_conversations_pace() -> None:
+    model = session()
+    turns = model.conversation()
+    assert [t.request_id for t in turns] == ["req-1", "req-2", "req-3", "req-4"]
+    f = model.context_forecast()
+    used = 1100 + 300
+    per_turn = (used - (420 + 180)) / 3
+    assert (f.used, f.length) == (used, 8192)
+    assert f.per_turn == pytest.approx(per_turn)
+    assert f.turns_left == int((8192 - used) // per_turn)
+    assert "more turns fit" in f.describe()
+
+
+def test_first_turn_miss_starts_a_new_conversation() -> None:
+    specs = [*conversation_specs(), ReplySpec("new", 60_000 * MS, 200, 0, 50)]
+    model = session(specs)
+    assert [t.request_id for t in model.conversation()] == ["new"]
+    f = model.context_forecast()
+    assert f.per_turn == 250 and f.turns_left == (8192 - 250) // 250
+
+
+def test_context_overflow_is_announced() -> None:
+    model = session([ReplySpec("r", 0, 8000, 0, 150)])
+    assert model.context_forecast().describe().endswith("The next turn will overflow the context.")
+
+
+# ----- export --------------------------------------------------------------------------------
+def test_csv_export_round_trips_replies_and_tokens(tmp_path: Path) -> None:
+    model = session()
+    model.mark_setting("max_tokens", 256, 40_000 * MS)
+    replies_path, tokens_path = model.export_csv(tmp_path / "s.csv")
+    rows = read_csv(replies_path)
+    tokens = read_csv(tokens_path)
+    finished = model.finished()
+    assert [r["request_id"] for r in rows] == [r.request_id for r in finished]
+    for row, reply in zip(rows, finished, strict=True):
+        assert float(row["ttft_s"]) == pytest.approx(reply.metrics.ttft_s)
+        assert int(row["output_tokens"]) == reply.metrics.output_tokens
+        assert row["device"] == "cpu" and row["model"] == "SmolLM2-135M-Instruct"
+        assert float(row["setting_temperature"]) == reply.settings["temperature"]
+    assert len(tokens) == sum(r.output_tokens for r in finished)
+    assert tokens[1]["itl_s"] and float(tokens[1]["itl_s"]) == pytest.approx(
+        finished[0].metrics.itl_s[0])
+
+
+def test_json_export_round_trips(tmp_path: Path) -> None:
+    model = session()
+    model.peaks = DevicePeaks("cpu: test", 20.0, 0.1, "calibrated").to_dict()
+    model.mark_setting("temperature", 1.1, 40_000 * MS)
+    data = json.loads(model.export_json(tmp_path / "s.json").read_text("utf-8"))
+    assert data["model"]["device"] == "cpu"
+    assert data["device_peaks"]["source"] == "calibrated"
+    assert data["setting_changes"][0]["name"] == "temperature"
+    assert data["settings"] == {"temperature": 1.1}
+    first = data["replies"][0]
+    reply = model.replies["req-1"]
+    assert first["itl_s"] == reply.metrics.itl_s
+    assert first["e2e_s"] == reply.metrics.e2e_s
+    assert len(first["tokens"]) == reply.output_tokens
+    assert first["tokens"][0]["text"] == reply.token_texts[0]
+
+
+def test_painted_tokens_give_render_lag() -> None:
+    model = session([ReplySpec("r", 0, 10, 0, 5)])
+    reply = model.replies["r"]
+    for i, t in enumerate(reply.token_ns):
+        model.mark_painted("r", i, t + (i + 1) * MS)
+    model.mark_painted("r", 0, reply.token_ns[0] + 99 * MS)  # a repaint is not a new paint
+    indices, lags = reply.render_lags_s()
+    assert indices == [0, 1, 2, 3, 4]
+    assert lags == pytest.approx([0.001, 0.002, 0.003, 0.004, 0.005])
+    assert model.mark_painted("unknown", 0, 0) is None
+
+
+def test_token_events_for_unknown_requests_are_ignored() -> None:
+    model = SessionModel()
+    assert model.apply(TokenEmitted("ghost", 5, 0, 1, "x")) is None
+    assert model.replies == {}
+
+
+# ----- device peaks --------------------------------------------------------------------------
+def test_known_gpu_comes_from_the_table(tmp_path: Path) -> None:
+    peaks = device_peaks("cuda:0", name="NVIDIA H200", directory=tmp_path,
+                         measure=lambda d: pytest.fail("must not measure a known GPU"))
+    assert (peaks.bandwidth_gb_s, peaks.tflop_s, peaks.source) == (4800, 989, "spec table")
+    assert table_peaks("NVIDIA H100 PCIe").bandwidth_gb_s == 2000
+    assert table_peaks("Some Unknown Accelerator") is None
+
+
+def test_calibration_runs_once_then_comes_from_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PHASEWISE_CACHE_DIR", str(tmp_path))
+    calls: list[str] = []
+
+    def fake_measure(device: str) -> tuple[float, float]:
+        calls.append(device)
+        return 25.0, 0.2
+
+    first = device_peaks("cpu", name="cpu: test", measure=fake_measure)
+    second = device_peaks("cpu", name="cpu: test", measure=fake_measure)
+    assert calls == ["cpu"]
+    assert first.source == "calibrated" and second.source == "calibrated (cached)"
+    assert (second.bandwidth_gb_s, second.tflop_s) == (25.0, 0.2)
+    assert (tmp_path / CACHE_FILE).exists()
+    assert "calibrated (cached)" in second.describe()
+
+
+def test_real_calibration_measures_positive_peaks(tmp_path: Path) -> None:
+    from engine.calibrate import measure_peaks
+
+    gb_s, tflop_s = measure_peaks("cpu", budget_s=0.2)
+    assert gb_s > 0 and tflop_s > 0

@@ -1,0 +1,644 @@
+"""The HUD's nine panels. Each is a card with a title, one pyqtgraph plot, a hover readout and
+a caption, and redraws from the session model only when the HUD's throttle timer asks.
+
+Panels only read engine.hud_model; they never compute timings from a UI clock.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QPointF, Qt, Signal
+from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QToolButton, QVBoxLayout
+
+from engine.calibrate import DevicePeaks
+from engine.hud_model import (
+    THROUGHPUT_WINDOW,
+    Breakdown,
+    ReplyRecord,
+    SessionModel,
+    fmt_ms,
+    fmt_seconds,
+    percentiles,
+)
+from ui.hud import style
+
+MAX_TURNS_SHOWN = 40  # per-turn bar plots show the latest turns only
+SAMPLER_ROWS = 10
+DASH = Qt.PenStyle.DashLine
+
+
+@dataclass
+class HudContext:
+    """What every panel redraws from."""
+
+    model: SessionModel
+    reply: ReplyRecord | None  # the selected (or live) reply
+    peaks: DevicePeaks | None
+
+
+def short_token(text: str, limit: int = 10) -> str:
+    """A token as a readable label: visible whitespace, escaped control chars, clipped."""
+    shown = repr(text)[1:-1].replace(" ", "·") or "∅"
+    return shown if len(shown) <= limit else shown[: limit - 1] + "…"
+
+
+class Panel(QFrame):
+    """A card: title row (with a hide button), plot, hover readout, caption."""
+
+    sig_hide_requested = Signal(str)
+    """The user clicked the card's hide button; carries the panel key."""
+
+    key = ""
+    title = ""
+    plot_height = 150
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setObjectName("hudCard")
+        self.plot = style.make_plot(self.plot_height)
+        self.readout = self._label("hudReadout", " ")
+        self.caption = self._label("hudCaption", "Waiting for a reply.")
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(10, 8, 10, 8)
+        layout.setSpacing(4)
+        layout.addLayout(self._header())
+        layout.addWidget(self.plot)
+        layout.addWidget(self.readout)
+        layout.addWidget(self.caption)
+        self._markers: dict[tuple[str, float], pg.InfiniteLine] = {}
+        self.plot.scene().sigMouseMoved.connect(self._on_mouse_moved)
+
+    def _label(self, name: str, text: str) -> QLabel:
+        label = QLabel(text)
+        label.setObjectName(name)
+        label.setWordWrap(True)
+        return label
+
+    def _header(self) -> QHBoxLayout:
+        row = QHBoxLayout()
+        title = self._label("hudTitle", self.title)
+        hide = QToolButton()
+        hide.setObjectName("hudHide")
+        hide.setText("✕")
+        hide.setToolTip(f"Hide “{self.title}” (Panels menu brings it back)")
+        hide.clicked.connect(lambda: self.sig_hide_requested.emit(self.key))
+        row.addWidget(title, 1)
+        row.addWidget(hide)
+        return row
+
+    # ----- to override -----
+    def refresh(self, ctx: HudContext) -> None:
+        raise NotImplementedError
+
+    def hover_text(self, x: float, y: float) -> str | None:
+        """The readout for the data nearest to view point (x, y); None for nothing."""
+        return None
+
+    # ----- shared -----
+    def set_marker(self, name: str, value: object, x: float, merge_within: float) -> None:
+        """A vertical slider-change marker; a change of the same setting nearby replaces it."""
+        for (other, ox), line in list(self._markers.items()):
+            if other == name and abs(ox - x) <= merge_within:
+                self.plot.removeItem(line)
+                del self._markers[(other, ox)]
+        label = f"{name}={value:g}" if isinstance(value, float) else f"{name}={value}"
+        line = pg.InfiniteLine(
+            pos=x, angle=90, pen=style.pen(style.MARKER, 1, DASH), label=label,
+            labelOpts={"position": 0.95, "color": style.MARKER, "anchors": [(1, 0), (1, 0)]},
+        )
+        self.plot.addItem(line, ignoreBounds=True)
+        self._markers[(name, x)] = line
+
+    def marker_labels(self) -> list[str]:
+        return [line.label.toPlainText() for line in self._markers.values()]
+
+    def _on_mouse_moved(self, pos: QPointF) -> None:
+        vb = self.plot.getPlotItem().vb
+        if not vb.sceneBoundingRect().contains(pos):
+            return
+        point = vb.mapSceneToView(pos)
+        text = self.hover_text(point.x(), point.y())
+        if text:
+            self.readout.setText(text)
+
+
+def key_html(pairs: list[tuple[str, str]]) -> str:
+    """A one-line colour key for a caption: ■ name ■ name."""
+    return " &nbsp;".join(f"<span style='color:{color}'>■</span> {name}" for name, color in pairs)
+
+
+def integer_ticks(plot: pg.PlotWidget, values: list[int], most: int = 12) -> None:
+    """Whole-number ticks for a per-turn axis (no 1.5, 2.5), thinned when there are many."""
+    step = max(1, math.ceil(len(values) / most))
+    plot.getPlotItem().getAxis("bottom").setTicks([[(v, str(v)) for v in values[::step]]])
+
+
+SYMBOLS_UP_TO = 400  # beyond this, per-point symbols cost more than they show
+
+
+def fast_curve(plot: pg.PlotWidget, color: str) -> pg.PlotDataItem:
+    """A per-token curve that stays cheap at 10,000 points: clipped and peak-downsampled."""
+    curve = plot.plot([], [], pen=style.pen(color, 1.1), symbolPen=None,
+                      symbolBrush=style.brush(color), symbolSize=3)
+    curve.setClipToView(True)
+    curve.setDownsampling(auto=True, method="peak")
+    return curve
+
+
+def set_points(curve: pg.PlotDataItem, x: np.ndarray, y: np.ndarray, *,
+               join_dots: bool = True) -> None:
+    """Dots while there are few points (joined or not), a plain line once there are many."""
+    few = len(x) <= SYMBOLS_UP_TO
+    curve.setSymbol("o" if few else None)
+    if not join_dots:
+        curve.setPen(None if few else curve.opts["symbolBrush"].color())
+    curve.setData(x, y)
+
+
+def _nearest(xs: list[float] | np.ndarray, x: float) -> int | None:
+    if len(xs) == 0:
+        return None
+    return int(np.argmin(np.abs(np.asarray(xs, dtype=float) - x)))
+
+
+# ----- 1. TTFT per turn ----------------------------------------------------------------------
+class TtftPanel(Panel):
+    key, title = "ttft", "Time to first token, per turn"
+
+    def __init__(self) -> None:
+        super().__init__()
+        style.axis_label(self.plot, "left", "TTFT", "s")
+        style.axis_label(self.plot, "bottom", "turn")
+        self._bars = {
+            phase: pg.BarGraphItem(x=[], height=[], width=0.62, brush=style.brush(color),
+                                   pen=style.pen(color, 0))
+            for phase, color in (("queue", style.QUEUE), ("prefill", style.PREFILL),
+                                 ("first", style.OTHER))
+        }
+        for bar in self._bars.values():
+            self.plot.addItem(bar)
+        self._cached = pg.ScatterPlotItem(symbol="t1", size=7, brush=style.brush(style.CACHED),
+                                          pen=None)
+        self.plot.addItem(self._cached)
+        self._rows: list[ReplyRecord] = []
+
+    def refresh(self, ctx: HudContext) -> None:
+        self._rows = [r for r in ctx.model.finished()][-MAX_TURNS_SHOWN:]
+        x = np.array([r.number for r in self._rows], dtype=float)
+        m = [r.metrics for r in self._rows if r.metrics is not None]
+        queue = np.array([mm.queue_s for mm in m])
+        prefill = np.array([mm.prefill_s for mm in m])
+        first = np.array([max(mm.ttft_s - mm.queue_s - mm.prefill_s, 0.0) for mm in m])
+        self._bars["queue"].setOpts(x=x, height=queue, y0=np.zeros_like(queue))
+        self._bars["prefill"].setOpts(x=x, height=prefill, y0=queue)
+        self._bars["first"].setOpts(x=x, height=first, y0=queue + prefill)
+        ttft = queue + prefill + first
+        # Cached share of the prompt drawn as a marker at that fraction of the bar's height.
+        share = np.array([mm.cached_tokens / mm.prompt_tokens if mm.prompt_tokens else 0.0
+                          for mm in m])
+        self._cached.setData(x=x, y=ttft * share)
+        integer_ticks(self.plot, [r.number for r in self._rows])
+        if not m:
+            return
+        p50, p90, p99 = ctx.model.ttft_percentiles()
+        self.caption.setText(
+            key_html([("queue", style.QUEUE), ("prefill", style.PREFILL),
+                      ("first sample", style.OTHER), ("▲ cached share", style.CACHED)])
+            + f"<br>Session TTFT p50 {fmt_seconds(p50)} · p90 {fmt_seconds(p90)} · "
+            f"p99 {fmt_seconds(p99)}."
+        )
+
+    def hover_text(self, x: float, y: float) -> str | None:
+        i = _nearest([r.number for r in self._rows], x)
+        if i is None or self._rows[i].metrics is None:
+            return None
+        r, m = self._rows[i], self._rows[i].metrics
+        return (f"turn {r.number}: TTFT {fmt_seconds(m.ttft_s)} = queue {fmt_seconds(m.queue_s)}"
+                f" + prefill {fmt_seconds(m.prefill_s)}; {m.cached_tokens:,}/"
+                f"{m.prompt_tokens:,} prompt tokens cached")
+
+
+# ----- 2. ITL of the live (or selected) reply ------------------------------------------------
+class ItlPanel(Panel):
+    key, title = "itl", "Inter-token latency"
+
+    def __init__(self) -> None:
+        super().__init__()
+        style.axis_label(self.plot, "left", "ITL", "s")
+        style.axis_label(self.plot, "bottom", "token")
+        self._curve = fast_curve(self.plot, style.DECODE)
+        self._lines = {}
+        for name, color, at in (("p50", style.P50, 0.96), ("p90", style.P90, 0.78),
+                                ("p99", style.P99, 0.6)):
+            line = pg.InfiniteLine(angle=0, pen=style.pen(color, 1, DASH), label=name,
+                                   labelOpts={"position": at, "color": color,
+                                              "anchors": [(0.5, 1), (0.5, 1)]})
+            line.setVisible(False)
+            self.plot.addItem(line, ignoreBounds=True)
+            self._lines[name] = line
+        self._itl: list[float] = []
+
+    def refresh(self, ctx: HudContext) -> None:
+        reply = ctx.reply
+        self._itl = reply.itl_s() if reply else []
+        set_points(self._curve, np.arange(1, len(self._itl) + 1), np.asarray(self._itl))
+        if reply is None or not self._itl:
+            for line in self._lines.values():
+                line.setVisible(False)
+            return
+        pcts = reply.itl_percentiles()
+        # From zero, so a flat ITL looks flat: the point decode's physics makes.
+        self.plot.setYRange(0, max(max(self._itl), pcts[2]) * 1.15, padding=0)
+        for (name, line), value in zip(self._lines.items(), pcts, strict=True):
+            line.setPos(value)
+            line.label.setFormat(f"{name} {fmt_ms(value)}")
+            line.setVisible(True)
+        state = "live" if not reply.done else "finished"
+        self.caption.setText(
+            f"Reply #{reply.number} ({state}): {len(self._itl):,} gaps · p50 {fmt_ms(pcts[0])} "
+            f"· p90 {fmt_ms(pcts[1])} · p99 {fmt_ms(pcts[2])}. Decode is one weight read per "
+            f"token, so ITL stays flat."
+        )
+
+    def hover_text(self, x: float, y: float) -> str | None:
+        i = _nearest(np.arange(1, len(self._itl) + 1), x)
+        if i is None:
+            return None
+        return f"token {i + 1}: {fmt_ms(self._itl[i])} after token {i}"
+
+
+# ----- 3. Throughput over time ---------------------------------------------------------------
+class ThroughputPanel(Panel):
+    key, title = "throughput", "Decode throughput over time"
+
+    def __init__(self) -> None:
+        super().__init__()
+        style.axis_label(self.plot, "left", "decode", "tok/s")
+        style.axis_label(self.plot, "bottom", "session time", "s")
+        self._curve = self.plot.plot([], [], pen=style.pen(style.DECODE, 1.4),
+                                     connect="finite")
+        self._curve.setDownsampling(auto=True, method="peak")
+        self._means = pg.ScatterPlotItem(symbol="d", size=8, brush=style.brush(style.P90),
+                                         pen=None)
+        self.plot.addItem(self._means)
+        self._t = np.empty(0)
+        self._v = np.empty(0)
+
+    def refresh(self, ctx: HudContext) -> None:
+        model = ctx.model
+        t, v, rid = model.throughput_t, model.throughput, model.throughput_rid
+        # A NaN between replies breaks the line, so idle time isn't drawn as throughput.
+        breaks = [i for i in range(1, len(rid)) if rid[i] != rid[i - 1]]
+        self._t = np.insert(np.asarray(t, dtype=float), breaks, np.nan)
+        self._v = np.insert(np.asarray(v, dtype=float), breaks, np.nan)
+        self._curve.setData(self._t, self._v)
+        if len(v):
+            self.plot.setYRange(0, max(v) * 1.15, padding=0)
+        done = model.finished()
+        self._means.setData(x=[model.session_s(r.done_ns) for r in done],
+                            y=[r.metrics.decode_tok_s for r in done])
+        if done and done[-1].metrics:
+            last = done[-1].metrics
+            self.caption.setText(
+                f"Rolling over {THROUGHPUT_WINDOW} tokens; ◆ = reply mean. Last reply "
+                f"{last.decode_tok_s:,.1f} tok/s over {last.output_tokens:,} tokens "
+                "(TTFT excluded)."
+            )
+
+    def hover_text(self, x: float, y: float) -> str | None:
+        finite = np.isfinite(self._t)
+        if not finite.any():
+            return None
+        ts, vs = self._t[finite], self._v[finite]
+        i = _nearest(ts, x)
+        return None if i is None else f"t = {ts[i]:.2f} s: {vs[i]:,.1f} tok/s"
+
+
+# ----- 4. Where the time went ----------------------------------------------------------------
+class BreakdownPanel(Panel):
+    key, title = "breakdown", "Where the time went"
+    plot_height = 46
+
+    def __init__(self) -> None:
+        super().__init__()
+        item = self.plot.getPlotItem()
+        item.hideAxis("left")
+        item.showGrid(x=False, y=False)
+        style.axis_label(self.plot, "bottom", "", "s")
+        self._bars = {
+            phase: pg.BarGraphItem(x0=[0], y=[0], width=[0], height=0.8, brush=style.brush(c),
+                                   pen=style.pen(c, 0))
+            for phase, c in style.PHASE_COLORS.items()
+        }
+        for bar in self._bars.values():
+            self.plot.addItem(bar)
+        self.table = QLabel()
+        self.table.setTextFormat(Qt.TextFormat.RichText)
+        self.layout().insertWidget(2, self.table)
+        self._breakdown: Breakdown | None = None
+
+    def refresh(self, ctx: HudContext) -> None:
+        b = ctx.reply.breakdown() if ctx.reply else None
+        self._breakdown = b
+        if b is None:
+            return
+        start = 0.0
+        for phase, _detail, seconds, _share in b.rows():
+            self._bars[phase].setOpts(x0=[start], width=[seconds])
+            start += seconds
+        self.plot.setXRange(0, max(b.e2e_s, 1e-6), padding=0.01)
+        self.plot.setYRange(-0.5, 0.5, padding=0)
+        self.table.setText(self._table_html(b))
+        state = "e2e" if b.final else "so far (live)"
+        self.caption.setText(f"Reply #{ctx.reply.number}: {fmt_seconds(b.e2e_s)} {state}; "
+                             f"TTFT {fmt_seconds(b.ttft_s)}.")
+
+    @staticmethod
+    def _table_html(b: Breakdown) -> str:
+        rows = []
+        for phase, detail, seconds, share in b.rows():
+            color = style.PHASE_COLORS[phase]
+            rows.append(
+                f"<tr><td><span style='color:{color}'>■</span> {phase}</td>"
+                f"<td style='color:{style.MUTED}'>{detail}</td>"
+                f"<td align='right'>{seconds:.3f} s</td>"
+                f"<td align='right'>{share:.0%}</td></tr>"
+            )
+        return ("<table width='100%' cellspacing='0' cellpadding='2' style='font-size:8.5pt'>"
+                + "".join(rows) + "</table>")
+
+    def hover_text(self, x: float, y: float) -> str | None:
+        if self._breakdown is None:
+            return None
+        start = 0.0
+        for phase, detail, seconds, share in self._breakdown.rows():
+            if start <= x <= start + seconds:
+                return f"{phase}: {fmt_seconds(seconds)} ({share:.0%}) · {detail}"
+            start += seconds
+        return None
+
+
+# ----- 5. Cache ledger -----------------------------------------------------------------------
+class CachePanel(Panel):
+    key, title = "cache", "Prefix cache ledger"
+
+    def __init__(self) -> None:
+        super().__init__()
+        style.axis_label(self.plot, "left", "prompt", "tokens")
+        style.axis_label(self.plot, "bottom", "turn")
+        self._reused = pg.BarGraphItem(x=[], height=[], width=0.62,
+                                       brush=style.brush(style.CACHED), pen=None)
+        self._recomputed = pg.BarGraphItem(x=[], height=[], width=0.62,
+                                           brush=style.brush(style.RECOMPUTED), pen=None)
+        self.plot.addItem(self._reused)
+        self.plot.addItem(self._recomputed)
+        self.plot.getPlotItem().getAxis("left").enableAutoSIPrefix(False)
+        self._rows: list[ReplyRecord] = []
+
+    def refresh(self, ctx: HudContext) -> None:
+        self._rows = [r for r in ctx.model.ordered() if r.prompt_tokens][-MAX_TURNS_SHOWN:]
+        x = np.array([r.number for r in self._rows], dtype=float)
+        reused = np.array([r.cached_tokens for r in self._rows], dtype=float)
+        fresh = np.array([r.prompt_tokens - r.cached_tokens for r in self._rows], dtype=float)
+        self._reused.setOpts(x=x, height=reused, y0=np.zeros_like(reused))
+        self._recomputed.setOpts(x=x, height=fresh, y0=reused)
+        integer_ticks(self.plot, [r.number for r in self._rows])
+        if self._rows:
+            self.caption.setText(
+                key_html([("reused", style.CACHED), ("recomputed", style.RECOMPUTED)])
+                + "<br>" + self._describe(self._rows[-1]))
+
+    @staticmethod
+    def _describe(r: ReplyRecord) -> str:
+        reason = r.miss_reason.replace("_", " ")
+        why = "full hit" if r.miss_reason == "none" else f"miss: {reason}"
+        return (f"Turn {r.number}: {r.cached_tokens:,} reused, "
+                f"{r.prompt_tokens - r.cached_tokens:,} recomputed ({why}).")
+
+    def hover_text(self, x: float, y: float) -> str | None:
+        i = _nearest([r.number for r in self._rows], x)
+        return None if i is None else self._describe(self._rows[i])
+
+
+# ----- 6. Context gauge ----------------------------------------------------------------------
+class ContextPanel(Panel):
+    key, title = "context", "Context window"
+    plot_height = 46
+
+    def __init__(self) -> None:
+        super().__init__()
+        item = self.plot.getPlotItem()
+        item.hideAxis("left")
+        item.showGrid(x=False, y=False)
+        item.getAxis("bottom").enableAutoSIPrefix(False)
+        style.axis_label(self.plot, "bottom", "", "tokens")
+        self._track = pg.BarGraphItem(x0=[0], y=[0], width=[1], height=0.7,
+                                      brush=style.brush(style.BORDER), pen=None)
+        self._used = pg.BarGraphItem(x0=[0], y=[0], width=[0], height=0.7,
+                                     brush=style.brush(style.DECODE), pen=None)
+        self._next = pg.BarGraphItem(x0=[0], y=[0], width=[0], height=0.7,
+                                     brush=style.brush(style.DECODE, 70), pen=None)
+        for bar in (self._track, self._next, self._used):
+            self.plot.addItem(bar)
+        self._text = ""
+
+    def refresh(self, ctx: HudContext) -> None:
+        forecast = ctx.model.context_forecast()
+        if forecast is None:
+            return
+        used, length = forecast.used, forecast.length
+        self._track.setOpts(width=[length])
+        self._used.setOpts(width=[used])
+        self._next.setOpts(x0=[used], width=[min(forecast.per_turn, max(length - used, 0))])
+        self._used.setOpts(brush=style.brush(style.CHOSEN if forecast.fraction > 0.85
+                                             else style.DECODE))
+        self.plot.setXRange(0, length, padding=0.01)
+        self.plot.setYRange(-0.5, 0.5, padding=0)
+        self._text = forecast.describe()
+        self.caption.setText(self._text + " Faint segment: the next turn at this pace.")
+
+    def hover_text(self, x: float, y: float) -> str | None:
+        return self._text or None
+
+
+# ----- 7. Roofline ---------------------------------------------------------------------------
+class RooflinePanel(Panel):
+    key, title = "roofline", "Roofline"
+
+    def __init__(self) -> None:
+        super().__init__()
+        item = self.plot.getPlotItem()
+        item.setLogMode(x=True, y=True)
+        style.axis_label(self.plot, "left", "TFLOP/s")
+        style.axis_label(self.plot, "bottom", "arithmetic intensity", "FLOP/byte")
+        item.getAxis("bottom").enableAutoSIPrefix(False)
+        item.getAxis("left").enableAutoSIPrefix(False)
+        self._roof = self.plot.plot([], [], pen=style.pen(style.MUTED, 1.5))
+        self._points = pg.ScatterPlotItem(size=10, pen=None)
+        self.plot.addItem(self._points)
+        self._info: list[tuple[float, float, str]] = []
+
+    def refresh(self, ctx: HudContext) -> None:
+        reply = ctx.reply if ctx.reply and ctx.reply.metrics else None
+        if reply is None:
+            done = ctx.model.finished()
+            reply = done[-1] if done else None
+        if reply is None or reply.metrics is None or ctx.peaks is None:
+            if ctx.peaks is not None:
+                self.caption.setText(ctx.peaks.describe())
+            return
+        m, peaks = reply.metrics, ctx.peaks
+        self._draw_roof(peaks)
+        self._info = []
+        decode_ai = 2 * m.parameters / max(m.weight_bytes_per_step, 1)
+        decode_tflop = 2 * m.parameters * m.decode_tok_s / 1e12
+        if decode_tflop > 0:
+            self._info.append((decode_ai, decode_tflop,
+                               f"decode: {m.achieved_gb_s:,.1f} GB/s of {peaks.bandwidth_gb_s:,.0f}"
+                               f" ({m.achieved_gb_s / peaks.bandwidth_gb_s:.0%} of peak)"))
+        if m.prefill_tflop_s > 0:
+            prefill_ai = decode_ai * m.prefilled_tokens
+            self._info.append((prefill_ai, m.prefill_tflop_s,
+                               f"prefill: {m.prefill_tflop_s:,.3f} TFLOP/s of "
+                               f"{peaks.tflop_s:,.2f} ({m.prefill_tflop_s / peaks.tflop_s:.0%})"))
+        colors = [style.DECODE, style.PREFILL][: len(self._info)]
+        self._points.setData(x=[math.log10(a) for a, _, _ in self._info],
+                             y=[math.log10(t) for _, t, _ in self._info],
+                             brush=[style.brush(c) for c in colors])
+        self.caption.setText(
+            key_html([("decode", style.DECODE), ("prefill", style.PREFILL),
+                      ("roof", style.MUTED)])
+            + "<br>" + " · ".join(text for _, _, text in self._info)
+            + f". Peak from {peaks.source} ({peaks.device}).")
+
+    def _draw_roof(self, peaks: DevicePeaks) -> None:
+        ridge = peaks.tflop_s * 1e12 / (peaks.bandwidth_gb_s * 1e9)  # FLOP/byte at the knee
+        top = math.log10(max(ridge * 100, 1e4))
+        ai = np.logspace(-1, top, 64)
+        self._roof.setData(ai, np.minimum(peaks.tflop_s, ai * peaks.bandwidth_gb_s / 1e3))
+        # Whole decades on both axes keep log tick labels readable.
+        peak = math.log10(peaks.tflop_s)
+        self.plot.setXRange(-1, top, padding=0.02)
+        self.plot.setYRange(math.floor(peak) - 4, math.ceil(peak) + 0.3, padding=0)
+
+    def hover_text(self, x: float, y: float) -> str | None:
+        i = _nearest([math.log10(a) for a, _, _ in self._info], x)
+        return None if i is None else self._info[i][2]
+
+
+# ----- 8. Sampler view -----------------------------------------------------------------------
+class SamplerPanel(Panel):
+    key, title = "sampler", "Sampler: what temperature and top-p do"
+    plot_height = 190
+
+    def __init__(self) -> None:
+        super().__init__()
+        item = self.plot.getPlotItem()
+        style.axis_label(self.plot, "bottom", "probability after temperature")
+        item.getAxis("bottom").enableAutoSIPrefix(False)
+        item.getAxis("left").setWidth(62)
+        item.invertY(True)
+        self._bars = pg.BarGraphItem(x0=[], y=[], width=[], height=0.72, pen=None)
+        self.plot.addItem(self._bars)
+        self._cut = pg.InfiniteLine(angle=0, pen=style.pen(style.CHOSEN, 1.2, DASH),
+                                    label="top-p cut",
+                                    labelOpts={"position": 0.85, "color": style.CHOSEN})
+        self._cut.setVisible(False)
+        self.plot.addItem(self._cut, ignoreBounds=True)
+        self.snapshot_index: int | None = None
+        self._rows: list[tuple[int, str, float]] = []
+
+    def refresh(self, ctx: HudContext) -> None:
+        snap = ctx.reply.snapshot if ctx.reply else None
+        if snap is None:
+            return
+        self.snapshot_index = snap.index
+        self._rows = list(snap.candidates[:SAMPLER_ROWS])
+        colors = [self._color(i, tid, snap.kept, snap.chosen_id)
+                  for i, (tid, _text, _p) in enumerate(self._rows)]
+        ys = np.arange(len(self._rows))
+        self._bars.setOpts(x0=np.zeros(len(ys)), y=ys, width=[p for _, _, p in self._rows],
+                           brushes=[style.brush(c) for c in colors])
+        self.plot.getPlotItem().getAxis("left").setTicks(
+            [[(i, short_token(text)) for i, (_, text, _) in enumerate(self._rows)]]
+        )
+        self.plot.setYRange(-0.6, max(len(ys), SAMPLER_ROWS) - 0.4, padding=0)
+        self.plot.setXRange(0, max((p for _, _, p in self._rows), default=1.0), padding=0.05)
+        self._cut.setPos(snap.kept - 0.5)
+        self._cut.setVisible(snap.kept < len(self._rows))
+        self.caption.setText(self._describe(snap))
+
+    @staticmethod
+    def _color(i: int, token_id: int, kept: int, chosen: int) -> str:
+        if token_id == chosen:
+            return style.CHOSEN
+        return style.KEPT if i < kept else style.CUT
+
+    def _describe(self, snap: object) -> str:
+        chosen = next(((t, p) for tid, t, p in snap.candidates if tid == snap.chosen_id), None)
+        drew = (f"drew “{short_token(chosen[0], 16)}” (p = {chosen[1]:.2f})" if chosen
+                else "drew a token outside the top list")
+        mode = "greedy (temperature 0)" if snap.temperature == 0 else (
+            f"temperature {snap.temperature:.2f}, top-p {snap.top_p:.2f} keeps {snap.kept}")
+        return f"Token {snap.index}: {mode}; {drew}. Red = drawn, grey = cut."
+
+    def hover_text(self, x: float, y: float) -> str | None:
+        i = round(y)
+        if not 0 <= i < len(self._rows):
+            return None
+        _tid, text, p = self._rows[i]
+        return f"“{short_token(text, 24)}”: p = {p:.4f} after temperature"
+
+
+# ----- 9. Render lag -------------------------------------------------------------------------
+class RenderLagPanel(Panel):
+    key, title = "render", "Render lag (engine → screen)"
+
+    def __init__(self) -> None:
+        super().__init__()
+        style.axis_label(self.plot, "left", "lag", "s")
+        style.axis_label(self.plot, "bottom", "token")
+        self._curve = fast_curve(self.plot, style.MARKER)
+        self._itl = pg.InfiniteLine(angle=0, pen=style.pen(style.P50, 1, DASH),
+                                    label="ITL p50", labelOpts={"position": 0.9,
+                                                                "color": style.P50})
+        self._itl.setVisible(False)
+        self.plot.addItem(self._itl, ignoreBounds=True)
+        self.indices: list[int] = []
+        self.lags_s: list[float] = []
+
+    def refresh(self, ctx: HudContext) -> None:
+        reply = ctx.reply
+        if reply is None:
+            return
+        self.indices, self.lags_s = reply.render_lags_s()
+        set_points(self._curve, np.asarray(self.indices, float), np.asarray(self.lags_s),
+                   join_dots=False)
+        itl_p50 = reply.itl_percentiles()[0]
+        self._itl.setPos(itl_p50)
+        self._itl.setVisible(itl_p50 > 0)
+        if not self.lags_s:
+            self.caption.setText("No painted tokens reported for this reply yet.")
+            return
+        # From zero and up to the ITL line, so lag reads against the engine's token gap.
+        self.plot.setYRange(0, max(max(self.lags_s), itl_p50) * 1.15, padding=0)
+        p50, p99 = percentiles(self.lags_s, (50, 99))
+        verdict = ("the UI keeps up" if itl_p50 == 0 or p50 < itl_p50
+                   else "the UI is slower than the engine")
+        self.caption.setText(f"Painted − emitted: p50 {fmt_ms(p50)}, p99 {fmt_ms(p99)} vs ITL "
+                             f"p50 {fmt_ms(itl_p50)}: {verdict}.")
+
+    def hover_text(self, x: float, y: float) -> str | None:
+        i = _nearest(self.indices, x)
+        return None if i is None else f"token {self.indices[i]}: painted {fmt_ms(self.lags_s[i])}"\
+            " after the engine emitted it"
+
+
+PANEL_TYPES: tuple[type[Panel], ...] = (
+    TtftPanel, ItlPanel, ThroughputPanel, BreakdownPanel, CachePanel, ContextPanel,
+    RooflinePanel, SamplerPanel, RenderLagPanel,
+)
