@@ -1,0 +1,130 @@
+"""Start the desktop app: QApplication, the engine thread, the window, the first model load.
+
+`--smoke-test` drives the real window: it sends one prompt through the GUI path (greedy),
+waits for the reply, prints one JSON line and exits; it uses a throwaway chat database and
+settings file so it never touches the user's chats.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+SMOKE_PROMPT = "What is the capital of France?"
+SMOKE_MAX_TOKENS = 64
+SMOKE_TIMEOUT_MS = 600_000  # the first start converts the GGUF (tens of seconds)
+
+
+def has_display() -> bool:
+    """False on Linux with no X/Wayland display and no QT_QPA_PLATFORM (Qt would abort)."""
+    if not sys.platform.startswith("linux"):
+        return True
+    return any(os.environ.get(v) for v in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM"))
+
+
+def run_gui(
+    model: str = "default",
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    kernel: str = "auto",
+    allow_download: bool = False,
+    smoke_test: bool = False,
+) -> int:
+    """Open the chat window and run until it closes; returns the process exit code."""
+    if not has_display():
+        print("phasewise: error: no display found (set DISPLAY, or QT_QPA_PLATFORM=offscreen "
+              "to run headless)", file=sys.stderr)
+        return 1
+    from PySide6.QtCore import QSettings
+    from PySide6.QtWidgets import QApplication
+
+    from engine import Engine
+    from ui.main_window import MainWindow
+    from ui.store import ChatStore
+    from ui.theme import apply_theme
+
+    app = QApplication.instance() or QApplication([sys.argv[0] if sys.argv else "phasewise"])
+    app.setOrganizationName("Phasewise")
+    app.setApplicationName("Phasewise")
+    apply_theme(app)
+
+    scratch = tempfile.TemporaryDirectory(prefix="phasewise-smoke-") if smoke_test else None
+    if scratch is not None:
+        store = ChatStore(Path(scratch.name) / "chats.sqlite3")
+        settings = QSettings(str(Path(scratch.name) / "settings.ini"), QSettings.Format.IniFormat)
+    else:
+        store = ChatStore()
+        settings = QSettings()
+    engine = Engine().start()
+    try:
+        window = MainWindow(engine, store, settings, load_options={
+            "device": device, "dtype": dtype, "kernel": kernel, "allow_download": allow_download})
+        window.show()
+        smoke = _SmokeTest(window) if smoke_test else None
+        window.load_model(model)
+        code = app.exec()
+        if smoke is not None:
+            code = smoke.exit_code
+        window.close()
+        return code
+    finally:
+        engine.shutdown()
+        store.close()
+        if scratch is not None:
+            scratch.cleanup()
+
+
+class _SmokeTest:
+    """Sends one greedy prompt once the model is loaded; prints the result; quits the app."""
+
+    def __init__(self, window) -> None:
+        from PySide6.QtCore import QTimer
+
+        self.window = window
+        self.exit_code = 1
+        window.bridge.sig_model_loaded.connect(self._send)
+        window.bridge.sig_model_load_failed.connect(lambda m: self._fail(f"model load: {m}"))
+        window.sig_reply_finished.connect(self._report)
+        window.sig_reply_failed.connect(lambda m: self._fail(f"reply: {m}"))
+        self._timeout = QTimer()
+        self._timeout.setSingleShot(True)
+        self._timeout.timeout.connect(lambda: self._fail("timed out waiting for the reply"))
+        self._timeout.start(SMOKE_TIMEOUT_MS)
+
+    def _send(self, _info: object) -> None:
+        controls = self.window.controls
+        controls.temperature.setValue(0)  # greedy: the same answer every run
+        controls.max_tokens.setValue(SMOKE_MAX_TOKENS)
+        self.window.composer.set_text(SMOKE_PROMPT)
+        if not self.window.send(self.window.composer.text()):
+            self._fail(self.window.notice_label.text())
+
+    def _report(self, result) -> None:
+        m, info = result.metrics, result.model
+        ok = bool(result.text.strip())
+        print(json.dumps({
+            "ok": ok, "reply": result.text, "text": result.text,
+            "finish_reason": result.finish_reason, "ttft_s": m.ttft_s,
+            "output_tokens": m.output_tokens, "decode_tok_s": m.decode_tok_s, "e2e_s": m.e2e_s,
+            "model": info.name if info else "", "device": info.device if info else "",
+            "dtype": info.dtype if info else "",
+            "painted_inserts": self.window.chat.insert_count,
+        }), flush=True)
+        if not ok:
+            print("phasewise: smoke test failed: the reply was empty", file=sys.stderr)
+        self._quit(0 if ok else 1)
+
+    def _fail(self, message: str) -> None:
+        print(f"phasewise: smoke test failed: {message}", file=sys.stderr)
+        self._quit(1)
+
+    def _quit(self, code: int) -> None:
+        from PySide6.QtWidgets import QApplication
+
+        self._timeout.stop()
+        self.exit_code = code
+        QApplication.instance().exit(code)

@@ -1,0 +1,118 @@
+"""The message composer: Enter sends, Shift+Enter adds a line, Esc stops (or ends an edit)."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QKeyEvent
+from PySide6.QtWidgets import (
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QPushButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+
+class _Editor(QPlainTextEdit):
+    """Plain-text editor that turns Enter / Esc into signals."""
+
+    sig_enter = Signal()
+    """Enter without Shift was pressed."""
+    sig_escape = Signal()
+    """Esc was pressed."""
+
+    def keyPressEvent(self, event: QKeyEvent) -> None:
+        key = event.key()
+        if key in (Qt.Key.Key_Return, Qt.Key.Key_Enter):
+            if event.modifiers() & Qt.KeyboardModifier.ShiftModifier:
+                self.insertPlainText("\n")
+            else:
+                self.sig_enter.emit()
+            return
+        if key == Qt.Key.Key_Escape:
+            self.sig_escape.emit()
+            return
+        super().keyPressEvent(event)
+
+
+class Composer(QWidget):
+    """Text box plus a Send/Stop button; also shows the 'editing a message' banner."""
+
+    sig_send = Signal(str)
+    """The user asked to send this text (not yet validated)."""
+    sig_stop = Signal()
+    """The user asked to stop the running reply (Esc or the Stop button)."""
+    sig_cancel_edit = Signal()
+    """The user left edit mode without resending."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("composer")
+        self.editor = _Editor()
+        self.editor.setObjectName("composerEditor")
+        self.editor.setPlaceholderText("Message the model…  (Enter sends, Shift+Enter new line)")
+        self.editor.setTabChangesFocus(True)
+        self.editor.setFixedHeight(84)
+        self.button = QPushButton("Send")
+        self.button.setObjectName("sendButton")
+        self.button.setMinimumWidth(84)
+        self.button.clicked.connect(self._on_button)
+        self.edit_banner = QLabel()
+        self.edit_banner.setObjectName("editBanner")
+        self.edit_banner.hide()
+        self.editor.sig_enter.connect(self._send)
+        self.editor.sig_escape.connect(self.escape)
+        self._busy = False
+        self._editing = False
+
+        row = QHBoxLayout()
+        row.addWidget(self.editor, 1)
+        row.addWidget(self.button, 0, Qt.AlignmentFlag.AlignBottom)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(12, 6, 12, 12)
+        layout.addWidget(self.edit_banner)
+        layout.addLayout(row)
+
+    def text(self) -> str:
+        return self.editor.toPlainText()
+
+    def set_text(self, text: str) -> None:
+        self.editor.setPlainText(text)
+        self.editor.moveCursor(self.editor.textCursor().MoveOperation.End)
+
+    def set_busy(self, busy: bool) -> None:
+        """While a reply runs the button becomes Stop; typing stays possible."""
+        self._busy = busy
+        self.button.setText("Stop" if busy else "Send")
+        self.button.setProperty("danger", busy)
+        self.button.style().unpolish(self.button)
+        self.button.style().polish(self.button)
+
+    def set_editing(self, editing: bool) -> None:
+        """Show or hide the banner for edit & resend."""
+        self._editing = editing
+        self.edit_banner.setText("Editing a message: Enter resends from here, Esc cancels.")
+        self.edit_banner.setVisible(editing)
+
+    @property
+    def editing(self) -> bool:
+        return self._editing
+
+    def _on_button(self) -> None:
+        if self._busy:
+            self.sig_stop.emit()
+        else:
+            self._send()
+
+    def _send(self) -> None:
+        self.sig_send.emit(self.text())
+
+    def escape(self) -> None:
+        """Esc: stop the running reply, else leave edit mode."""
+        if self._busy:
+            self.sig_stop.emit()
+        elif self._editing:
+            self.set_editing(False)
+            self.editor.clear()
+            self.sig_cancel_edit.emit()

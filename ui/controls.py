@@ -1,0 +1,194 @@
+"""Sampling controls and the per-conversation system prompt. Changes apply to the next request.
+
+Sliders hold integers, so each maps to its real value here: temperature in hundredths (0-2,
+0 = greedy), top-p in hundredths (0.05-1), max tokens 1..context length. Advanced: top-k
+(0 = off), min-p (0 = off), seed (blank = random).
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QSettings, Qt, Signal
+from PySide6.QtWidgets import (
+    QDoubleSpinBox,
+    QFormLayout,
+    QGridLayout,
+    QGroupBox,
+    QLabel,
+    QLineEdit,
+    QPlainTextEdit,
+    QSlider,
+    QSpinBox,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from engine import SamplingParams
+
+DEFAULT_CONTEXT = 2048
+SETTINGS_GROUP = "sampling"
+
+
+def _slider(lo: int, hi: int, value: int) -> QSlider:
+    slider = QSlider(Qt.Orientation.Horizontal)
+    slider.setRange(lo, hi)
+    slider.setValue(value)
+    return slider
+
+
+class ControlsPanel(QWidget):
+    """Temperature / top-p / max tokens sliders, advanced sampling, and the system prompt."""
+
+    sig_setting_changed = Signal(str, object)
+    """A sampling setting changed: (name, new value); marks the HUD's time plots."""
+    sig_system_prompt_changed = Signal(str)
+    """The system prompt was edited (applies to the current conversation)."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("controls")
+        self.temperature = _slider(0, 200, 70)
+        self.top_p = _slider(5, 100, 100)
+        self.max_tokens = _slider(1, DEFAULT_CONTEXT, 512)
+        self.top_k = QSpinBox()
+        self.top_k.setRange(0, 1000)
+        self.top_k.setSpecialValueText("off")
+        self.min_p = QDoubleSpinBox()
+        self.min_p.setRange(0.0, 0.99)
+        self.min_p.setSingleStep(0.01)
+        self.min_p.setSpecialValueText("off")
+        self.seed = QLineEdit()
+        self.seed.setPlaceholderText("random")
+        self.system_prompt = QPlainTextEdit()
+        self.system_prompt.setObjectName("systemPrompt")
+        self.system_prompt.setPlaceholderText("System prompt for this chat (optional)")
+        self.system_prompt.setMaximumHeight(90)
+        self._labels: dict[str, QLabel] = {}
+        self._wanted_max_tokens: int | None = None
+        self._build()
+        self._wire()
+        self._refresh_labels()
+
+    # ----- layout ------------------------------------------------------------------------
+    def _build(self) -> None:
+        grid = QGridLayout()
+        grid.setColumnStretch(1, 1)
+        rows = [("temperature", "Temperature", self.temperature),
+                ("top_p", "Top-p", self.top_p),
+                ("max_tokens", "Max tokens", self.max_tokens)]
+        for row, (key, title, slider) in enumerate(rows):
+            label = QLabel()
+            label.setObjectName("valueLabel")
+            label.setMinimumWidth(52)
+            label.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+            self._labels[key] = label
+            grid.addWidget(QLabel(title), row, 0)
+            grid.addWidget(slider, row, 1)
+            grid.addWidget(label, row, 2)
+
+        self.advanced_toggle = QToolButton()
+        self.advanced_toggle.setText("Advanced")
+        self.advanced_toggle.setCheckable(True)
+        self.advanced_toggle.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        self.advanced_toggle.setArrowType(Qt.ArrowType.RightArrow)
+        self.advanced = QGroupBox()
+        self.advanced.setFlat(True)
+        form = QFormLayout(self.advanced)
+        form.addRow("Top-k", self.top_k)
+        form.addRow("Min-p", self.min_p)
+        form.addRow("Seed", self.seed)
+        self.advanced.hide()
+
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(10, 8, 10, 8)
+        layout.addLayout(grid)
+        layout.addWidget(self.advanced_toggle)
+        layout.addWidget(self.advanced)
+        heading = QLabel("System prompt")
+        heading.setObjectName("sectionHeading")
+        layout.addWidget(heading)
+        layout.addWidget(self.system_prompt)
+        layout.addStretch(1)
+
+    def _wire(self) -> None:
+        self.temperature.valueChanged.connect(lambda _v: self._changed("temperature"))
+        self.top_p.valueChanged.connect(lambda _v: self._changed("top_p"))
+        self.max_tokens.valueChanged.connect(lambda _v: self._changed("max_tokens"))
+        self.top_k.valueChanged.connect(lambda _v: self._changed("top_k"))
+        self.min_p.valueChanged.connect(lambda _v: self._changed("min_p"))
+        self.seed.editingFinished.connect(lambda: self._changed("seed"))
+        self.advanced_toggle.toggled.connect(self._toggle_advanced)
+        self.system_prompt.textChanged.connect(
+            lambda: self.sig_system_prompt_changed.emit(self.system_prompt.toPlainText())
+        )
+
+    def _toggle_advanced(self, shown: bool) -> None:
+        self.advanced.setVisible(shown)
+        arrow = Qt.ArrowType.DownArrow if shown else Qt.ArrowType.RightArrow
+        self.advanced_toggle.setArrowType(arrow)
+
+    def _changed(self, name: str) -> None:
+        self._refresh_labels()
+        self.sig_setting_changed.emit(name, getattr(self.params(), name))
+
+    def _refresh_labels(self) -> None:
+        temp = self.temperature.value() / 100
+        self._labels["temperature"].setText("greedy" if temp == 0 else f"{temp:.2f}")
+        self._labels["top_p"].setText(f"{self.top_p.value() / 100:.2f}")
+        self._labels["max_tokens"].setText(str(self.max_tokens.value()))
+
+    # ----- values ------------------------------------------------------------------------
+    def params(self) -> SamplingParams:
+        """The SamplingParams the next request will use."""
+        return SamplingParams(
+            temperature=self.temperature.value() / 100,
+            top_p=self.top_p.value() / 100,
+            top_k=self.top_k.value(),
+            min_p=round(self.min_p.value(), 2),
+            max_tokens=self.max_tokens.value(),
+            seed=self._seed(),
+        )
+
+    def _seed(self) -> int | None:
+        text = self.seed.text().strip()
+        return int(text) if text.lstrip("-").isdigit() else None
+
+    def set_context_length(self, context_length: int) -> None:
+        """Max tokens ranges up to the loaded model's context length."""
+        self.max_tokens.setMaximum(max(1, context_length))
+        if self._wanted_max_tokens is not None:  # a saved value the old range had clamped
+            self.max_tokens.setValue(self._wanted_max_tokens)
+        self._refresh_labels()
+
+    def set_system_prompt(self, text: str) -> None:
+        """Show a conversation's system prompt without reporting it as an edit."""
+        blocked = self.system_prompt.blockSignals(True)
+        self.system_prompt.setPlainText(text)
+        self.system_prompt.blockSignals(blocked)
+
+    # ----- QSettings -------------------------------------------------------------------------
+    def save(self, settings: QSettings) -> None:
+        settings.beginGroup(SETTINGS_GROUP)
+        settings.setValue("temperature", self.temperature.value())
+        settings.setValue("top_p", self.top_p.value())
+        settings.setValue("max_tokens", self.max_tokens.value())
+        settings.setValue("top_k", self.top_k.value())
+        settings.setValue("min_p", self.min_p.value())
+        settings.setValue("seed", self.seed.text())
+        settings.endGroup()
+
+    def restore(self, settings: QSettings) -> None:
+        settings.beginGroup(SETTINGS_GROUP)
+        for name, widget in (("temperature", self.temperature), ("top_p", self.top_p),
+                             ("max_tokens", self.max_tokens), ("top_k", self.top_k)):
+            value = settings.value(name)
+            if value is not None:
+                widget.setValue(int(value))
+        saved_max = settings.value("max_tokens")
+        self._wanted_max_tokens = int(saved_max) if saved_max is not None else None
+        min_p = settings.value("min_p")
+        if min_p is not None:
+            self.min_p.setValue(float(min_p))
+        self.seed.setText(str(settings.value("seed", "") or ""))
+        settings.endGroup()
+        self._refresh_labels()

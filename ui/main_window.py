@@ -1,0 +1,553 @@
+"""The main window: conversations on the left, the chat in the middle, settings and HUD right.
+
+The window owns the flow of a reply: save the user's message, submit to the engine (never
+waiting on it), stream tokens into the view, save the partial reply in batches, and on the
+end write the authoritative text, its settings and its metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer, Signal
+from PySide6.QtGui import QAction, QCloseEvent, QGuiApplication, QKeySequence, QShortcut
+from PySide6.QtWidgets import (
+    QDockWidget,
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QMainWindow,
+    QProgressBar,
+    QPushButton,
+    QSplitter,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from engine import (
+    ChatMessage,
+    Engine,
+    GenerationRequest,
+    ModelInfo,
+    RequestFailed,
+    RequestFinished,
+    TextFlushed,
+    TokenEmitted,
+)
+from ui.bridge import EngineBridge
+from ui.chat_view import ChatView
+from ui.composer import Composer
+from ui.controls import ControlsPanel
+from ui.hud import HudWidget
+from ui.model_picker import ModelPickerDialog
+from ui.sidebar import Sidebar
+from ui.store import DONE, STOPPED, STREAMING, ChatStore, Message
+
+SAVE_INTERVAL_MS = 500  # how often a streaming reply's text is written to the database
+TITLE_CHARS = 48
+FINISH_STATUS = {"stop": DONE, "length": "length", "cancelled": STOPPED, "error": "error"}
+
+
+@dataclass
+class ActiveReply:
+    """The one reply being generated (the engine serves one request at a time anyway)."""
+
+    request_id: str
+    conversation_id: str
+    message_id: int
+    user_message_id: int | None  # set when this send created the user message
+    user_text: str
+    text: str = ""  # everything received so far, painted or not
+
+
+class MainWindow(QMainWindow):
+    """The Phasewise chat window."""
+
+    sig_reply_started = Signal(str)
+    """A request was submitted (its request id)."""
+    sig_reply_finished = Signal(object)
+    """A reply ended and was saved (its GenerationResult)."""
+    sig_reply_failed = Signal(str)
+    """A request failed; the one-line message is also shown in the notice bar."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        store: ChatStore,
+        settings: QSettings,
+        *,
+        load_options: dict[str, Any] | None = None,
+        hud_calibrate: bool = True,
+        parent: QWidget | None = None,
+    ) -> None:
+        super().__init__(parent)
+        self.setObjectName("mainWindow")
+        self.setWindowTitle("Phasewise")
+        self.engine = engine
+        self.store = store
+        self.settings = settings
+        self.load_options = dict(load_options or {})
+        self.bridge = EngineBridge(engine, self)
+        self.model_info: ModelInfo | None = engine.model_info
+        self.conversation_id: str | None = None
+        self.reply: ActiveReply | None = None
+        self._editing_message_id: int | None = None
+
+        self._build_widgets()
+        self._build_docks(hud_calibrate)
+        self._build_status_bar()
+        self._build_menu()
+        self._wire()
+        self._save_timer = QTimer(self)
+        self._save_timer.setInterval(SAVE_INTERVAL_MS)
+        self._save_timer.timeout.connect(self._save_partial)
+        self._restore_settings()
+        self._show_model(self.model_info)
+        self._open_initial_conversation()
+        if store.recovered_from is not None:
+            self.notify(f"The chat database was damaged; it was backed up to "
+                        f"{store.recovered_from.name} and a new one was started.")
+
+    # ----- construction ------------------------------------------------------------------
+    def _build_widgets(self) -> None:
+        self.sidebar = Sidebar(self.store)
+        self.chat = ChatView()
+        self.composer = Composer()
+        self.title_label = QLabel("New chat")
+        self.title_label.setObjectName("chatTitle")
+        self.plain_toggle = QToolButton()
+        self.plain_toggle.setText("Plain text")
+        self.plain_toggle.setCheckable(True)
+        self.plain_toggle.setToolTip("Show replies as exact text instead of Markdown")
+        self.model_button = QPushButton("Model…")
+        self.model_button.setObjectName("modelButton")
+
+        header = QFrame()
+        header.setObjectName("chatHeader")
+        row = QHBoxLayout(header)
+        row.setContentsMargins(16, 8, 12, 8)
+        row.addWidget(self.title_label, 1)
+        row.addWidget(self.plain_toggle)
+        row.addWidget(self.model_button)
+
+        self.notice = QFrame()
+        self.notice.setObjectName("noticeBar")
+        self.notice_label = QLabel()
+        self.notice_label.setWordWrap(True)
+        close = QToolButton()
+        close.setText("✕")
+        close.setAutoRaise(True)
+        close.clicked.connect(self.notice.hide)
+        notice_row = QHBoxLayout(self.notice)
+        notice_row.setContentsMargins(12, 6, 6, 6)
+        notice_row.addWidget(self.notice_label, 1)
+        notice_row.addWidget(close)
+        self.notice.hide()
+
+        center = QWidget()
+        center.setObjectName("chatPane")
+        column = QVBoxLayout(center)
+        column.setContentsMargins(0, 0, 0, 0)
+        column.setSpacing(0)
+        column.addWidget(header)
+        column.addWidget(self.chat, 1)
+        column.addWidget(self.notice)
+        column.addWidget(self.composer)
+
+        self.splitter = QSplitter()
+        self.splitter.addWidget(self.sidebar)
+        self.splitter.addWidget(center)
+        self.splitter.setStretchFactor(1, 1)
+        self.splitter.setSizes([240, 760])
+        self.setCentralWidget(self.splitter)
+
+    def _build_docks(self, hud_calibrate: bool) -> None:
+        self.controls = ControlsPanel()
+        self.hud = HudWidget(calibrate=hud_calibrate)  # tests skip the device calibration
+        self.settings_dock = QDockWidget("Generation", self)
+        self.settings_dock.setObjectName("settingsDock")
+        self.settings_dock.setWidget(self.controls)
+        self.hud_dock = QDockWidget("Performance", self)
+        self.hud_dock.setObjectName("hudDock")
+        self.hud_dock.setWidget(self.hud)
+        area = Qt.DockWidgetArea.RightDockWidgetArea
+        self.addDockWidget(area, self.settings_dock)
+        self.addDockWidget(area, self.hud_dock)
+        self.splitDockWidget(self.settings_dock, self.hud_dock, Qt.Orientation.Vertical)
+        self.resizeDocks([self.settings_dock, self.hud_dock], [250, 650], Qt.Orientation.Vertical)
+        self.resizeDocks([self.settings_dock], [430], Qt.Orientation.Horizontal)
+
+    def _build_status_bar(self) -> None:
+        bar = self.statusBar()
+        self.model_label = QLabel()
+        self.context_label = QLabel()
+        self.progress = QProgressBar()
+        self.progress.setRange(0, 0)  # busy indicator: the loader reports stages, not percent
+        self.progress.setMaximumWidth(140)
+        self.progress.setTextVisible(False)
+        self.progress.hide()
+        self.load_label = QLabel()
+        bar.addWidget(self.progress)
+        bar.addWidget(self.load_label)
+        bar.addPermanentWidget(self.context_label)
+        bar.addPermanentWidget(self.model_label)
+
+    def _build_menu(self) -> None:
+        chat_menu = self.menuBar().addMenu("&Chat")
+        self.new_action = QAction("New chat", self)
+        self.new_action.setShortcut(QKeySequence.StandardKey.New)
+        self.new_action.triggered.connect(self.new_chat)
+        chat_menu.addAction(self.new_action)
+        chat_menu.addAction("Choose model…", self.choose_model)
+        chat_menu.addSeparator()
+        chat_menu.addAction("Quit", QKeySequence.StandardKey.Quit, self.close)
+        view_menu = self.menuBar().addMenu("&View")
+        view_menu.addAction(self.settings_dock.toggleViewAction())
+        view_menu.addAction(self.hud_dock.toggleViewAction())
+        self.addAction(self.new_action)
+        QShortcut(QKeySequence(Qt.Key.Key_Escape), self, self.composer.escape)
+
+    def _wire(self) -> None:
+        b = self.bridge
+        b.sig_event.connect(self.hud.on_engine_event)
+        b.sig_token.connect(self._on_token)
+        b.sig_text_flushed.connect(self._on_text_flushed)
+        b.sig_request_finished.connect(self._on_finished)
+        b.sig_request_failed.connect(self._on_failed)
+        b.sig_model_loading.connect(self._on_model_loading)
+        b.sig_model_loaded.connect(self._on_model_loaded)
+        b.sig_model_load_failed.connect(self._on_model_load_failed)
+        self.chat.sig_tokens_painted.connect(self._on_tokens_painted)
+        self.chat.sig_action.connect(self._on_message_action)
+        self.composer.sig_send.connect(self.send)
+        self.composer.sig_stop.connect(self.stop)
+        self.composer.sig_cancel_edit.connect(self._cancel_edit)
+        self.sidebar.sig_selected.connect(self.open_conversation)
+        self.sidebar.sig_new.connect(self.new_chat)
+        self.sidebar.sig_delete.connect(self.delete_conversation)
+        self.controls.sig_setting_changed.connect(
+            lambda name, value: self.hud.mark_setting_change(name, value, time.perf_counter_ns())
+        )
+        self.controls.sig_system_prompt_changed.connect(self._on_system_prompt)
+        self.plain_toggle.toggled.connect(self.chat.set_plain_text)
+        self.model_button.clicked.connect(self.choose_model)
+
+    # ----- conversations -------------------------------------------------------------------
+    def _open_initial_conversation(self) -> None:
+        recent = self.store.conversations()
+        if recent:
+            self.open_conversation(recent[0].id)
+        else:
+            self.new_chat()
+
+    def new_chat(self) -> None:
+        """Start an empty chat; it is saved when the first message is sent."""
+        self._leave_edit_mode()
+        self.conversation_id = None
+        self.title_label.setText("New chat")
+        self.controls.set_system_prompt("")
+        self.chat.show_messages([])
+        self.sidebar.refresh(select="")
+        self.sidebar.list.clearSelection()
+        self._show_context_fill(None)
+        self.composer.editor.setFocus()
+
+    def open_conversation(self, conv_id: str) -> None:
+        conv = self.store.conversation(conv_id)
+        if conv is None:
+            return
+        self._leave_edit_mode()
+        self.conversation_id = conv_id
+        self.title_label.setText(conv.title)
+        self.controls.set_system_prompt(conv.system_prompt)
+        self._render_conversation()
+        self.sidebar.refresh(select=conv_id)
+        if self.reply and self.reply.conversation_id == conv_id:
+            self.chat.begin_stream(self.reply.request_id)
+            self.chat.push_text(self.reply.request_id, self.reply.text)
+            self.chat.flush()
+
+    def delete_conversation(self, conv_id: str) -> None:
+        if self.reply and self.reply.conversation_id == conv_id:
+            self.stop()
+        self.store.delete_conversation(conv_id)
+        self.engine.drop_conversation(conv_id)
+        if conv_id == self.conversation_id:
+            self.new_chat()
+        else:
+            self.sidebar.refresh()
+
+    def _render_conversation(self) -> None:
+        messages = self._visible_messages()
+        self.chat.show_messages(messages)
+        self._show_context_fill(messages)
+
+    def _visible_messages(self) -> list[Message]:
+        if self.conversation_id is None:
+            return []
+        streaming_id = self.reply.message_id if self.reply else None
+        return [m for m in self.store.messages(self.conversation_id) if m.id != streaming_id]
+
+    def _on_system_prompt(self, text: str) -> None:
+        if self.conversation_id is not None:
+            self.store.set_system_prompt(self.conversation_id, text)
+
+    # ----- sending -------------------------------------------------------------------------
+    def send(self, text: str) -> bool:
+        """Send the composer's text (or resend an edited message). False if refused."""
+        if self.reply is not None:
+            return self._refuse("A reply is still being written: press Esc to stop it first.")
+        if not text.strip():
+            return self._refuse("Type a message first.")
+        if self.model_info is None:
+            return self._refuse("No model is loaded yet: wait for loading to finish, "
+                                "or choose one with Model….")
+        self.notice.hide()
+        conv_id = self._ensure_conversation(text)
+        if self._editing_message_id is not None:
+            self.store.delete_from(conv_id, self._editing_message_id)
+            self._leave_edit_mode()
+        user_id = self.store.add_message(conv_id, "user", text)
+        self.composer.editor.clear()
+        self._start_reply(conv_id, user_id, text)
+        return True
+
+    def regenerate(self, message_id: int) -> None:
+        """Replace a reply with a new one from the same history (the prompt is all cached)."""
+        if self._busy_refusal():
+            return
+        message = self.store.message(message_id)
+        if message is None or message.role != "assistant":
+            return
+        self.store.delete_from(message.conversation_id, message_id)
+        self._start_reply(message.conversation_id, None, "")
+
+    def edit(self, message_id: int) -> None:
+        """Put a user message back in the composer; sending replaces it and what followed."""
+        if self._busy_refusal():
+            return
+        message = self.store.message(message_id)
+        if message is None or message.role != "user":
+            return
+        self._editing_message_id = message_id
+        self.composer.set_text(message.content)
+        self.composer.set_editing(True)
+        self.composer.editor.setFocus()
+
+    def stop(self) -> None:
+        """Stop the running reply; the engine stops within one decode step."""
+        if self.reply is not None:
+            self.engine.cancel(self.reply.request_id)
+
+    def _start_reply(self, conv_id: str, user_id: int | None, user_text: str) -> None:
+        params = self.controls.params()
+        request = GenerationRequest(self._history(conv_id), params, conversation_id=conv_id)
+        settings = asdict(params) | {"model": self.model_info.name if self.model_info else ""}
+        reply_id = self.store.add_message(conv_id, "assistant", "", status=STREAMING,
+                                          settings=settings)
+        self.reply = ActiveReply(request.request_id, conv_id, reply_id, user_id, user_text)
+        if conv_id == self.conversation_id:
+            self._render_conversation()
+            self.chat.begin_stream(request.request_id)
+        self.composer.set_busy(True)
+        self._save_timer.start()
+        self.sidebar.refresh()
+        self.engine.submit(request)
+        self.sig_reply_started.emit(request.request_id)
+
+    def _history(self, conv_id: str) -> list[ChatMessage]:
+        conv = self.store.conversation(conv_id)
+        history = []
+        if conv is not None and conv.system_prompt.strip():
+            history.append(ChatMessage("system", conv.system_prompt))
+        for m in self.store.messages(conv_id):
+            if m.content and m.status != "error" and m.role in ("user", "assistant"):
+                history.append(ChatMessage(m.role, m.content))
+        return history
+
+    def _ensure_conversation(self, first_text: str) -> str:
+        if self.conversation_id is None:
+            first_line = first_text.strip().splitlines()[0]
+            title = first_line if len(first_line) <= TITLE_CHARS else (
+                first_line[: TITLE_CHARS - 1].rstrip() + "…")
+            system = self.controls.system_prompt.toPlainText()
+            self.conversation_id = self.store.create_conversation(title, system)
+            self.title_label.setText(title)
+            self.sidebar.refresh(select=self.conversation_id)
+        return self.conversation_id
+
+    # ----- engine events -----------------------------------------------------------------
+    def _is_current(self, request_id: str) -> bool:
+        return self.reply is not None and self.reply.request_id == request_id
+
+    def _on_token(self, event: TokenEmitted) -> None:
+        if self._is_current(event.request_id):
+            self.reply.text += event.text
+            self.chat.push_token(event.request_id, event.index, event.text)
+
+    def _on_text_flushed(self, event: TextFlushed) -> None:
+        if self._is_current(event.request_id):
+            self.reply.text += event.text
+            self.chat.push_text(event.request_id, event.text)
+
+    def _on_tokens_painted(self, request_id: str, indexes: list, painted_ns: int) -> None:
+        for index in indexes:
+            self.hud.on_token_painted(request_id, index, painted_ns)
+
+    def _on_finished(self, event: RequestFinished) -> None:
+        if not self._is_current(event.request_id):
+            return
+        reply, result = self.reply, event.result
+        self._end_reply()
+        metrics = result.metrics.to_dict()
+        if result.model is not None:
+            metrics.update(model=result.model.name, device=result.model.device,
+                           dtype=result.model.dtype, context_length=result.model.context_length)
+        status = FINISH_STATUS.get(result.finish_reason, DONE)
+        self.store.finish_message(reply.message_id, result.text, status, metrics)
+        self._after_reply(reply)
+        self.sig_reply_finished.emit(result)
+
+    def _on_failed(self, event: RequestFailed) -> None:
+        if not self._is_current(event.request_id):
+            return
+        reply = self.reply
+        self._end_reply()
+        self.store.delete_message(reply.message_id)
+        if reply.user_message_id is not None:
+            # The request never ran (e.g. too long for the context): take the message back
+            # into the composer so nothing typed is lost.
+            self.store.delete_message(reply.user_message_id)
+            if not self.composer.text().strip():
+                self.composer.set_text(reply.user_text)
+        self._after_reply(reply)
+        self.notify(event.message)
+        self.sig_reply_failed.emit(event.message)
+
+    def _end_reply(self) -> None:
+        self.chat.end_stream()
+        self._save_timer.stop()
+        self.reply = None
+        self.composer.set_busy(False)
+
+    def _after_reply(self, reply: ActiveReply) -> None:
+        if reply.conversation_id == self.conversation_id:
+            self._render_conversation()
+        self.sidebar.refresh()
+
+    def _save_partial(self) -> None:
+        if self.reply is not None:
+            self.store.save_partial(self.reply.message_id, self.reply.text)
+
+    # ----- message actions -------------------------------------------------------------------
+    def _on_message_action(self, action: str, message_id: int) -> None:
+        if action == "copy":
+            message = self.store.message(message_id)
+            if message is not None:
+                QGuiApplication.clipboard().setText(message.content)
+                self.statusBar().showMessage("Copied to the clipboard", 2000)
+        elif action == "edit":
+            self.edit(message_id)
+        elif action == "regenerate":
+            self.regenerate(message_id)
+
+    def _busy_refusal(self) -> bool:
+        if self.reply is not None:
+            self._refuse("A reply is still being written: press Esc to stop it first.")
+            return True
+        return False
+
+    def _cancel_edit(self) -> None:
+        self._editing_message_id = None
+
+    def _leave_edit_mode(self) -> None:
+        self._editing_message_id = None
+        if self.composer.editing:
+            self.composer.set_editing(False)
+
+    # ----- model -------------------------------------------------------------------------
+    def choose_model(self) -> None:
+        dialog = ModelPickerDialog(self)
+        if dialog.exec():
+            choice = dialog.choice()
+            self.load_model(choice.spec, **choice.options)
+
+    def load_model(self, spec: str, **options: Any) -> None:
+        """Ask the engine to load a model in its thread; progress shows in the status bar."""
+        self.progress.show()
+        self.load_label.setText(f"Loading {spec}…")
+        self.engine.load_model(spec, **(self.load_options | options))
+
+    def _on_model_loading(self, stage: str) -> None:
+        self.progress.show()
+        self.load_label.setText(stage)
+
+    def _on_model_loaded(self, info: ModelInfo) -> None:
+        self.progress.hide()
+        self.load_label.setText(f"Loaded {info.name}")
+        self._show_model(info)
+
+    def _on_model_load_failed(self, message: str) -> None:
+        self.progress.hide()
+        self.load_label.clear()
+        kept = f" Still using {self.model_info.name}." if self.model_info else ""
+        self.notify(f"Model not loaded: {message.rstrip('.')}.{kept}")
+
+    def _show_model(self, info: ModelInfo | None) -> None:
+        self.model_info = info
+        if info is None:
+            self.model_label.setText("no model")
+            return
+        self.model_label.setText(f"{info.name}  ·  {info.device}  ·  {info.dtype}")
+        self.controls.set_context_length(info.context_length)
+        self._show_context_fill(self._visible_messages())
+
+    def _show_context_fill(self, messages: list[Message] | None) -> None:
+        ctx = self.model_info.context_length if self.model_info else 0
+        last = next((m.metrics for m in reversed(messages or []) if m.metrics), None)
+        if not ctx:
+            self.context_label.setText("")
+            return
+        used = (last["prompt_tokens"] + last["output_tokens"]) if last else 0
+        self.context_label.setText(f"context {used:,} / {ctx:,} ({100 * used / ctx:.0f}%)")
+
+    # ----- notices, settings, closing ----------------------------------------------------------
+    def notify(self, message: str) -> None:
+        """Show a one-line message above the composer until dismissed."""
+        self.notice_label.setText(message)
+        self.notice.show()
+
+    def _refuse(self, message: str) -> bool:
+        self.notify(message)
+        return False
+
+    def _restore_settings(self) -> None:
+        geometry = self.settings.value("window/geometry")
+        if isinstance(geometry, QByteArray) and not geometry.isEmpty():
+            self.restoreGeometry(geometry)
+        else:
+            self.resize(1320, 820)
+        state = self.settings.value("window/state")
+        if isinstance(state, QByteArray) and not state.isEmpty():
+            self.restoreState(state)
+        self.controls.restore(self.settings)
+
+    def save_settings(self) -> None:
+        self.settings.setValue("window/geometry", self.saveGeometry())
+        self.settings.setValue("window/state", self.saveState())
+        self.controls.save(self.settings)
+        self.settings.sync()
+
+    def closeEvent(self, event: QCloseEvent) -> None:
+        """Cancel a running reply, keep its partial text (marked stopped), save settings."""
+        if self.reply is not None:
+            reply = self.reply
+            self.engine.cancel(reply.request_id)
+            self._end_reply()
+            self.store.finish_message(reply.message_id, reply.text, STOPPED)
+        self.bridge.detach()
+        self.save_settings()
+        super().closeEvent(event)

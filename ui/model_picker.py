@@ -1,0 +1,127 @@
+"""Choose a model: the bundled default, a local folder, a .gguf file, or a Hugging Face hub id.
+
+A hub id downloads weights, so it needs an explicit consent tick. The dialog only picks; the
+window asks the engine to load (in its thread) and shows progress in the status bar.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from PySide6.QtWidgets import (
+    QButtonGroup,
+    QCheckBox,
+    QDialog,
+    QDialogButtonBox,
+    QFileDialog,
+    QGridLayout,
+    QLabel,
+    QLineEdit,
+    QPushButton,
+    QRadioButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+SOURCES = ("default", "folder", "gguf", "hub")
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    spec: str
+    options: dict = field(default_factory=dict)
+
+
+class ModelPickerDialog(QDialog):
+    """Modal picker; `choice()` is valid after it was accepted."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("Choose a model")
+        self.setMinimumWidth(520)
+        self.radios = {
+            "default": QRadioButton("Bundled default (SmolLM2-135M-Instruct, offline)"),
+            "folder": QRadioButton("Local Hugging Face folder"),
+            "gguf": QRadioButton(".gguf file"),
+            "hub": QRadioButton("Hugging Face hub id"),
+        }
+        self.group = QButtonGroup(self)
+        for radio in self.radios.values():
+            self.group.addButton(radio)
+        self.radios["default"].setChecked(True)
+        self.folder_path = QLineEdit()
+        self.gguf_path = QLineEdit()
+        self.hub_id = QLineEdit()
+        self.hub_id.setPlaceholderText("e.g. HuggingFaceTB/SmolLM2-360M-Instruct")
+        self.consent = QCheckBox("Allow downloading this model from the internet")
+        self.error = QLabel()
+        self.error.setObjectName("errorLabel")
+        self.buttons = QDialogButtonBox(
+            QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel
+        )
+        self.buttons.accepted.connect(self._accept)
+        self.buttons.rejected.connect(self.reject)
+        self._build()
+
+    def _build(self) -> None:
+        grid = QGridLayout()
+        browse_folder = QPushButton("Browse…")
+        browse_folder.clicked.connect(self._browse_folder)
+        browse_gguf = QPushButton("Browse…")
+        browse_gguf.clicked.connect(self._browse_gguf)
+        grid.addWidget(self.radios["default"], 0, 0, 1, 3)
+        grid.addWidget(self.radios["folder"], 1, 0)
+        grid.addWidget(self.folder_path, 1, 1)
+        grid.addWidget(browse_folder, 1, 2)
+        grid.addWidget(self.radios["gguf"], 2, 0)
+        grid.addWidget(self.gguf_path, 2, 1)
+        grid.addWidget(browse_gguf, 2, 2)
+        grid.addWidget(self.radios["hub"], 3, 0)
+        grid.addWidget(self.hub_id, 3, 1, 1, 2)
+        grid.addWidget(self.consent, 4, 1, 1, 2)
+        for source, edit in (("folder", self.folder_path), ("gguf", self.gguf_path),
+                             ("hub", self.hub_id)):
+            edit.textEdited.connect(lambda _t, s=source: self.radios[s].setChecked(True))
+        layout = QVBoxLayout(self)
+        layout.addLayout(grid)
+        layout.addWidget(self.error)
+        layout.addWidget(self.buttons)
+
+    def _browse_folder(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self, "Model folder")
+        if folder:
+            self.folder_path.setText(folder)
+            self.radios["folder"].setChecked(True)
+
+    def _browse_gguf(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "GGUF model", "", "GGUF models (*.gguf)")
+        if path:
+            self.gguf_path.setText(path)
+            self.radios["gguf"].setChecked(True)
+
+    def source(self) -> str:
+        return next(s for s, radio in self.radios.items() if radio.isChecked())
+
+    def choice(self) -> ModelChoice:
+        """The picked model; raises ValueError with a one-line reason if it is incomplete."""
+        source = self.source()
+        if source == "default":
+            return ModelChoice("default")
+        text = {"folder": self.folder_path, "gguf": self.gguf_path, "hub": self.hub_id}[
+            source
+        ].text().strip()
+        if not text:
+            raise ValueError("Enter a path or a hub id first.")
+        if source == "hub":
+            if not self.consent.isChecked():
+                raise ValueError("Tick 'Allow downloading' to fetch a model from the hub.")
+            return ModelChoice(text, {"allow_download": True})
+        return ModelChoice(text)
+
+    def _accept(self) -> None:
+        try:
+            self.choice()
+        except ValueError as exc:
+            self.error.setText(str(exc))
+            return
+        self.accept()

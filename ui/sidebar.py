@@ -1,0 +1,109 @@
+"""Conversation list: new, rename, delete, and search by title or message text."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QPoint, Qt, Signal
+from PySide6.QtWidgets import (
+    QInputDialog,
+    QLineEdit,
+    QListWidget,
+    QListWidgetItem,
+    QMenu,
+    QPushButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from ui.store import ChatStore
+
+ID_ROLE = Qt.ItemDataRole.UserRole
+
+
+class Sidebar(QWidget):
+    """Lists the store's conversations, newest first, filtered by the search box."""
+
+    sig_selected = Signal(str)
+    """The user picked a conversation (its id)."""
+    sig_new = Signal()
+    """The user asked for a new chat."""
+    sig_delete = Signal(str)
+    """The user asked to delete a conversation (its id)."""
+
+    def __init__(self, store: ChatStore, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("sidebar")
+        self.store = store
+        self.new_button = QPushButton("+  New chat")
+        self.new_button.setObjectName("newChatButton")
+        self.new_button.clicked.connect(self.sig_new.emit)
+        self.search = QLineEdit()
+        self.search.setObjectName("searchBox")
+        self.search.setPlaceholderText("Search chats")
+        self.search.setClearButtonEnabled(True)
+        self.search.textChanged.connect(lambda _t: self.refresh())
+        self.list = QListWidget()
+        self.list.setObjectName("conversationList")
+        self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.list.setTextElideMode(Qt.TextElideMode.ElideRight)
+        self.list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
+        self.list.customContextMenuRequested.connect(self._context_menu)
+        self.list.currentItemChanged.connect(self._on_current)
+        self.list.itemChanged.connect(self._on_item_edited)
+        self._current_id = ""
+
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(10, 10, 10, 10)
+        layout.addWidget(self.new_button)
+        layout.addWidget(self.search)
+        layout.addWidget(self.list, 1)
+
+    def refresh(self, select: str | None = None) -> None:
+        """Reload from the store (keeping or changing the selection) without re-emitting it."""
+        if select is not None:
+            self._current_id = select
+        blocked = self.list.blockSignals(True)
+        self.list.clear()
+        for conv in self.store.conversations(self.search.text()):
+            item = QListWidgetItem(conv.title)
+            item.setData(ID_ROLE, conv.id)
+            item.setToolTip(conv.title)
+            item.setFlags(item.flags() | Qt.ItemFlag.ItemIsEditable)
+            self.list.addItem(item)
+            if conv.id == self._current_id:
+                self.list.setCurrentItem(item)
+        self.list.blockSignals(blocked)
+
+    def visible_ids(self) -> list[str]:
+        return [self.list.item(i).data(ID_ROLE) for i in range(self.list.count())]
+
+    def rename(self, conv_id: str, title: str) -> None:
+        title = title.strip()
+        if title:
+            self.store.rename(conv_id, title)
+        self.refresh()
+
+    def _on_current(self, item: QListWidgetItem | None, _previous: object) -> None:
+        if item is not None:
+            self._current_id = item.data(ID_ROLE)
+            self.sig_selected.emit(self._current_id)
+
+    def _on_item_edited(self, item: QListWidgetItem) -> None:
+        """Inline rename (double-click or F2); the item already shows the new title."""
+        title = item.text().strip()
+        if title:
+            self.store.rename(item.data(ID_ROLE), title)
+
+    def _context_menu(self, pos: QPoint) -> None:
+        item = self.list.itemAt(pos)
+        if item is None:
+            return
+        conv_id = item.data(ID_ROLE)
+        menu = QMenu(self)
+        menu.addAction("Rename…", lambda: self._ask_rename(conv_id, item.text()))
+        menu.addAction("Delete", lambda: self.sig_delete.emit(conv_id))
+        menu.exec(self.list.mapToGlobal(pos))
+
+    def _ask_rename(self, conv_id: str, current: str) -> None:
+        title, ok = QInputDialog.getText(self, "Rename chat", "Title:", text=current)
+        if ok:
+            self.rename(conv_id, title)

@@ -1,0 +1,224 @@
+"""Chat persistence: conversations, messages, per-reply settings and metrics in SQLite (WAL).
+
+Pure Python (stdlib sqlite3), no Qt, so it is testable on its own. Replies are written while
+they stream; a reply still marked "streaming" when the store opens was cut off by a crash and
+is re-marked "stopped" so the partial text is kept and labelled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from platformdirs import user_data_dir
+
+DB_NAME = "chats.sqlite3"
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS conversations (
+    id TEXT PRIMARY KEY,
+    title TEXT NOT NULL,
+    system_prompt TEXT NOT NULL DEFAULT '',
+    created REAL NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS messages (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+    role TEXT NOT NULL,
+    content TEXT NOT NULL,
+    status TEXT NOT NULL DEFAULT 'done',
+    settings_json TEXT,
+    metrics_json TEXT,
+    created REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, id);
+"""
+# Message status: done | streaming | stopped | length | error
+STREAMING, DONE, STOPPED = "streaming", "done", "stopped"
+
+
+def data_dir() -> Path:
+    """Where chats live: $PHASEWISE_DATA_DIR if set (tests), else the user data directory."""
+    override = os.environ.get("PHASEWISE_DATA_DIR")
+    return Path(override) if override else Path(user_data_dir("Phasewise", "Phasewise"))
+
+
+@dataclass(frozen=True)
+class Conversation:
+    id: str
+    title: str
+    system_prompt: str
+    updated: float
+
+
+@dataclass(frozen=True)
+class Message:
+    id: int
+    conversation_id: str
+    role: str
+    content: str
+    status: str
+    settings: dict | None
+    metrics: dict | None
+
+
+class ChatStore:
+    """One SQLite database of chats. All methods run on the caller's (GUI) thread."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or data_dir() / DB_NAME
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.recovered_from: Path | None = None  # backup of a corrupt DB, if one was found
+        try:
+            self._db = self._open()
+        except sqlite3.DatabaseError:
+            self.recovered_from = self._back_up_corrupt()
+            self._db = self._open()
+        self._mark_interrupted_replies()
+
+    def _open(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            # WAL + NORMAL: survives an app crash, skips an fsync per commit (GUI thread)
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("PRAGMA foreign_keys=ON")
+            if db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
+                raise sqlite3.DatabaseError("integrity check failed")
+            db.executescript(SCHEMA)
+        except sqlite3.DatabaseError:
+            db.close()
+            raise
+        return db
+
+    def _back_up_corrupt(self) -> Path:
+        backup = self.path.with_name(f"{self.path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
+        self.path.replace(backup)
+        for suffix in ("-wal", "-shm"):  # stale journals would re-corrupt the fresh file
+            Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+        return backup
+
+    def _mark_interrupted_replies(self) -> None:
+        with self._db:
+            self._db.execute("UPDATE messages SET status=? WHERE status=?", (STOPPED, STREAMING))
+
+    def close(self) -> None:
+        self._db.close()
+
+    # ----- conversations ---------------------------------------------------------------
+    def create_conversation(self, title: str = "New chat", system_prompt: str = "") -> str:
+        conv_id = uuid.uuid4().hex
+        now = time.time()
+        with self._db:
+            self._db.execute(
+                "INSERT INTO conversations VALUES (?, ?, ?, ?, ?)",
+                (conv_id, title, system_prompt, now, now),
+            )
+        return conv_id
+
+    def conversation(self, conv_id: str) -> Conversation | None:
+        row = self._db.execute(
+            "SELECT id, title, system_prompt, updated FROM conversations WHERE id=?", (conv_id,)
+        ).fetchone()
+        return Conversation(*row) if row else None
+
+    def conversations(self, search: str = "") -> list[Conversation]:
+        """Newest first; search matches the title or any message text (case-insensitive)."""
+        query = "SELECT id, title, system_prompt, updated FROM conversations"
+        args: tuple = ()
+        if search.strip():
+            pattern = f"%{_escape_like(search.strip())}%"
+            query += (
+                " WHERE title LIKE ? ESCAPE '\\' OR id IN (SELECT conversation_id FROM messages"
+                " WHERE content LIKE ? ESCAPE '\\')"
+            )
+            args = (pattern, pattern)
+        rows = self._db.execute(query + " ORDER BY updated DESC", args).fetchall()
+        return [Conversation(*row) for row in rows]
+
+    def rename(self, conv_id: str, title: str) -> None:
+        with self._db:
+            self._db.execute("UPDATE conversations SET title=? WHERE id=?", (title, conv_id))
+
+    def set_system_prompt(self, conv_id: str, system_prompt: str) -> None:
+        with self._db:
+            self._db.execute(
+                "UPDATE conversations SET system_prompt=? WHERE id=?", (system_prompt, conv_id)
+            )
+
+    def delete_conversation(self, conv_id: str) -> None:
+        with self._db:
+            self._db.execute("DELETE FROM conversations WHERE id=?", (conv_id,))
+
+    # ----- messages ----------------------------------------------------------------------
+    def add_message(
+        self, conv_id: str, role: str, content: str, *, status: str = DONE,
+        settings: dict | None = None,
+    ) -> int:
+        now = time.time()
+        with self._db:
+            cur = self._db.execute(
+                "INSERT INTO messages (conversation_id, role, content, status, settings_json,"
+                " created) VALUES (?, ?, ?, ?, ?, ?)",
+                (conv_id, role, content, status, _dumps(settings), now),
+            )
+            self._db.execute("UPDATE conversations SET updated=? WHERE id=?", (now, conv_id))
+        return int(cur.lastrowid)
+
+    def save_partial(self, message_id: int, content: str) -> None:
+        """Write a streaming reply's text so far (called in batches while it streams)."""
+        with self._db:
+            self._db.execute("UPDATE messages SET content=? WHERE id=?", (content, message_id))
+
+    def finish_message(
+        self, message_id: int, content: str, status: str, metrics: dict | None = None
+    ) -> None:
+        with self._db:
+            self._db.execute(
+                "UPDATE messages SET content=?, status=?, metrics_json=? WHERE id=?",
+                (content, status, _dumps(metrics), message_id),
+            )
+
+    def delete_message(self, message_id: int) -> None:
+        with self._db:
+            self._db.execute("DELETE FROM messages WHERE id=?", (message_id,))
+
+    def delete_from(self, conv_id: str, message_id: int) -> None:
+        """Delete a message and everything after it (edit & resend, regenerate)."""
+        with self._db:
+            self._db.execute(
+                "DELETE FROM messages WHERE conversation_id=? AND id>=?", (conv_id, message_id)
+            )
+
+    def messages(self, conv_id: str) -> list[Message]:
+        rows = self._db.execute(
+            "SELECT id, conversation_id, role, content, status, settings_json, metrics_json"
+            " FROM messages WHERE conversation_id=? ORDER BY id",
+            (conv_id,),
+        ).fetchall()
+        return [Message(*row[:5], _loads(row[5]), _loads(row[6])) for row in rows]
+
+    def message(self, message_id: int) -> Message | None:
+        row = self._db.execute(
+            "SELECT id, conversation_id, role, content, status, settings_json, metrics_json"
+            " FROM messages WHERE id=?",
+            (message_id,),
+        ).fetchone()
+        return Message(*row[:5], _loads(row[5]), _loads(row[6])) if row else None
+
+
+def _escape_like(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
+def _dumps(value: dict | None) -> str | None:
+    return None if value is None else json.dumps(value)
+
+
+def _loads(value: str | None) -> dict | None:
+    return None if value is None else json.loads(value)
