@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.setup-stamp
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run test lint bench package test-packaging clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -23,14 +23,26 @@ setup: $(STAMP)
 run: setup
 	$(VENV)/bin/phasewise
 
+# Packaging tests run the frozen bundle: `make test-packaging` after `make package`.
 test: setup
-	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q
+	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q -m "not packaging"
 
 lint: setup
 	$(VENV)/bin/ruff check .
 
 bench: setup
 	$(VENV)/bin/phasewise bench --vs hf
+
+# PyInstaller bundle + dist/phasewise_<version>_amd64.deb (CPU torch: the default TORCH).
+$(VENV)/.package-stamp: $(STAMP)
+	$(PIP) install --quiet -e ".[test,package]"
+	touch $@
+
+package: $(VENV)/.package-stamp
+	bash packaging/build.sh
+
+test-packaging: $(VENV)/.package-stamp
+	$(PY) -m pytest -q -m packaging tests/test_packaging.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

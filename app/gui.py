@@ -13,6 +13,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from app import __version__
+
 SMOKE_PROMPT = "What is the capital of France?"
 SMOKE_MAX_TOKENS = 64
 SMOKE_TIMEOUT_MS = 600_000  # the first start converts the GGUF (tens of seconds)
@@ -50,6 +52,7 @@ def run_gui(
     app = QApplication.instance() or QApplication([sys.argv[0] if sys.argv else "phasewise"])
     app.setOrganizationName("Phasewise")
     app.setApplicationName("Phasewise")
+    app.setApplicationVersion(__version__)
     apply_theme(app)
 
     scratch = tempfile.TemporaryDirectory(prefix="phasewise-smoke-") if smoke_test else None

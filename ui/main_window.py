@@ -7,11 +7,13 @@ end write the authoritative text, its settings and its metrics.
 
 from __future__ import annotations
 
+import contextlib
+import html
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer, Signal
+from PySide6.QtCore import QByteArray, QCoreApplication, QSettings, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QCloseEvent, QGuiApplication, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QDockWidget,
@@ -19,6 +21,7 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
     QMainWindow,
+    QMessageBox,
     QProgressBar,
     QPushButton,
     QSplitter,
@@ -44,7 +47,7 @@ from ui.controls import ControlsPanel
 from ui.hud import HudWidget
 from ui.model_picker import ModelPickerDialog
 from ui.sidebar import Sidebar
-from ui.store import DONE, STOPPED, STREAMING, ChatStore, Message
+from ui.store import DONE, STOPPED, STREAMING, ChatStore, Message, StoreError
 
 SAVE_INTERVAL_MS = 500  # how often a streaming reply's text is written to the database
 TITLE_CHARS = 48
@@ -110,6 +113,8 @@ class MainWindow(QMainWindow):
         if store.recovered_from is not None:
             self.notify(f"The chat database was damaged; it was backed up to "
                         f"{store.recovered_from.name} and a new one was started.")
+        if store.open_error is not None:
+            self.notify(f"Chats will not be saved this session: {store.open_error}.")
 
     # ----- construction ------------------------------------------------------------------
     def _build_widgets(self) -> None:
@@ -207,8 +212,27 @@ class MainWindow(QMainWindow):
         view_menu = self.menuBar().addMenu("&View")
         view_menu.addAction(self.settings_dock.toggleViewAction())
         view_menu.addAction(self.hud_dock.toggleViewAction())
+        help_menu = self.menuBar().addMenu("&Help")
+        help_menu.addAction("About Phasewise", self.show_about)
         self.addAction(self.new_action)
         QShortcut(QKeySequence(Qt.Key.Key_Escape), self, self.composer.escape)
+
+    def about_text(self) -> str:
+        """The About box: version (set by the app from pyproject) and the loaded model."""
+        version = QCoreApplication.applicationVersion() or "development build"
+        model = self.model_info
+        running = (
+            f"<p>Model: {html.escape(model.name)} on {model.device} ({model.dtype})</p>"
+            if model else ""
+        )
+        return (
+            f"<h3>Phasewise {version}</h3>"
+            "<p>Chat with local language models and see where the time goes: queue, "
+            "prefill and decode, live.</p>" + running
+        )
+
+    def show_about(self) -> None:
+        QMessageBox.about(self, "About Phasewise", self.about_text())
 
     def _wire(self) -> None:
         b = self.bridge
@@ -228,6 +252,7 @@ class MainWindow(QMainWindow):
         self.sidebar.sig_selected.connect(self.open_conversation)
         self.sidebar.sig_new.connect(self.new_chat)
         self.sidebar.sig_delete.connect(self.delete_conversation)
+        self.sidebar.sig_store_error.connect(self._on_store_error)
         self.controls.sig_setting_changed.connect(
             lambda name, value: self.hud.mark_setting_change(name, value, time.perf_counter_ns())
         )
@@ -273,7 +298,11 @@ class MainWindow(QMainWindow):
     def delete_conversation(self, conv_id: str) -> None:
         if self.reply and self.reply.conversation_id == conv_id:
             self.stop()
-        self.store.delete_conversation(conv_id)
+        try:
+            self.store.delete_conversation(conv_id)
+        except StoreError as exc:
+            self._on_store_error(str(exc))
+            return
         self.engine.drop_conversation(conv_id)
         if conv_id == self.conversation_id:
             self.new_chat()
@@ -293,7 +322,10 @@ class MainWindow(QMainWindow):
 
     def _on_system_prompt(self, text: str) -> None:
         if self.conversation_id is not None:
-            self.store.set_system_prompt(self.conversation_id, text)
+            try:
+                self.store.set_system_prompt(self.conversation_id, text)
+            except StoreError as exc:
+                self._on_store_error(str(exc))
 
     # ----- sending -------------------------------------------------------------------------
     def send(self, text: str) -> bool:
@@ -306,14 +338,16 @@ class MainWindow(QMainWindow):
             return self._refuse("No model is loaded yet: wait for loading to finish, "
                                 "or choose one with Model….")
         self.notice.hide()
-        conv_id = self._ensure_conversation(text)
-        if self._editing_message_id is not None:
-            self.store.delete_from(conv_id, self._editing_message_id)
-            self._leave_edit_mode()
-        user_id = self.store.add_message(conv_id, "user", text)
+        try:  # nothing is sent unless the message is saved; the composer keeps the text
+            conv_id = self._ensure_conversation(text)
+            if self._editing_message_id is not None:
+                self.store.delete_from(conv_id, self._editing_message_id)
+                self._leave_edit_mode()
+            user_id = self.store.add_message(conv_id, "user", text)
+        except StoreError as exc:
+            return self._refuse(self._store_message(str(exc)))
         self.composer.editor.clear()
-        self._start_reply(conv_id, user_id, text)
-        return True
+        return self._start_reply(conv_id, user_id, text)
 
     def regenerate(self, message_id: int) -> None:
         """Replace a reply with a new one from the same history (the prompt is all cached)."""
@@ -322,7 +356,11 @@ class MainWindow(QMainWindow):
         message = self.store.message(message_id)
         if message is None or message.role != "assistant":
             return
-        self.store.delete_from(message.conversation_id, message_id)
+        try:
+            self.store.delete_from(message.conversation_id, message_id)
+        except StoreError as exc:
+            self._on_store_error(str(exc))
+            return
         self._start_reply(message.conversation_id, None, "")
 
     def edit(self, message_id: int) -> None:
@@ -342,12 +380,18 @@ class MainWindow(QMainWindow):
         if self.reply is not None:
             self.engine.cancel(self.reply.request_id)
 
-    def _start_reply(self, conv_id: str, user_id: int | None, user_text: str) -> None:
+    def _start_reply(self, conv_id: str, user_id: int | None, user_text: str) -> bool:
         params = self.controls.params()
         request = GenerationRequest(self._history(conv_id), params, conversation_id=conv_id)
         settings = asdict(params) | {"model": self.model_info.name if self.model_info else ""}
-        reply_id = self.store.add_message(conv_id, "assistant", "", status=STREAMING,
-                                          settings=settings)
+        try:
+            reply_id = self.store.add_message(conv_id, "assistant", "", status=STREAMING,
+                                              settings=settings)
+        except StoreError as exc:
+            self._on_store_error(str(exc))
+            if conv_id == self.conversation_id:
+                self._render_conversation()
+            return False
         self.reply = ActiveReply(request.request_id, conv_id, reply_id, user_id, user_text)
         if conv_id == self.conversation_id:
             self._render_conversation()
@@ -357,6 +401,7 @@ class MainWindow(QMainWindow):
         self.sidebar.refresh()
         self.engine.submit(request)
         self.sig_reply_started.emit(request.request_id)
+        return True
 
     def _history(self, conv_id: str) -> list[ChatMessage]:
         conv = self.store.conversation(conv_id)
@@ -407,8 +452,15 @@ class MainWindow(QMainWindow):
             metrics.update(model=result.model.name, device=result.model.device,
                            dtype=result.model.dtype, context_length=result.model.context_length)
         status = FINISH_STATUS.get(result.finish_reason, DONE)
-        self.store.finish_message(reply.message_id, result.text, status, metrics)
-        self._after_reply(reply)
+        try:
+            self.store.finish_message(reply.message_id, result.text, status, metrics)
+        except StoreError as exc:
+            # The full reply stays on screen (not re-rendered from the store); what was
+            # saved before stays saved and is marked stopped on the next start.
+            self._on_store_error(str(exc))
+            self.sidebar.refresh()
+        else:
+            self._after_reply(reply)
         self.sig_reply_finished.emit(result)
 
     def _on_failed(self, event: RequestFailed) -> None:
@@ -416,13 +468,16 @@ class MainWindow(QMainWindow):
             return
         reply = self.reply
         self._end_reply()
-        self.store.delete_message(reply.message_id)
-        if reply.user_message_id is not None:
-            # The request never ran (e.g. too long for the context): take the message back
-            # into the composer so nothing typed is lost.
-            self.store.delete_message(reply.user_message_id)
-            if not self.composer.text().strip():
-                self.composer.set_text(reply.user_text)
+        try:
+            self.store.delete_message(reply.message_id)
+            if reply.user_message_id is not None:
+                # The request never ran (e.g. too long for the context) or broke off (out of
+                # memory): take the message back into the composer so nothing typed is lost.
+                self.store.delete_message(reply.user_message_id)
+        except StoreError:
+            pass  # the notice below matters more; a leftover row is marked stopped later
+        if reply.user_message_id is not None and not self.composer.text().strip():
+            self.composer.set_text(reply.user_text)
         self._after_reply(reply)
         self.notify(event.message)
         self.sig_reply_failed.emit(event.message)
@@ -440,7 +495,18 @@ class MainWindow(QMainWindow):
 
     def _save_partial(self) -> None:
         if self.reply is not None:
-            self.store.save_partial(self.reply.message_id, self.reply.text)
+            try:
+                self.store.save_partial(self.reply.message_id, self.reply.text)
+            except StoreError as exc:  # keep streaming; the next batch tries again
+                self._on_store_error(str(exc))
+
+    def _on_store_error(self, message: str) -> None:
+        self.notify(self._store_message(message))
+
+    @staticmethod
+    def _store_message(message: str) -> str:
+        return (f"Not saved: {message.rstrip('.')}. Chats saved earlier are safe; free some "
+                "disk space or check the file's permissions, then try again.")
 
     # ----- message actions -------------------------------------------------------------------
     def _on_message_action(self, action: str, message_id: int) -> None:
@@ -502,6 +568,9 @@ class MainWindow(QMainWindow):
             self.model_label.setText("no model")
             return
         self.model_label.setText(f"{info.name}  ·  {info.device}  ·  {info.dtype}")
+        if info.template_fallback:
+            self.notify(f"{info.name} has no chat template; using a plain "
+                        "'User: / Assistant:' format, so replies may be weaker.")
         self.controls.set_context_length(info.context_length)
         self._show_context_fill(self._visible_messages())
 
@@ -547,7 +616,8 @@ class MainWindow(QMainWindow):
             reply = self.reply
             self.engine.cancel(reply.request_id)
             self._end_reply()
-            self.store.finish_message(reply.message_id, reply.text, STOPPED)
+            with contextlib.suppress(StoreError):  # else the next start marks it stopped
+                self.store.finish_message(reply.message_id, reply.text, STOPPED)
         self.bridge.detach()
         self.save_settings()
         super().closeEvent(event)

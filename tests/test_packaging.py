@@ -1,0 +1,121 @@
+"""The installed app, as a user gets it: unpack the .deb and run the frozen bundle.
+
+Needs `make package` first (dist/phasewise_<version>_amd64.deb); run with
+`make test-packaging`. Every run uses a clean environment: an empty HOME, a minimal PATH,
+nothing from this virtualenv.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.packaging
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE_TIMEOUT_S = 600
+
+
+def _version() -> str:
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    match = re.search(r'^version = "([^"]+)"$', text, re.MULTILINE)
+    assert match, "no version in pyproject.toml"
+    return match.group(1)
+
+
+@pytest.fixture(scope="module")
+def deb() -> Path:
+    path = ROOT / "dist" / f"phasewise_{_version()}_amd64.deb"
+    if not path.is_file():
+        pytest.fail(f"{path.relative_to(ROOT)} is missing: run `make package` first")
+    return path
+
+
+@pytest.fixture(scope="module")
+def unpacked(deb: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("deb-root")
+    subprocess.run(["dpkg", "-x", str(deb), str(root)], check=True)
+    return root
+
+
+def _clean_env(home: Path, **extra: str) -> dict[str, str]:
+    return {"HOME": str(home), "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", **extra}
+
+
+def _tree(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+def test_control_file_and_layout(deb: Path, unpacked: Path) -> None:
+    fields = subprocess.run(["dpkg-deb", "-f", str(deb), "Package", "Version", "Architecture"],
+                            check=True, capture_output=True, text=True).stdout
+    assert fields.split("\n")[:3] == ["Package: phasewise", f"Version: {_version()}",
+                                      "Architecture: amd64"]
+    exe = unpacked / "opt/phasewise/phasewise"
+    assert exe.is_file() and os.access(exe, os.X_OK)
+    assert os.readlink(unpacked / "usr/bin/phasewise") == "/opt/phasewise/phasewise"
+    desktop = (unpacked / "usr/share/applications/phasewise.desktop").read_text()
+    assert "Exec=phasewise" in desktop and "Icon=phasewise" in desktop
+    assert (unpacked / "usr/share/icons/hicolor/scalable/apps/phasewise.svg").is_file()
+    model = unpacked / "opt/phasewise/_internal/models/SmolLM2-135M-Instruct"
+    assert (model / "phasewise-bundled.json").is_file()
+
+
+def test_frozen_smoke_test_offline_with_empty_home(unpacked: Path, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    before = _tree(unpacked / "opt")
+    proc = subprocess.run(
+        [str(unpacked / "opt/phasewise/phasewise"), "--smoke-test"],
+        env=_clean_env(home, QT_QPA_PLATFORM="offscreen"), cwd=tmp_path,
+        capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stdout
+    result = json.loads(lines[0])
+    assert result["ok"] is True
+    assert result["model"] == "SmolLM2-135M-Instruct"
+    assert result["device"] == "cpu"
+    assert "Paris" in result["reply"]
+    # The bundled model is used as shipped: no GGUF conversion into the user cache...
+    assert not list(home.rglob("*.safetensors"))
+    # ...and nothing is written inside the installation (user data lives in HOME).
+    assert _tree(unpacked / "opt") == before
+
+
+def test_frozen_app_without_display_prints_one_clear_line(unpacked: Path, tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [str(unpacked / "opt/phasewise/phasewise")],
+        env=_clean_env(tmp_path), capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 1
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("phasewise: error: no display found")
+
+
+def test_frozen_app_reports_a_damaged_bundled_model(unpacked: Path, tmp_path: Path) -> None:
+    # A copy of the bundled model with its weights cut short, put in place through the
+    # loader's override (copying the whole installation would cost a gigabyte).
+    shipped = unpacked / "opt/phasewise/_internal/models/SmolLM2-135M-Instruct"
+    damaged = tmp_path / "damaged"
+    shutil.copytree(shipped, damaged, ignore=shutil.ignore_patterns("model.safetensors"))
+    with (shipped / "model.safetensors").open("rb") as src:
+        (damaged / "model.safetensors").write_bytes(src.read(1 << 20))
+    proc = subprocess.run(
+        [str(unpacked / "opt/phasewise/phasewise"), "ask", "hello"],
+        env=_clean_env(tmp_path, PHASEWISE_BUNDLED_MODEL=str(damaged)),
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert "bundled default model is damaged" in proc.stderr
+    assert "choose another model" in proc.stderr
