@@ -14,6 +14,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from app import __version__
+from app.remote_cli import (
+    add_backend_options,
+    add_serve_parser,
+    bench_remote,
+    open_engine,
+    report_remote_outcome,
+)
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -55,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_options(ask)
     ask.add_argument("--system", help="system prompt")
     ask.add_argument("--json", action="store_true", help="print one JSON object last")
+    ask.add_argument("--speculative", choices=["ngram"], default=None,
+                     help="prompt-lookup speculative decoding (greedy only; same output)")
     ask.add_argument("prompt", nargs="+", help="the prompt ('-' reads standard input)")
     ask.set_defaults(handler=cmd_ask)
 
@@ -69,7 +78,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also run a peer in the same process: hf = transformers generate()")
     bench.add_argument("--turns", type=int, default=0,
                        help="run a scripted K-turn chat instead, measuring the prefix cache")
+    bench.add_argument("--batch", type=int, nargs="+", metavar="B",
+                       help="decode B requests per step for each B given (e.g. 1 2 4 8): "
+                            "per-token latency and total throughput")
+    bench.add_argument("--speculative", action="store_true",
+                       help="also decode with prompt-lookup drafts; report acceptance, speedup")
     bench.set_defaults(handler=cmd_bench)
+    # Remote backends and `serve` (app/remote_cli.py).
+    for command in (parser, ask, bench):
+        add_backend_options(command)
+    add_serve_parser(sub, add_model_options)
     return parser
 
 
@@ -83,6 +101,11 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="allow fetching a hub model (offline otherwise)")
     parser.add_argument("--allow-pickle", action="store_true",
                         help="allow pickle (.bin) checkpoints, which can run code")
+    # Not argparse choices: listing them would import torch before --help could print.
+    parser.add_argument("--kernel", default="auto",
+                        help="decode path: auto (measured once per model and CPU: the fastest "
+                             "that passes the quality guard) | fp32-eager | int8-dynamic | "
+                             "bf16-eager | fp16-eager")
 
 
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -105,15 +128,15 @@ def model_options(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_gui(args: argparse.Namespace) -> int:
     from app.gui import run_gui
 
-    return run_gui(args.model, device=args.device, dtype=args.dtype,
-                   allow_download=args.allow_download, smoke_test=args.smoke_test)
+    return run_gui(args.model, device=args.device, dtype=args.dtype, kernel=args.kernel,
+                   allow_download=args.allow_download, smoke_test=args.smoke_test,
+                   backend=args.backend, backend_model=args.backend_model)
 
 
 # ----- phasewise ask -------------------------------------------------------------------------
 def cmd_ask(args: argparse.Namespace) -> int:
     from engine import (
         ChatMessage,
-        Engine,
         GenerationRequest,
         ModelLoadError,
         PhasewiseError,
@@ -130,15 +153,18 @@ def cmd_ask(args: argparse.Namespace) -> int:
     )
     messages = ([ChatMessage("system", args.system)] if args.system else [])
     messages.append(ChatMessage("user", text))
-    request = GenerationRequest(messages=messages, params=params, conversation_id="cli")
+    request = GenerationRequest(messages=messages, params=params, conversation_id="cli",
+                                speculative=args.speculative)
     try:
         request.validate()  # fail before the model loads
     except PhasewiseError as exc:
         raise CliError(str(exc)) from None
 
-    with Engine() as engine:
+    with open_engine(args) as engine:  # local, or remote with --backend
+        if sys.stderr.isatty():  # first start converts the model: say what is happening
+            engine.add_listener(show_loading_stage)
         try:
-            engine.load_model_sync(args.model, **model_options(args))
+            engine.load_model_sync(args.model, kernel=args.kernel, **model_options(args))
         except ModelLoadError as exc:
             raise CliError(str(exc)) from None
         handle = engine.submit(request)
@@ -157,25 +183,40 @@ def cmd_ask(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     if args.json:
         print(json.dumps(result.to_json_dict()))
+    if report_remote_outcome(result):  # a remote reply broke off: partial text was kept
+        return EXIT_ERROR
     return EXIT_CANCELLED if result.finish_reason == "cancelled" else 0
+
+
+def show_loading_stage(event: object) -> None:
+    from engine import ModelLoading
+
+    if isinstance(event, ModelLoading):
+        print(f"phasewise: {event.stage}", file=sys.stderr, flush=True)
 
 
 # ----- phasewise bench -----------------------------------------------------------------------
 def cmd_bench(args: argparse.Namespace) -> int:
     from engine import ModelLoadError, PhasewiseError
-    from engine.bench import bench_decode, bench_turns
+    from engine.bench import bench_batch, bench_decode, bench_turns
+    from engine.kernels import select_kernel
     from engine.loader import load_model
 
     if args.max_tokens < 2:
         raise CliError(f"--max-tokens must be >= 2 to measure decode (got {args.max_tokens})")
     if args.prompt_tokens < 1 or args.repeats < 1 or args.turns < 0:
         raise CliError("--prompt-tokens and --repeats must be >= 1, --turns >= 0")
+    if args.batch and min(args.batch) < 1:
+        raise CliError(f"--batch sizes must be >= 1 (got {min(args.batch)})")
+    if args.backend:
+        return bench_remote(args)
 
     def progress(stage: str) -> None:
         print(f"  {stage}", file=sys.stderr, flush=True)
 
     try:
-        loaded = load_model(args.model, progress=progress, **model_options(args))
+        reference = load_model(args.model, progress=progress, **model_options(args))
+        loaded = select_kernel(reference, args.kernel, progress=progress)
     except ModelLoadError as exc:
         raise CliError(str(exc)) from None
     if args.prompt_tokens + args.max_tokens > loaded.info.context_length:
@@ -184,14 +225,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"model's context of {loaded.info.context_length} tokens"
         )
     try:
-        if args.turns:
+        if args.batch:
+            report = bench_batch(loaded, batch_sizes=tuple(args.batch),
+                                 prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
+                                 rounds=args.repeats, progress=progress)
+            print_batch_table(report)
+        elif args.turns:
             report = bench_turns(loaded, turns=args.turns, max_tokens=args.max_tokens,
                                  progress=progress)
             print_turns_table(report)
         else:
             report = bench_decode(loaded, prompt_tokens=args.prompt_tokens,
                                   max_tokens=args.max_tokens, repeats=args.repeats,
-                                  vs_hf="hf" in args.vs, progress=progress)
+                                  vs_hf="hf" in args.vs, speculative=args.speculative,
+                                  hf_reference=reference, progress=progress)
             print_decode_table(report)
     except PhasewiseError as exc:
         raise CliError(str(exc)) from None
@@ -213,11 +260,27 @@ def print_decode_table(r: dict[str, Any]) -> None:
     ]
     if "hf_decode_tok_s" in r:
         rows.append(("transformers generate()", f"{r['hf_decode_tok_s']:.1f} tok/s decode, "
-                                                f"TTFT {r['hf_ttft_s'] * 1e3:.1f} ms"))
+                                                f"TTFT {r['hf_ttft_s'] * 1e3:.1f} ms "
+                                                f"({r['hf_kernel']})"))
         rows.append(("decode ratio vs generate()", f"x{r['decode_ratio_vs_hf']:.2f}"))
+    if "spec_decode_tok_s" in r:
+        rows.append(("speculative (ngram)", f"{r['spec_decode_tok_s']:.1f} tok/s decode, "
+                                            f"x{r['spec_speedup']:.2f} vs plain, accepted "
+                                            f"{r['spec_accepted']}/{r['spec_proposed']} "
+                                            f"({r['spec_accept_rate']:.0%})"))
+        rows.append(("speculative output = plain", str(r["spec_output_identical"])))
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
+
+
+def print_batch_table(r: dict[str, Any]) -> None:
+    print(f"\n{r['model']} on {r['device']} ({r['kernel']}): requests sharing each decode "
+          f"step; prompt {r['prompt_tokens']} tokens, {r['max_tokens']} decoded")
+    print("  batch  per-token latency ms  total tok/s  throughput vs first")
+    for b in r["batches"]:
+        print(f"  {b['batch']:>5}  {b['per_token_latency_ms']:>20.1f}  {b['total_tok_s']:>11.1f}"
+              f"  {b['throughput_vs_first']:>18.2f}x")
 
 
 def print_turns_table(r: dict[str, Any]) -> None:

@@ -35,6 +35,8 @@ def run_gui(
     kernel: str = "auto",
     allow_download: bool = False,
     smoke_test: bool = False,
+    backend: str | None = None,
+    backend_model: str | None = None,
 ) -> int:
     """Open the chat window and run until it closes; returns the process exit code."""
     if not has_display():
@@ -45,6 +47,8 @@ def run_gui(
     from PySide6.QtWidgets import QApplication
 
     from engine import Engine
+    from engine.backends import BackendRouter
+    from engine.remote import REMOTE_SPEC
     from ui.main_window import MainWindow
     from ui.store import ChatStore
     from ui.theme import apply_theme
@@ -62,13 +66,16 @@ def run_gui(
     else:
         store = ChatStore()
         settings = QSettings()
-    engine = Engine().start()
+    engine = BackendRouter(Engine()).start()  # local models and remote backends
     try:
         window = MainWindow(engine, store, settings, load_options={
             "device": device, "dtype": dtype, "kernel": kernel, "allow_download": allow_download})
         window.show()
         smoke = _SmokeTest(window) if smoke_test else None
-        window.load_model(model)
+        if backend:
+            window.load_model(REMOTE_SPEC, base_url=backend, model=backend_model)
+        else:
+            window.load_model(model)
         code = app.exec()
         if smoke is not None:
             code = smoke.exit_code

@@ -49,6 +49,7 @@ def run_ours(
     cache: PrefixCache | None = None,
     conversation_id: str | None = None,
     reuse_cache: bool = True,
+    speculative: str | None = None,
 ) -> GenerationResult:
     """One greedy request of exactly max_tokens tokens through the engine's decode loop."""
     pool = cache or PrefixCache(loaded.model.config, budget_bytes=1 << 40)
@@ -58,6 +59,7 @@ def run_ours(
         conversation_id=conversation_id,
         prompt_token_ids=prompt_ids,
         reuse_cache=reuse_cache,
+        speculative=speculative,
     )
     timeline = RequestTimeline(submitted_ns=now_ns())
     return DecodeSession(loaded, pool).run(request, timeline, threading.Event(), lambda _e: None)
@@ -102,25 +104,34 @@ def bench_decode(
     max_tokens: int = 64,
     repeats: int = 3,
     vs_hf: bool = False,
+    speculative: bool = False,
+    hf_reference: LoadedModel | None = None,
     progress: Callable[[str], None] = lambda _m: None,
 ) -> dict[str, Any]:
     """Cold TTFT, prefill tok/s, decode tok/s and ITL percentiles; medians over repeats.
 
-    Runs alternate ours / generate() so drift in machine load hits both alike.
+    Runs alternate ours / generate() (/ ours with speculative drafts) so drift in machine load
+    hits all alike. generate() runs on hf_reference (the model as loaded, before a fast
+    kernel) when given, so the ratio is against stock transformers.
     """
+    hf_model = hf_reference or loaded
     prompt_ids = fixed_prompt_ids(loaded, prompt_tokens)
     progress("warm-up")
     run_ours(loaded, prompt_ids[:16], 4)
     if vs_hf:
-        hf_generate_seconds(loaded, prompt_ids[:16], 4)
+        hf_generate_seconds(hf_model, prompt_ids[:16], 4)
     ours: list[GenerationResult] = []
     theirs: list[HfResult] = []
+    spec: list[GenerationResult] = []
     for i in range(repeats):
         progress(f"run {i + 1}/{repeats}: phasewise")
         ours.append(run_ours(loaded, prompt_ids, max_tokens))
         if vs_hf:
             progress(f"run {i + 1}/{repeats}: transformers generate()")
-            theirs.append(run_hf(loaded, prompt_ids, max_tokens))
+            theirs.append(run_hf(hf_model, prompt_ids, max_tokens))
+        if speculative:
+            progress(f"run {i + 1}/{repeats}: phasewise, speculative (ngram)")
+            spec.append(run_ours(loaded, prompt_ids, max_tokens, speculative="ngram"))
     itl = [x for r in ours for x in r.metrics.itl_s]
     med = statistics.median
     report: dict[str, Any] = {
@@ -144,12 +155,36 @@ def bench_decode(
         "parameters": loaded.info.parameters,
     }
     if vs_hf:
+        report["hf_kernel"] = hf_model.info.kernel
         report["hf_ttft_s"] = med(h.ttft_s for h in theirs)
         report["hf_decode_tok_s"] = med(h.decode_tok_s for h in theirs)
         report["decode_ratio_vs_hf"] = (
             report["decode_tok_s"] / report["hf_decode_tok_s"] if report["hf_decode_tok_s"] else 0.0
         )
+    if speculative:
+        report.update(speculative_summary(ours, spec))
     return report
+
+
+def speculative_summary(plain: list[GenerationResult], spec: list[GenerationResult]
+                        ) -> dict[str, Any]:
+    """Acceptance and speedup of prompt-lookup decoding against plain runs of the same
+    prompt; spec_output_identical checks the greedy outputs match token for token."""
+    proposed = sum(r.spec_proposed for r in spec)
+    accepted = sum(r.spec_accepted for r in spec)
+    rate = statistics.median(r.metrics.decode_tok_s for r in spec)
+    plain_rate = statistics.median(r.metrics.decode_tok_s for r in plain)
+    return {
+        "spec_method": "ngram",
+        "spec_decode_tok_s": rate,
+        "spec_speedup": rate / plain_rate if plain_rate else 0.0,
+        "spec_e2e_speedup": (statistics.median(r.metrics.e2e_s for r in plain)
+                             / statistics.median(r.metrics.e2e_s for r in spec)),
+        "spec_proposed": proposed,
+        "spec_accepted": accepted,
+        "spec_accept_rate": accepted / proposed if proposed else 0.0,
+        "spec_output_identical": all(s.token_ids == plain[0].token_ids for s in spec),
+    }
 
 
 TURN_QUESTIONS = (
@@ -231,3 +266,48 @@ def bench_turns(
 
 def fixed_text(loaded: LoadedModel, n_tokens: int) -> str:
     return loaded.tokenizer.decode(fixed_prompt_ids(loaded, n_tokens))
+
+
+@torch.inference_mode()
+def bench_batch(
+    loaded: LoadedModel,
+    *,
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8),
+    prompt_tokens: int = 64,
+    max_tokens: int = 32,
+    rounds: int = 2,
+    progress: Callable[[str], None] = lambda _m: None,
+) -> dict[str, Any]:
+    """Decode B requests in one batch per step: per-token latency and total throughput.
+
+    Each request is a different window of the fixed passage, all of one length (no padding).
+    Batch sizes alternate round by round; each step's time is the median over the rounds.
+    """
+    from transformers import DynamicCache
+
+    stride = 7
+    source = fixed_prompt_ids(loaded, prompt_tokens + stride * max(batch_sizes))
+    step_s: dict[int, list[float]] = {b: [] for b in batch_sizes}
+    for r in range(rounds):
+        for b in batch_sizes:
+            progress(f"round {r + 1}/{rounds}: batch {b}")
+            prompts = [source[i * stride : i * stride + prompt_tokens] for i in range(b)]
+            cache = DynamicCache(config=loaded.model.config)
+            logits = loaded.model(input_ids=torch.tensor(prompts, device=loaded.device),
+                                  cache=cache, use_cache=True, logits_to_keep=1).logits
+            for _ in range(max_tokens - 1):
+                step = logits[:, -1].argmax(-1, keepdim=True)
+                start = time.perf_counter()
+                logits = loaded.model(input_ids=step, cache=cache, use_cache=True,
+                                      logits_to_keep=1).logits
+                logits[:, -1].argmax(-1).tolist()  # the tokens reach the host, as in serving
+                step_s[b].append(time.perf_counter() - start)
+    base = statistics.median(step_s[batch_sizes[0]]) / batch_sizes[0]
+    rows = []
+    for b in batch_sizes:
+        step = statistics.median(step_s[b])
+        rows.append({"batch": b, "per_token_latency_ms": step * 1e3,
+                     "total_tok_s": b / step, "throughput_vs_first": base * b / step})
+    return {"model": loaded.info.name, "device": loaded.info.device,
+            "kernel": loaded.info.kernel, "prompt_tokens": prompt_tokens,
+            "max_tokens": max_tokens, "rounds": rounds, "batches": rows}

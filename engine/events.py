@@ -106,6 +106,14 @@ class GenerationResult:
     metrics: RequestMetrics
     model: ModelInfo | None = None
     error: str | None = None
+    notice: str | None = None  # one line for the user that is not an error (remote backends)
+    speculative: str | None = None  # the draft method that ran, None for plain decoding
+    spec_proposed: int = 0  # draft tokens proposed
+    spec_accepted: int = 0  # draft tokens the model confirmed
+
+    @property
+    def spec_accept_rate(self) -> float:
+        return self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0
 
     def to_json_dict(self) -> dict:
         """The `ask --json` object: text, finish reason, metrics and model fields, flat."""
@@ -113,6 +121,8 @@ class GenerationResult:
         out.update(self.metrics.to_dict())
         out["prompt_token_ids"] = self.prompt_token_ids
         out["output_token_ids"] = self.token_ids
+        out.update(speculative=self.speculative, spec_proposed=self.spec_proposed,
+                   spec_accepted=self.spec_accepted, spec_accept_rate=self.spec_accept_rate)
         if self.model is not None:
             out.update(
                 model=self.model.name,
@@ -123,6 +133,8 @@ class GenerationResult:
             )
         if self.error:
             out["error"] = self.error
+        if self.notice:
+            out["notice"] = self.notice
         return out
 
 

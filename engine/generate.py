@@ -28,8 +28,9 @@ from engine.events import (
 from engine.loader import LoadedModel
 from engine.metrics import RequestTimeline, compute_metrics
 from engine.params import GenerationRequest
-from engine.prefix_cache import CacheLease, PrefixCache, PromptLayout
+from engine.prefix_cache import CacheLease, PrefixCache, PromptLayout, crop_to
 from engine.sampling import make_generator, sample_token, sampler_view
+from engine.speculative import DRAFT_TOKENS, PromptLookup, SpecStats
 
 Emit = Callable[[EngineEvent], None]
 SNAPSHOT_INTERVAL_NS = 100_000_000  # sampler snapshots at most 10 per second
@@ -159,32 +160,50 @@ class DecodeSession:
         finish: FinishReason = "length"
         self._last_snapshot_ns = 0
 
+        lookup = PromptLookup(prompt_ids) if self._speculates(request) else None
+        stats = SpecStats()
         if cancel.is_set():
             finish = "cancelled"
         else:
-            logits = self._forward(prompt_ids[lease.cached_tokens :], lease)
+            rows = self._forward(prompt_ids[lease.cached_tokens :], lease, rows=1)
             timeline.first_logits_ns = now_ns()
+            draft: list[int] = []
             while True:
-                seen = prompt_ids + generated if params.repetition_penalty != 1.0 else ()
-                token = sample_token(logits, params, generator, seen)
-                self._maybe_snapshot(emit, request, logits, token, len(generated))
-                generated.append(token)
-                if token in self.eos_ids and not params.ignore_eos:
-                    text = stopper.feed(detok.flush()) + stopper.flush()
-                    self._emit_token(emit, request, timeline, token, text)
-                    finish = "stop"
+                # Walk the verified rows: row j's token is final; it continues the walk only
+                # when it equals draft[j] (then row j + 1 was computed on the right prefix).
+                accepted = 0
+                outcome: FinishReason | None = None
+                for j, logits in enumerate(rows):
+                    seen = prompt_ids + generated if params.repetition_penalty != 1.0 else ()
+                    token = sample_token(logits, params, generator, seen)
+                    self._maybe_snapshot(emit, request, logits, token, len(generated))
+                    generated.append(token)
+                    if lookup is not None:
+                        lookup.append(token)
+                    outcome = self._emit_checked(emit, request, timeline, token, detok, stopper,
+                                                 params.ignore_eos)
+                    if outcome is None and len(generated) >= budget:
+                        outcome = "length"
+                    if outcome is None and cancel.is_set():
+                        outcome = "cancelled"
+                    if outcome is not None or j >= len(draft) or token != draft[j]:
+                        break
+                    accepted += 1
+                stats.accepted += accepted
+                if draft:
+                    # The cache holds the last step's input token plus the whole draft.
+                    self._trim(lease, len(lease.ids) - len(draft) + accepted)
+                if outcome is not None:
+                    finish = outcome
                     break
-                text = stopper.feed(detok.push(token))
-                self._emit_token(emit, request, timeline, token, text)
-                if stopper.stopped:
-                    finish = "stop"
-                    break
-                if len(generated) >= budget:
-                    break
-                if cancel.is_set():
-                    finish = "cancelled"
-                    break
-                logits = self._forward([token], lease)
+                room = budget - len(generated) - 1
+                draft = lookup.propose(min(DRAFT_TOKENS, room)) if lookup is not None else []
+                if draft:
+                    stats.proposed += len(draft)
+                    stats.verify_steps += 1
+                rows = self._forward([token, *draft], lease, rows=1 + len(draft))
+        # Plain decoding never feeds the last emitted token; a draft may have gone further.
+        self._trim(lease, len(prompt_ids) + max(len(generated) - 1, 0))
         if finish != "stop":
             tail = stopper.feed(detok.flush()) + stopper.flush()
             if tail:
@@ -206,18 +225,54 @@ class DecodeSession:
             prompt_token_ids=prompt_ids,
             metrics=metrics,
             model=self.loaded.info,
+            speculative=request.speculative if lookup is not None else None,
+            spec_proposed=stats.proposed,
+            spec_accepted=stats.accepted,
         )
 
-    def _forward(self, ids: list[int], lease: CacheLease) -> torch.Tensor:
-        """Run ids through the model on top of the lease's cache; return last-position logits."""
+    def _forward(self, ids: list[int], lease: CacheLease, rows: int = 1) -> torch.Tensor:
+        """Run ids through the model on top of the lease's cache; return the logits of the
+        last `rows` positions, shape (rows, vocab)."""
         input_ids = torch.tensor([ids], device=self.loaded.device)
         out = self.loaded.model(input_ids=input_ids, cache=lease.cache, use_cache=True,
-                                logits_to_keep=1)
+                                logits_to_keep=rows)
         lease.ids.extend(ids)
-        logits = out.logits[0, -1]
+        logits = out.logits[0, -rows:]
         if logits.device.type == "cuda":
             torch.cuda.synchronize(logits.device)
         return logits
+
+    @staticmethod
+    def _trim(lease: CacheLease, length: int) -> None:
+        """Drop cached positions from `length` on, keeping lease.ids equal to the cache."""
+        if len(lease.ids) > length:
+            crop_to(lease.cache, length)
+            del lease.ids[length:]
+
+    @staticmethod
+    def _speculates(request: GenerationRequest) -> bool:
+        """Prompt-lookup drafts run for greedy requests only: greedy verification keeps the
+        output identical to plain decoding; sampled requests decode plainly."""
+        return request.speculative == "ngram" and request.params.greedy
+
+    def _emit_checked(
+        self,
+        emit: Emit,
+        request: GenerationRequest,
+        timeline: RequestTimeline,
+        token: int,
+        detok: IncrementalDetokenizer,
+        stopper: StopMatcher,
+        ignore_eos: bool,
+    ) -> FinishReason | None:
+        """Emit one token's text; return "stop" if it ends the reply (EOS or a stop string)."""
+        if token in self.eos_ids and not ignore_eos:
+            text = stopper.feed(detok.flush()) + stopper.flush()
+            self._emit_token(emit, request, timeline, token, text)
+            return "stop"
+        text = stopper.feed(detok.push(token))
+        self._emit_token(emit, request, timeline, token, text)
+        return "stop" if stopper.stopped else None
 
     def _maybe_snapshot(
         self, emit: Emit, request: GenerationRequest, logits: torch.Tensor, token: int, index: int

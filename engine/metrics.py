@@ -56,6 +56,9 @@ class RequestMetrics:
     itl_p90_s: float
     itl_p99_s: float
     cache_miss_reason: str = "first_turn"
+    # False when a remote server did not report the count (the number above is then 0).
+    prompt_tokens_known: bool = True
+    cached_tokens_known: bool = True
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -71,9 +71,15 @@ class GenerationRequest:
     overflow: Literal["refuse", "drop_oldest"] = "refuse"
     # False computes the whole prompt cold (benchmarks, cached-vs-cold checks).
     reuse_cache: bool = True
+    # "ngram": prompt-lookup speculative decoding (greedy requests only; the output is
+    # identical to plain decoding). None decodes one token per step.
+    speculative: Literal["ngram"] | None = None
 
     def validate(self) -> None:
         self.params.validate()
+        if self.speculative not in (None, "ngram"):
+            raise InvalidRequestError(
+                f"unknown speculative method {self.speculative!r} (use 'ngram')")
         if self.prompt_token_ids is not None:
             if not self.prompt_token_ids:
                 raise InvalidRequestError("prompt is empty")

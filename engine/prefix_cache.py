@@ -90,6 +90,7 @@ class PrefixCache:
         self._entries: OrderedDict[str, CacheEntry] = OrderedDict()  # LRU order: oldest first
         self._evicted: set[str] = set()
         self._model_changed: set[str] = set()
+        self._leased: set[str] = set()  # handed out and not yet back (lost if a request failed)
         self.evictions = 0
 
     @property
@@ -108,6 +109,13 @@ class PrefixCache:
         self._entries.clear()
         self._evicted.clear()
 
+    def evict_all(self) -> None:
+        """Free every entry (after an out-of-memory error); each chat's next turn says
+        "evicted"."""
+        self.evictions += len(self._entries)
+        self._evicted |= set(self._entries) | self._leased
+        self._entries.clear()
+
     def drop(self, conversation_id: str) -> None:
         self._entries.pop(conversation_id, None)
 
@@ -120,6 +128,9 @@ class PrefixCache:
         """A cache holding the longest reusable prefix of prompt_ids (at most len - 1 tokens,
         so the model always runs at least one token for fresh logits)."""
         conv = conversation_id or f"anon-{next(_anonymous)}"
+        if conv in self._leased:  # the last request of this chat failed and lost its cache
+            self._evicted.add(conv)
+        self._leased.add(conv)
         limit = len(prompt_ids) - 1
         own = self._entries.pop(conv, None)
         own_len = min(common_prefix_len(own.ids, prompt_ids), limit) if own else 0
@@ -146,10 +157,12 @@ class PrefixCache:
         """An empty cache for a request that must not reuse anything."""
         conv = conversation_id or f"anon-{next(_anonymous)}"
         self._entries.pop(conv, None)
+        self._leased.add(conv)
         return CacheLease(conv, [], DynamicCache(config=self._config), 0, "disabled")
 
     def release(self, lease: CacheLease) -> None:
         """Give a lease's cache back to the pool, then evict down to the budget."""
+        self._leased.discard(lease.conversation_id)
         nbytes = cache_nbytes(lease.cache)
         if not lease.ids or lease.cache.get_seq_length() != len(lease.ids):
             return

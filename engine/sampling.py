@@ -34,7 +34,10 @@ def apply_repetition_penalty(
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities after temperature, top-k, top-p and min-p (renormalised), float32."""
-    scaled = logits.float() / params.temperature
+    # Shift by the max first: softmax is unchanged, and a tiny temperature cannot overflow
+    # finite logits to +inf (inf - inf would turn into NaN probabilities).
+    shifted = logits.float() - logits.float().max(dim=-1, keepdim=True).values
+    scaled = shifted / params.temperature
     if params.top_k > 0 and params.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, params.top_k).values[..., -1, None]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -54,8 +57,12 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 
 def check_logits(logits: torch.Tensor) -> None:
+    """Refuse logits no token can be honestly drawn from (a numerical fault upstream)."""
     if torch.isnan(logits).any():
         raise SamplingError("the model produced NaN logits; cannot pick a token")
+    if torch.isposinf(logits).any():
+        raise SamplingError("the model produced infinite logits (a numerical overflow); "
+                            "cannot pick a token")
     if torch.isneginf(logits).all():
         raise SamplingError("every token has probability 0 (all logits are -inf)")
 
@@ -69,6 +76,7 @@ def sample_token(
     """Pick the next token id from a 1-D logits vector."""
     check_logits(logits)
     logits = apply_repetition_penalty(logits, previous_ids, params.repetition_penalty)
+    check_logits(logits)  # an extreme penalty can overflow a logit
     if params.greedy:
         return int(torch.argmax(logits))
     probs = filtered_probs(logits, params)
@@ -82,7 +90,8 @@ def sampler_view(
 
     For greedy decoding the probabilities are the plain softmax and only the argmax survives.
     """
-    scaled = logits.float() / (params.temperature if params.temperature > 0 else 1.0)
+    shifted = logits.float() - logits.float().max(dim=-1, keepdim=True).values
+    scaled = shifted / (params.temperature if params.temperature > 0 else 1.0)
     probs = torch.softmax(scaled, dim=-1)
     top = torch.topk(probs, min(k, probs.shape[-1]))
     if params.greedy:

@@ -7,6 +7,7 @@ through each handle's own event queue. Cancellation is cooperative, checked betw
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -14,6 +15,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from engine.errors import ModelLoadError, PhasewiseError
 from engine.events import (
@@ -28,6 +31,7 @@ from engine.events import (
     RequestQueued,
 )
 from engine.generate import DecodeSession, now_ns, warm_up
+from engine.kernels import AUTO, select_kernel
 from engine.loader import LoadedModel, load_model
 from engine.metrics import RequestTimeline
 from engine.params import GenerationRequest
@@ -36,6 +40,22 @@ from engine.prefix_cache import PrefixCache
 log = logging.getLogger(__name__)
 Listener = Callable[[EngineEvent], None]
 _STOP = object()
+
+
+OUT_OF_MEMORY_MESSAGE = (
+    "out of memory while generating; cached prompts were freed. Try again, or use a shorter "
+    "chat, fewer max tokens or a smaller model"
+)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch's OutOfMemoryError (a RuntimeError), the CPU allocator's RuntimeError, MemoryError."""
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and (
+        "out of memory" in text or "can't allocate memory" in text
+    )
 
 
 def default_cache_budget(device_type: str) -> int:
@@ -139,6 +159,11 @@ class Engine:
     def add_listener(self, listener: Listener) -> None:
         self._listeners.append(listener)
 
+    def remove_listener(self, listener: Listener) -> None:
+        """Stop calling listener (its owner is going away); unknown listeners are ignored."""
+        with contextlib.suppress(ValueError):
+            self._listeners.remove(listener)
+
     @property
     def model_info(self) -> ModelInfo | None:
         return self._loaded.info if self._loaded else None
@@ -150,7 +175,10 @@ class Engine:
 
     # ----- commands (any thread) ---------------------------------------------------------
     def load_model(self, spec: str = "default", **options: Any) -> threading.Event:
-        """Queue a model load; on failure the old model stays. Returns an event set when done."""
+        """Queue a model load; on failure the old model stays. Returns an event set when done.
+
+        options: load_model's keywords, plus kernel="auto" (measure and pick the fastest
+        decode path) or a name from engine.kernels.KERNELS."""
         done = threading.Event()
         self._inbox.put(_LoadCommand(spec, options, done))
         return done
@@ -211,11 +239,11 @@ class Engine:
 
     def _load(self, cmd: _LoadCommand) -> None:
         start = time.perf_counter()
+        options = dict(cmd.options)
+        kernel = options.pop("kernel", AUTO)
         try:
-            loaded = load_model(
-                cmd.spec, progress=lambda stage: self._broadcast(ModelLoading(now_ns(), stage)),
-                **cmd.options,
-            )
+            loaded = load_model(cmd.spec, progress=self._load_progress, **options)
+            loaded = select_kernel(loaded, kernel, progress=self._load_progress)
             self._broadcast(ModelLoading(now_ns(), "warming up"))
             warm_up(loaded)
         except PhasewiseError as exc:
@@ -235,6 +263,9 @@ class Engine:
         self._broadcast(ModelLoaded(now_ns(), loaded.info, time.perf_counter() - start))
         cmd.done.set()
 
+    def _load_progress(self, stage: str) -> None:
+        self._broadcast(ModelLoading(now_ns(), stage))
+
     def _fail_load(self, message: str, cmd: _LoadCommand) -> None:
         self.last_load_error = message
         self._broadcast(ModelLoadFailed(now_ns(), message))
@@ -252,12 +283,24 @@ class Engine:
         except PhasewiseError as exc:
             self._deliver(job, RequestFailed(request_id, now_ns(), str(exc)))
         except Exception as exc:
-            log.exception("request %s failed", request_id)
-            message = f"generation failed: {type(exc).__name__}: {exc}".splitlines()[0]
+            if is_out_of_memory(exc):
+                log.warning("request %s ran out of memory; freeing the prefix cache", request_id)
+                self._free_memory()
+                message = OUT_OF_MEMORY_MESSAGE
+            else:
+                log.exception("request %s failed", request_id)
+                message = f"generation failed: {type(exc).__name__}: {exc}".splitlines()[0]
             self._deliver(job, RequestFailed(request_id, now_ns(), message))
         finally:
             with self._lock:
                 self._active.pop(request_id, None)
+
+    def _free_memory(self) -> None:
+        """After an out-of-memory error: drop every cached prefix and return freed blocks."""
+        if self._prefix_cache is not None:
+            self._prefix_cache.evict_all()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def _deliver(self, job: _Job, event: EngineEvent) -> None:
         job.handle._deliver(event)

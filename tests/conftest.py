@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from engine import Engine
 from tests.tiny_model import build_tiny_model
+
+# Fuzz tests: modest and repeatable in CI; HYPOTHESIS_PROFILE=deep digs further by hand.
+settings.register_profile(
+    "ci", max_examples=40, deadline=None, database=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("deep", max_examples=2000, deadline=None, database=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(scope="session")
@@ -28,9 +38,10 @@ def tiny_model_no_template_dir(tmp_path_factory: pytest.TempPathFactory) -> Path
 
 @pytest.fixture
 def tiny_engine(tiny_model_dir: Path) -> Iterator[Engine]:
-    """A started engine with the tiny model loaded."""
+    """A started engine with the tiny model loaded (fp32-eager: the same path every run,
+    and no timing probe; tests/test_kernels.py covers kernel="auto")."""
     with Engine(cache_budget_bytes=64 << 20) as engine:
-        engine.load_model_sync(str(tiny_model_dir))
+        engine.load_model_sync(str(tiny_model_dir), kernel="fp32-eager")
         yield engine
 
 
@@ -40,3 +51,26 @@ def real_engine() -> Iterator[Engine]:
     with Engine() as engine:
         engine.load_model_sync("default")
         yield engine
+
+
+@pytest.fixture
+def make_window(qtbot, tiny_engine: Engine, tmp_path: Path) -> Iterator[Callable[[], Any]]:
+    """Build windows that share one chat database and one settings file (a 'restart')."""
+    from PySide6.QtCore import QSettings
+
+    from ui.main_window import MainWindow
+    from ui.store import ChatStore
+
+    stores: list[ChatStore] = []
+
+    def make() -> Any:
+        store = ChatStore(tmp_path / "chats.sqlite3")
+        stores.append(store)
+        settings = QSettings(str(tmp_path / "settings.ini"), QSettings.Format.IniFormat)
+        window = MainWindow(tiny_engine, store, settings, hud_calibrate=False)
+        qtbot.addWidget(window)
+        return window
+
+    yield make
+    for store in stores:
+        store.close()

@@ -101,3 +101,40 @@ def test_console_script_error_has_no_traceback(tmp_path: Path) -> None:
     assert proc.stderr.strip().splitlines()[-1].startswith("phasewise: error:")
     assert "corrupt or truncated" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_ask_json_reports_kernel_and_speculation(capsys, tiny_model_dir: Path) -> None:
+    code, out, _ = run_cli(capsys, "ask", "--model", str(tiny_model_dir), "--json",
+                           "--kernel", "fp16-dynamic", "--speculative", "ngram",
+                           "--temperature", "0", "--max-tokens", "24", "Hello Hello Hello")
+    assert code == 0
+    data = json.loads(out.strip().splitlines()[-1])
+    assert data["kernel"] == "fp16-dynamic"
+    assert data["speculative"] == "ngram"
+    for key in ("spec_proposed", "spec_accepted", "spec_accept_rate"):
+        assert key in data
+
+
+def test_forcing_an_unavailable_kernel_is_one_line(capsys, tiny_model_dir: Path) -> None:
+    code, _, err = run_cli(capsys, "ask", "--model", str(tiny_model_dir), "--kernel",
+                           "bf16-eager", "hi")
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and "bf16-eager needs bf16 weights" in lines[0]
+
+
+def test_bench_batch_and_speculative_json(capsys, tiny_model_dir: Path) -> None:
+    code, out, _ = run_cli(capsys, "bench", "--model", str(tiny_model_dir), "--json",
+                           "--kernel", "fp32-eager", "--batch", "1", "2", "--max-tokens", "4",
+                           "--prompt-tokens", "8", "--repeats", "1")
+    assert code == 0
+    report = json.loads(out.strip().splitlines()[-1])
+    assert [b["batch"] for b in report["batches"]] == [1, 2]
+    assert all(b["total_tok_s"] > 0 for b in report["batches"])
+    code, out, _ = run_cli(capsys, "bench", "--model", str(tiny_model_dir), "--json",
+                           "--kernel", "fp32-eager", "--speculative", "--max-tokens", "16",
+                           "--prompt-tokens", "32", "--repeats", "1")
+    assert code == 0
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["spec_output_identical"] is True
+    assert report["spec_proposed"] >= report["spec_accepted"] >= 0
+    assert "speculative (ngram)" in out

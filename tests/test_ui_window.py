@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
-from PySide6.QtCore import QSettings, Qt
+from PySide6.QtCore import Qt
 
 from engine import Engine, GenerationRequest, PrefillStarted, SamplingParams, TokenEmitted
 from ui.main_window import MainWindow
@@ -15,24 +13,6 @@ from ui.store import STOPPED, ChatStore
 
 WAIT_MS = 30_000
 LONG = 240  # the tiny model (context 256) greedily runs to max tokens without an EOS
-
-
-@pytest.fixture
-def make_window(qtbot, tiny_engine: Engine, tmp_path: Path) -> Iterator[Callable[[], MainWindow]]:
-    """Build windows that share one chat database and one settings file (a 'restart')."""
-    stores: list[ChatStore] = []
-
-    def make() -> MainWindow:
-        store = ChatStore(tmp_path / "chats.sqlite3")
-        stores.append(store)
-        settings = QSettings(str(tmp_path / "settings.ini"), QSettings.Format.IniFormat)
-        window = MainWindow(tiny_engine, store, settings, hud_calibrate=False)
-        qtbot.addWidget(window)
-        return window
-
-    yield make
-    for store in stores:
-        store.close()
 
 
 @pytest.fixture

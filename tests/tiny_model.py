@@ -23,6 +23,26 @@ CORPUS = [
 ] * 20
 
 
+def build_tiny_tokenizer(
+    folder: Path, special: list[str], template: str, *, bos: str, eos: str
+) -> Path:
+    """A byte-level BPE tokenizer with another template family's control tokens (no model)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    folder.mkdir(parents=True, exist_ok=True)
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=special, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(CORPUS, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=bos, eos_token=eos)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def build_tiny_model(folder: Path, *, chat_template: bool = True, seed: int = 0) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast

@@ -1,10 +1,16 @@
 """The engine-to-Qt bridge: engine events (emitted on the engine thread) become Qt signals.
 
-The bridge lives on the GUI thread; the engine listener emits from the engine thread, so Qt
-queues every signal to the GUI thread. Nothing here ever waits on the engine.
+The engine thread only appends events to a thread-safe queue and, if the GUI is not already
+due to drain it, emits one argument-free wake-up signal (queued to the GUI thread). The GUI
+thread drains the queue and emits the typed signals there. No Python object crosses threads
+through Qt's queued-connection machinery, and a burst of tokens costs one wake-up.
+Nothing here ever waits on the engine.
 """
 
 from __future__ import annotations
+
+import queue
+import threading
 
 from PySide6.QtCore import QObject, Signal
 
@@ -44,20 +50,50 @@ class EngineBridge(QObject):
     sig_model_load_failed = Signal(str)
     """A model load failed (the old model stays); the argument is the one-line reason."""
 
+    _sig_wake = Signal()
+    """Internal: events are waiting in the queue (emitted on the engine thread)."""
+
     def __init__(self, engine: Engine, parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.engine = engine
+        self._pending: queue.SimpleQueue[EngineEvent] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._wake_due = False
         self._detached = False
+        self._sig_wake.connect(self.drain)
         engine.add_listener(self._on_engine_event)
+        # If Qt deletes the bridge with its parent, the engine must stop calling into it.
+        listener = self._on_engine_event
+        self.destroyed.connect(lambda *_: _remove_listener(engine, listener))
 
     def detach(self) -> None:
         """Stop forwarding (the window is closing; late events have nowhere to go)."""
         self._detached = True
+        _remove_listener(self.engine, self._on_engine_event)
 
     def _on_engine_event(self, event: EngineEvent) -> None:
-        """Runs on the engine thread: only emit, never touch widgets."""
+        """Runs on the engine thread: queue the event, wake the GUI thread at most once."""
         if self._detached:
             return
+        self._pending.put(event)
+        with self._lock:
+            if self._wake_due:
+                return
+            self._wake_due = True
+        self._sig_wake.emit()
+
+    def drain(self) -> None:
+        """GUI thread: emit every queued event's signals, in order."""
+        with self._lock:
+            self._wake_due = False
+        while not self._detached:
+            try:
+                event = self._pending.get_nowait()
+            except queue.Empty:
+                return
+            self._dispatch(event)
+
+    def _dispatch(self, event: EngineEvent) -> None:
         self.sig_event.emit(event)
         if isinstance(event, TokenEmitted):
             self.sig_token.emit(event)
@@ -75,3 +111,9 @@ class EngineBridge(QObject):
             self.sig_model_loaded.emit(event.info)
         elif isinstance(event, ModelLoadFailed):
             self.sig_model_load_failed.emit(event.message)
+
+
+def _remove_listener(engine: object, listener: object) -> None:
+    remove = getattr(engine, "remove_listener", None)
+    if remove is not None:
+        remove(listener)

@@ -461,6 +461,10 @@ class MainWindow(QMainWindow):
             self.sidebar.refresh()
         else:
             self._after_reply(reply)
+        if result.error:  # a remote reply broke off: its partial text was saved above
+            self.notify(f"The reply broke off: {result.error}. The partial reply was kept.")
+        elif result.notice:
+            self.notify(f"Note: {result.notice}.")
         self.sig_reply_finished.emit(result)
 
     def _on_failed(self, event: RequestFailed) -> None:

@@ -23,7 +23,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-SOURCES = ("default", "folder", "gguf", "hub")
+from engine.remote import REMOTE_SPEC, RemoteError, normalize_base_url, store_api_key
+
+SOURCES = ("default", "folder", "gguf", "hub", REMOTE_SPEC)
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,8 @@ class ModelPickerDialog(QDialog):
             "folder": QRadioButton("Local Hugging Face folder"),
             "gguf": QRadioButton(".gguf file"),
             "hub": QRadioButton("Hugging Face hub id"),
+            REMOTE_SPEC: QRadioButton("Remote server (OpenAI-compatible: vLLM, llama.cpp, "
+                                      "Ollama, phasewise serve)"),
         }
         self.group = QButtonGroup(self)
         for radio in self.radios.values():
@@ -54,6 +58,13 @@ class ModelPickerDialog(QDialog):
         self.hub_id = QLineEdit()
         self.hub_id.setPlaceholderText("e.g. HuggingFaceTB/SmolLM2-360M-Instruct")
         self.consent = QCheckBox("Allow downloading this model from the internet")
+        self.remote_url = QLineEdit()
+        self.remote_url.setPlaceholderText("base URL, e.g. http://gpu-box:8000/v1")
+        self.remote_model = QLineEdit()
+        self.remote_model.setPlaceholderText("model name (empty: the first the server lists)")
+        self.remote_key = QLineEdit()
+        self.remote_key.setEchoMode(QLineEdit.EchoMode.Password)
+        self.remote_key.setPlaceholderText("API key (optional; kept in the OS keyring)")
         self.error = QLabel()
         self.error.setObjectName("errorLabel")
         self.buttons = QDialogButtonBox(
@@ -79,8 +90,12 @@ class ModelPickerDialog(QDialog):
         grid.addWidget(self.radios["hub"], 3, 0)
         grid.addWidget(self.hub_id, 3, 1, 1, 2)
         grid.addWidget(self.consent, 4, 1, 1, 2)
+        grid.addWidget(self.radios[REMOTE_SPEC], 5, 0, 1, 3)
+        for row, edit in enumerate((self.remote_url, self.remote_model, self.remote_key), 6):
+            grid.addWidget(edit, row, 1, 1, 2)
         for source, edit in (("folder", self.folder_path), ("gguf", self.gguf_path),
-                             ("hub", self.hub_id)):
+                             ("hub", self.hub_id), (REMOTE_SPEC, self.remote_url),
+                             (REMOTE_SPEC, self.remote_model), (REMOTE_SPEC, self.remote_key)):
             edit.textEdited.connect(lambda _t, s=source: self.radios[s].setChecked(True))
         layout = QVBoxLayout(self)
         layout.addLayout(grid)
@@ -107,6 +122,8 @@ class ModelPickerDialog(QDialog):
         source = self.source()
         if source == "default":
             return ModelChoice("default")
+        if source == REMOTE_SPEC:
+            return self._remote_choice()
         text = {"folder": self.folder_path, "gguf": self.gguf_path, "hub": self.hub_id}[
             source
         ].text().strip()
@@ -118,10 +135,29 @@ class ModelPickerDialog(QDialog):
             return ModelChoice(text, {"allow_download": True})
         return ModelChoice(text)
 
+    def _remote_choice(self) -> ModelChoice:
+        try:
+            url = normalize_base_url(self.remote_url.text())
+        except RemoteError as exc:
+            raise ValueError(f"{str(exc)[0].upper()}{str(exc)[1:]}.") from None
+        return ModelChoice(REMOTE_SPEC, {"base_url": url,
+                                         "model": self.remote_model.text().strip()})
+
     def _accept(self) -> None:
         try:
-            self.choice()
+            choice = self.choice()
+            if choice.spec == REMOTE_SPEC and self.remote_key.text():
+                self._store_key(choice.options["base_url"])
         except ValueError as exc:
             self.error.setText(str(exc))
             return
         self.accept()
+
+    def _store_key(self, base_url: str) -> None:
+        """The key goes to the OS keyring only, never into settings."""
+        try:
+            store_api_key(base_url, self.remote_key.text())
+        except Exception:
+            raise ValueError("No OS keyring is available to keep the key: set "
+                             "PHASEWISE_API_KEY in the environment instead.") from None
+        self.remote_key.clear()

@@ -14,7 +14,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ui.store import ChatStore
+from ui.store import ChatStore, StoreError
 
 ID_ROLE = Qt.ItemDataRole.UserRole
 
@@ -28,6 +28,8 @@ class Sidebar(QWidget):
     """The user asked for a new chat."""
     sig_delete = Signal(str)
     """The user asked to delete a conversation (its id)."""
+    sig_store_error = Signal(str)
+    """A rename could not be saved; the argument is the one-line reason."""
 
     def __init__(self, store: ChatStore, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -79,7 +81,7 @@ class Sidebar(QWidget):
     def rename(self, conv_id: str, title: str) -> None:
         title = title.strip()
         if title:
-            self.store.rename(conv_id, title)
+            self._save_title(conv_id, title)
         self.refresh()
 
     def _on_current(self, item: QListWidgetItem | None, _previous: object) -> None:
@@ -91,7 +93,13 @@ class Sidebar(QWidget):
         """Inline rename (double-click or F2); the item already shows the new title."""
         title = item.text().strip()
         if title:
-            self.store.rename(item.data(ID_ROLE), title)
+            self._save_title(item.data(ID_ROLE), title)
+
+    def _save_title(self, conv_id: str, title: str) -> None:
+        try:
+            self.store.rename(conv_id, title)
+        except StoreError as exc:
+            self.sig_store_error.emit(str(exc))
 
     def _context_menu(self, pos: QPoint) -> None:
         item = self.list.itemAt(pos)

@@ -7,11 +7,14 @@ is re-marked "stopped" so the partial text is kept and labelled.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +43,11 @@ CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id,
 """
 # Message status: done | streaming | stopped | length | error
 STREAMING, DONE, STOPPED = "streaming", "done", "stopped"
+BUSY_TIMEOUT_S = 5.0  # how long a write waits for another instance's transaction
+
+
+class StoreError(Exception):
+    """A chat could not be saved (disk full, read-only, locked). str() is one line."""
 
 
 def data_dir() -> Path:
@@ -74,15 +82,23 @@ class ChatStore:
         self.path = path or data_dir() / DB_NAME
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.recovered_from: Path | None = None  # backup of a corrupt DB, if one was found
+        self.open_error: str | None = None  # set when chats live in memory only (see below)
         try:
-            self._db = self._open()
+            self._db = self._open(self.path)
+        except sqlite3.OperationalError as exc:
+            # Locked, read-only or unreadable is not corrupt: never move the file aside (another
+            # instance may be using it). Keep this session's chats in memory and say so.
+            self.open_error = f"cannot open {self.path} ({exc})"
+            self._db = self._open(":memory:")
         except sqlite3.DatabaseError:
             self.recovered_from = self._back_up_corrupt()
-            self._db = self._open()
-        self._mark_interrupted_replies()
+            self._db = self._open(self.path)
+        # read-only for now: interrupted replies stay "streaming" until a later start
+        with contextlib.suppress(StoreError):
+            self._mark_interrupted_replies()
 
-    def _open(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self.path)
+    def _open(self, target: Path | str) -> sqlite3.Connection:
+        db = sqlite3.connect(target, timeout=BUSY_TIMEOUT_S)
         try:
             db.execute("PRAGMA journal_mode=WAL")
             # WAL + NORMAL: survives an app crash, skips an fsync per commit (GUI thread)
@@ -103,8 +119,18 @@ class ChatStore:
             Path(f"{self.path}{suffix}").unlink(missing_ok=True)
         return backup
 
+    @contextmanager
+    def _writing(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction; a failure becomes a one-line StoreError (nothing is
+        half-written: the transaction rolls back)."""
+        try:
+            with self._db:
+                yield self._db
+        except sqlite3.Error as exc:
+            raise StoreError(f"could not save to the chat database: {exc}") from exc
+
     def _mark_interrupted_replies(self) -> None:
-        with self._db:
+        with self._writing():
             self._db.execute("UPDATE messages SET status=? WHERE status=?", (STOPPED, STREAMING))
 
     def close(self) -> None:
@@ -114,7 +140,7 @@ class ChatStore:
     def create_conversation(self, title: str = "New chat", system_prompt: str = "") -> str:
         conv_id = uuid.uuid4().hex
         now = time.time()
-        with self._db:
+        with self._writing():
             self._db.execute(
                 "INSERT INTO conversations VALUES (?, ?, ?, ?, ?)",
                 (conv_id, title, system_prompt, now, now),
@@ -142,17 +168,17 @@ class ChatStore:
         return [Conversation(*row) for row in rows]
 
     def rename(self, conv_id: str, title: str) -> None:
-        with self._db:
+        with self._writing():
             self._db.execute("UPDATE conversations SET title=? WHERE id=?", (title, conv_id))
 
     def set_system_prompt(self, conv_id: str, system_prompt: str) -> None:
-        with self._db:
+        with self._writing():
             self._db.execute(
                 "UPDATE conversations SET system_prompt=? WHERE id=?", (system_prompt, conv_id)
             )
 
     def delete_conversation(self, conv_id: str) -> None:
-        with self._db:
+        with self._writing():
             self._db.execute("DELETE FROM conversations WHERE id=?", (conv_id,))
 
     # ----- messages ----------------------------------------------------------------------
@@ -161,7 +187,7 @@ class ChatStore:
         settings: dict | None = None,
     ) -> int:
         now = time.time()
-        with self._db:
+        with self._writing():
             cur = self._db.execute(
                 "INSERT INTO messages (conversation_id, role, content, status, settings_json,"
                 " created) VALUES (?, ?, ?, ?, ?, ?)",
@@ -172,25 +198,25 @@ class ChatStore:
 
     def save_partial(self, message_id: int, content: str) -> None:
         """Write a streaming reply's text so far (called in batches while it streams)."""
-        with self._db:
+        with self._writing():
             self._db.execute("UPDATE messages SET content=? WHERE id=?", (content, message_id))
 
     def finish_message(
         self, message_id: int, content: str, status: str, metrics: dict | None = None
     ) -> None:
-        with self._db:
+        with self._writing():
             self._db.execute(
                 "UPDATE messages SET content=?, status=?, metrics_json=? WHERE id=?",
                 (content, status, _dumps(metrics), message_id),
             )
 
     def delete_message(self, message_id: int) -> None:
-        with self._db:
+        with self._writing():
             self._db.execute("DELETE FROM messages WHERE id=?", (message_id,))
 
     def delete_from(self, conv_id: str, message_id: int) -> None:
         """Delete a message and everything after it (edit & resend, regenerate)."""
-        with self._db:
+        with self._writing():
             self._db.execute(
                 "DELETE FROM messages WHERE conversation_id=? AND id>=?", (conv_id, message_id)
             )

@@ -1,0 +1,371 @@
+"""Decode paths ("kernels") and the run-time choice between them.
+
+Decode reads every weight once per token, so on a CPU the way past fp32's bandwidth limit is
+fewer bytes per weight. Which kernel wins depends on the CPU (facts.md: int8pack/int4pack and
+bf16 lose on AVX2-only parts, fbgemm dynamic int8 wins), so `auto` measures: a short timed
+probe of each available path, guarded by perplexity on a fixed text, cached per model and CPU.
+
+A path never modifies the loaded model: it returns a new LoadedModel whose model shares the
+unchanged tensors (embedding, norms) with the original, so a caller may keep the fp32
+reference (benchmarks) or drop it (the engine).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.errors import ModelLoadError
+from engine.loader import LoadedModel, cache_root
+from engine.quality import perplexity, reference_ids, within_tolerance
+
+log = logging.getLogger(__name__)
+
+AUTO = "auto"
+PROBE_TEXT_TOKENS = 48
+PROBE_WARM_STEPS = 2
+PROBE_TIMED_STEPS = 6
+PROBE_FILE = "kernel-probe.json"
+PROBE_FILE_MAX_ENTRIES = 64
+
+
+class KernelUnavailableError(ModelLoadError):
+    """A kernel was forced (--kernel NAME) that cannot run this model here."""
+
+
+@dataclass(frozen=True)
+class KernelPath:
+    """One way to run decode. unavailable() returns a one-line reason, or None if it can run;
+    build() returns the model object this path decodes with."""
+
+    name: str
+    summary: str
+    unavailable: Callable[[LoadedModel], str | None]
+    build: Callable[[LoadedModel], Any]
+
+
+# ----- eager (the model as loaded) ---------------------------------------------------------
+def _eager_path(tag: str, dtype: torch.dtype) -> KernelPath:
+    def unavailable(loaded: LoadedModel) -> str | None:
+        actual = _param_dtype(loaded.model)
+        if actual != dtype:
+            return (f"{tag}-eager needs {tag} weights (the model is loaded as "
+                    f"{str(actual).removeprefix('torch.')}; pass --dtype {tag})")
+        return None
+
+    return KernelPath(f"{tag}-eager", f"the model as loaded, {tag}, no compilation",
+                      unavailable, lambda loaded: loaded.model)
+
+
+# ----- fbgemm dynamic Linear (int8 or fp16 weights) ----------------------------------------------
+def _fbgemm_unavailable(name: str) -> Callable[[LoadedModel], str | None]:
+    def unavailable(loaded: LoadedModel) -> str | None:
+        if loaded.device.type != "cpu":
+            return f"{name} runs on CPU only (the model is on {loaded.device.type})"
+        if _param_dtype(loaded.model) != torch.float32:
+            return f"{name} needs float32 weights to convert (pass --dtype float32)"
+        engines = set(torch.backends.quantized.supported_engines) - {"none"}
+        if not engines & {"x86", "fbgemm", "qnnpack"}:
+            return f"{name} needs torch's fbgemm/x86/qnnpack quantized engine, absent here"
+        if not any(isinstance(m, nn.Linear) for m in loaded.model.modules()):
+            return f"{name} found no Linear layers in this model"
+        return None
+
+    return unavailable
+
+
+def _int8_dynamic_model(loaded: LoadedModel) -> Any:
+    """A copy whose nn.Linear layers (the tied lm_head included) hold int8 weights with
+    per-output-channel scales; activations are quantized per step. The input embedding
+    stays fp32 (a lookup reads one row, and it keeps the tied head's fp32 tensor intact)."""
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    model = share_tensors_copy(loaded.model)
+    # torch.ao.quantization is deprecated in favour of torchao, which on AVX2-only CPUs
+    # dispatches to the slower int8pack kernel; fbgemm's dynamic Linear is the one that wins.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"(?is).*deprecat")
+        quantize_dynamic(model, {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8,
+                         inplace=True)
+    return model
+
+
+def _fp16_dynamic_model(loaded: LoadedModel) -> Any:
+    """A copy whose nn.Linear layers hold fp16 weights in fbgemm's packed layout, computing
+    in fp32: half fp32's bytes, and unlike int8-dynamic each row's result is independent of
+    the other rows in the batch (no per-batch activation scale)."""
+    from torch.ao.quantization import float16_dynamic_qconfig, quantize_dynamic
+
+    model = share_tensors_copy(loaded.model)
+    with warnings.catch_warnings():  # deprecated torch.ao API; see _int8_dynamic_model
+        warnings.filterwarnings("ignore", message=r"(?is).*deprecat")
+        quantize_dynamic(model, {nn.Linear: float16_dynamic_qconfig}, dtype=torch.float16,
+                         inplace=True)
+    return model
+
+
+def share_tensors_copy(model: nn.Module) -> nn.Module:
+    """A structural copy of model whose parameters and buffers are the original tensors,
+    so swapping modules in the copy costs no extra weight memory and leaves model intact."""
+    memo: dict[int, Any] = {id(t): t for t in model.parameters()}
+    memo.update({id(t): t for t in model.buffers()})
+    return copy.deepcopy(model, memo)
+
+
+KERNELS: dict[str, KernelPath] = {
+    path.name: path
+    for path in (
+        _eager_path("fp32", torch.float32),
+        _eager_path("bf16", torch.bfloat16),
+        _eager_path("fp16", torch.float16),
+        KernelPath("int8-dynamic",
+                   "int8 weights per output channel, fbgemm dynamic Linear (CPU)",
+                   _fbgemm_unavailable("int8-dynamic"), _int8_dynamic_model),
+        KernelPath("fp16-dynamic",
+                   "fp16 weights, fp32 compute, fbgemm packed Linear (CPU)",
+                   _fbgemm_unavailable("fp16-dynamic"), _fp16_dynamic_model),
+    )
+}
+KERNEL_CHOICES = (AUTO, *KERNELS)
+
+
+def eager_name(loaded: LoadedModel) -> str:
+    return f"{_dtype_tag(_param_dtype(loaded.model))}-eager"
+
+
+# ----- choosing ------------------------------------------------------------------------------
+def select_kernel(loaded: LoadedModel, requested: str = AUTO, *,
+                  progress: Callable[[str], None] | None = None,
+                  use_probe_cache: bool = True) -> LoadedModel:
+    """The model prepared for the requested kernel; `auto` picks by a cached timed probe.
+
+    A forced kernel that cannot run raises KernelUnavailableError (one line). Under auto, a
+    path that is unavailable or fails to build is skipped, logged once, and eager remains.
+    """
+    configure_threads()
+    if requested != AUTO:
+        return apply_kernel(loaded, requested)
+    candidates = [name for name in KERNELS if KERNELS[name].unavailable(loaded) is None]
+    if len(candidates) <= 1 or loaded.device.type != "cpu":
+        return apply_kernel(loaded, eager_name(loaded))
+    key = probe_key(loaded, candidates)
+    choice = read_probe_cache(key) if use_probe_cache else None
+    built: dict[str, LoadedModel] = {}
+    if choice is None or choice not in candidates:
+        if progress:
+            progress("choosing a decode kernel (a few seconds, once per model and CPU)")
+        built = _build_all(loaded, candidates)
+        report = probe(built)
+        choice = report["choice"]
+        write_probe_cache(key, report)
+    if choice in built:
+        return built[choice]
+    try:
+        return apply_kernel(loaded, choice)
+    except Exception as exc:  # a cached choice that no longer builds: eager, one line
+        log.warning("kernel %s failed to build (%s); using %s", choice, _one_line(exc),
+                    eager_name(loaded))
+        return apply_kernel(loaded, eager_name(loaded))
+
+
+def apply_kernel(loaded: LoadedModel, name: str) -> LoadedModel:
+    """The model prepared for kernel `name`, with ModelInfo describing what actually runs."""
+    path = KERNELS.get(name)
+    if path is None:
+        raise KernelUnavailableError(
+            f"unknown kernel {name!r}; use one of {', '.join(KERNEL_CHOICES)}")
+    reason = path.unavailable(loaded)
+    if reason is not None:
+        raise KernelUnavailableError(reason)
+    model = path.build(loaded)
+    info = dataclasses.replace(loaded.info, kernel=name,
+                               weight_bytes_per_step=decode_weight_bytes(model))
+    return LoadedModel(model=model, tokenizer=loaded.tokenizer, info=info)
+
+
+def _build_all(loaded: LoadedModel, names: list[str]) -> dict[str, LoadedModel]:
+    built: dict[str, LoadedModel] = {}
+    for name in names:
+        try:
+            built[name] = apply_kernel(loaded, name)
+        except Exception as exc:
+            log.warning("kernel %s is unavailable here (%s); skipping it", name, _one_line(exc))
+    return built
+
+
+def probe(built: dict[str, LoadedModel]) -> dict[str, Any]:
+    """Time a few decode steps of each path, alternating paths step by step so machine noise
+    hits all alike, and check each path's perplexity against eager's. Returns the report,
+    with `choice` = the fastest path within the perplexity tolerance."""
+    names = list(built)
+    reference = next(n for n in names if n.endswith("-eager"))
+    any_loaded = built[reference]
+    text = reference_ids(any_loaded.tokenizer, PROBE_TEXT_TOKENS)
+    ppl = {n: perplexity(built[n].model, text, any_loaded.device) for n in names}
+    step_s = _alternating_step_times(built, text[:8])
+    # The fastest step, not the median: other processes only ever add time, and on a
+    # shared 2-core machine they add it unevenly.
+    tok_s = {n: 1.0 / min(step_s[n]) for n in names}
+    passing = [n for n in names if within_tolerance(ppl[n], ppl[reference])]
+    choice = max(passing, key=lambda n: tok_s[n])
+    for n in names:
+        if n not in passing:
+            log.warning("kernel %s failed the quality guard (perplexity %.3f vs %.3f); "
+                        "not used", n, ppl[n], ppl[reference])
+    return {"choice": choice, "reference": reference, "decode_tok_s": tok_s,
+            "perplexity": ppl, "measured_at": time.time()}
+
+
+@torch.inference_mode()
+def _alternating_step_times(built: dict[str, LoadedModel], prompt: list[int]
+                            ) -> dict[str, list[float]]:
+    from transformers import DynamicCache
+
+    states = {}
+    for name, lm in built.items():
+        cache = DynamicCache(config=lm.model.config)
+        logits = lm.model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True,
+                          logits_to_keep=1).logits
+        states[name] = (cache, int(logits[0, -1].argmax()))
+    times: dict[str, list[float]] = {name: [] for name in built}
+    for step in range(PROBE_WARM_STEPS + PROBE_TIMED_STEPS):
+        for name, lm in built.items():
+            cache, token = states[name]
+            start = time.perf_counter()
+            logits = lm.model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True,
+                              logits_to_keep=1).logits
+            token = int(logits[0, -1].argmax())
+            elapsed = time.perf_counter() - start
+            states[name] = (cache, token)
+            if step >= PROBE_WARM_STEPS:
+                times[name].append(elapsed)
+    return times
+
+
+# ----- probe cache -----------------------------------------------------------------------------
+def probe_key(loaded: LoadedModel, candidates: list[str]) -> str:
+    """Identifies (model, CPU, threads, torch, candidate set): a new one re-probes."""
+    info = loaded.info
+    parts = [info.name, info.path, str(info.parameters), info.dtype, cpu_name(),
+             str(torch.get_num_threads()), torch.__version__, ",".join(candidates)]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+
+def probe_cache_path() -> Path:
+    return cache_root() / PROBE_FILE
+
+
+def read_probe_cache(key: str) -> str | None:
+    try:
+        entry = json.loads(probe_cache_path().read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return entry.get("choice") if isinstance(entry, dict) else None
+
+
+def write_probe_cache(key: str, report: dict[str, Any]) -> None:
+    """Best effort: an unwritable cache dir only means the next start probes again."""
+    path = probe_cache_path()
+    try:
+        data = json.loads(path.read_text()) if path.is_file() else {}
+        if not isinstance(data, dict):
+            data = {}
+    except (OSError, ValueError):
+        data = {}
+    data.pop(key, None)
+    data[key] = report
+    while len(data) > PROBE_FILE_MAX_ENTRIES:
+        data.pop(next(iter(data)))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)
+    except OSError as exc:
+        log.info("cannot write %s: %s", path, exc)
+
+
+# ----- sizes, threads, helpers ------------------------------------------------------------------
+def decode_weight_bytes(model: nn.Module) -> int:
+    """Weight bytes one decode step reads: every distinct fp parameter once, each int8 Linear's
+    bytes plus its scales, and one row of an input embedding that no output head shares."""
+    params = {p.data_ptr(): p for p in model.parameters()}
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    for module in model.modules():
+        total += _packed_linear_bytes(module)
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    head_weight = getattr(head, "weight", None)
+    tied = isinstance(head_weight, torch.Tensor) and head_weight.data_ptr() == embed.data_ptr()
+    if not tied:
+        total -= (embed.shape[0] - 1) * embed.shape[1] * embed.element_size()
+    return total
+
+
+def _packed_linear_bytes(module: nn.Module) -> int:
+    """Bytes of a torch.ao dynamic quantized Linear (its weights are not parameters)."""
+    if not hasattr(module, "_packed_params") or not callable(getattr(module, "weight", None)):
+        return 0
+    weight = module.weight()
+    if getattr(module._packed_params, "dtype", None) == torch.float16:
+        total = weight.numel() * 2  # unpacked to fp32 for us; stored as fp16
+    else:
+        total = weight.numel() * weight.element_size()
+        if weight.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric):
+            total += weight.q_per_channel_scales().numel() * 4
+        else:
+            total += 4
+    bias = module.bias()
+    if bias is not None:
+        total += bias.numel() * bias.element_size()
+    return total
+
+
+def configure_threads() -> int:
+    """Intra-op threads = the CPUs this process may run on (torch counts the host's cores,
+    which oversubscribes a container or a taskset); returns the thread count in use."""
+    try:
+        allowed = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        allowed = os.cpu_count() or 1
+    if torch.get_num_threads() > allowed:
+        torch.set_num_threads(allowed)
+    return torch.get_num_threads()
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _param_dtype(model: nn.Module) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+def _dtype_tag(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+        dtype, str(dtype).removeprefix("torch."))
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

@@ -1,0 +1,150 @@
+"""Decode kernel paths on the tiny model: building, sizes, the auto choice, errors."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import Engine, ModelLoadError
+from engine import kernels as kernels_mod
+from engine.bench import fixed_prompt_ids, run_ours
+from engine.kernels import (
+    KERNELS,
+    KernelPath,
+    KernelUnavailableError,
+    apply_kernel,
+    decode_weight_bytes,
+    probe_cache_path,
+    select_kernel,
+)
+from engine.loader import LoadedModel, load_model, weight_bytes_per_step
+from engine.quality import perplexity, reference_ids, within_tolerance
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir: Path) -> LoadedModel:
+    return load_model(str(tiny_model_dir))
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("PHASEWISE_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_int8_copy_leaves_the_fp32_model_intact(tiny: LoadedModel) -> None:
+    fast = apply_kernel(tiny, "int8-dynamic")
+    assert fast.info.kernel == "int8-dynamic" and tiny.info.kernel == "fp32-eager"
+    assert isinstance(tiny.model.lm_head, torch.nn.Linear)
+    assert tiny.model.lm_head.weight is tiny.model.get_input_embeddings().weight
+    assert not isinstance(fast.model.lm_head, torch.nn.Linear)  # the head is quantized too
+    # the embedding is shared with the original, not copied
+    assert fast.model.get_input_embeddings().weight is tiny.model.get_input_embeddings().weight
+
+
+def test_weight_bytes_follow_the_kernel(tiny: LoadedModel) -> None:
+    assert decode_weight_bytes(tiny.model) == weight_bytes_per_step(tiny.model)
+    fast = apply_kernel(tiny, "int8-dynamic")
+    cfg = tiny.model.config
+    linear_params = sum(m.weight.numel() for m in tiny.model.modules()
+                        if isinstance(m, torch.nn.Linear))
+    embed_row = cfg.hidden_size * 4
+    norms = sum(p.numel() * 4 for n, p in tiny.model.named_parameters() if "norm" in n)
+    # int8 weights: one byte per Linear weight, plus a float32 scale per output channel
+    assert linear_params + embed_row + norms < fast.info.weight_bytes_per_step
+    assert fast.info.weight_bytes_per_step < linear_params * 1.2 + embed_row + norms
+    half = apply_kernel(tiny, "fp16-dynamic")
+    assert half.info.weight_bytes_per_step == linear_params * 2 + embed_row + norms
+
+
+@pytest.mark.parametrize("name", ["int8-dynamic", "fp16-dynamic"])
+def test_fast_paths_decode_and_pass_the_perplexity_guard(tiny: LoadedModel, name: str) -> None:
+    fast = apply_kernel(tiny, name)
+    prompt = fixed_prompt_ids(tiny, 24)
+    first = run_ours(fast, prompt, 8)
+    assert len(first.token_ids) == 8
+    assert run_ours(fast, prompt, 8).token_ids == first.token_ids
+    text = reference_ids(tiny.tokenizer)
+    assert within_tolerance(perplexity(fast.model, text), perplexity(tiny.model, text))
+
+
+def test_perplexity_is_exp_mean_nll(tiny: LoadedModel) -> None:
+    ids = reference_ids(tiny.tokenizer, 20)
+    logits = tiny.model(input_ids=torch.tensor([ids])).logits[0, :-1]
+    logp = torch.log_softmax(logits.double(), -1)
+    nll = -sum(logp[i, ids[i + 1]].item() for i in range(len(ids) - 1)) / (len(ids) - 1)
+    assert perplexity(tiny.model, ids) == pytest.approx(math.exp(nll), rel=1e-4)
+    assert within_tolerance(101.9, 100.0) and not within_tolerance(102.1, 100.0)
+    assert within_tolerance(90.0, 100.0)
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [("bf16-eager", "bf16-eager needs bf16 weights"), ("no-such", "unknown kernel 'no-such'")],
+)
+def test_forcing_an_unavailable_kernel_is_one_line(tiny: LoadedModel, name: str,
+                                                   message: str) -> None:
+    with pytest.raises(KernelUnavailableError) as info:
+        select_kernel(tiny, name)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_auto_probes_once_then_reads_the_cache(tiny: LoadedModel, cache_dir: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    chosen = select_kernel(tiny)
+    record = next(iter(json.loads(probe_cache_path().read_text()).values()))
+    assert record["choice"] == chosen.info.kernel
+    assert set(record["decode_tok_s"]) == {"fp32-eager", "int8-dynamic", "fp16-dynamic"}
+    assert all(rate > 0 for rate in record["decode_tok_s"].values())
+
+    def no_probe(_built: object) -> None:
+        raise AssertionError("the cached choice should have been used")
+
+    monkeypatch.setattr(kernels_mod, "probe", no_probe)
+    assert select_kernel(tiny).info.kernel == chosen.info.kernel
+
+
+def test_auto_skips_a_path_that_fails_to_build(tiny: LoadedModel, cache_dir: Path,
+                                               monkeypatch: pytest.MonkeyPatch,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    def broken(_loaded: LoadedModel) -> None:
+        raise RuntimeError("no such instruction set\nsecond line")
+
+    paths = {"fp32-eager": KERNELS["fp32-eager"],
+             "broken": KernelPath("broken", "fails", lambda _l: None, broken)}
+    monkeypatch.setattr(kernels_mod, "KERNELS", paths)
+    with caplog.at_level(logging.WARNING, logger="engine.kernels"):
+        chosen = select_kernel(tiny)
+    assert chosen.info.kernel == "fp32-eager"
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "broken" in lines[0] and "no such instruction set" in lines[0]
+
+
+def test_auto_rejects_a_path_that_fails_the_quality_guard(
+        tiny: LoadedModel, cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def noisy(loaded: LoadedModel) -> object:
+        model = kernels_mod.share_tensors_copy(loaded.model)
+        head = model.lm_head
+        model.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=False)
+        with torch.no_grad():  # a head that prefers what the model thinks unlikely
+            model.lm_head.weight.copy_(-20 * head.weight)
+        return model
+
+    paths = {"fp32-eager": KERNELS["fp32-eager"],
+             "noisy": KernelPath("noisy", "wrong", lambda _l: None, noisy)}
+    monkeypatch.setattr(kernels_mod, "KERNELS", paths)
+    assert select_kernel(tiny).info.kernel == "fp32-eager"
+
+
+def test_engine_reports_the_forced_kernel(tiny_model_dir: Path) -> None:
+    with Engine(cache_budget_bytes=1 << 20) as engine:
+        info = engine.load_model_sync(str(tiny_model_dir), kernel="int8-dynamic")
+        assert info.kernel == "int8-dynamic"
+        with pytest.raises(ModelLoadError, match="bf16-eager needs bf16 weights"):
+            engine.load_model_sync(str(tiny_model_dir), kernel="bf16-eager")
+        assert engine.model_info is not None and engine.model_info.kernel == "int8-dynamic"

@@ -1,0 +1,164 @@
+"""Window faults: storage failures, out of memory, and changes while a reply streams."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import QSettings
+
+from engine import Engine
+from tests.fault_injection import ForwardFault
+from tests.test_ui_window import LONG, WAIT_MS, greedy, send_and_wait
+from ui.main_window import MainWindow
+from ui.store import STOPPED, ChatStore
+
+
+def page_count(store: ChatStore) -> int:
+    return int(store._db.execute("PRAGMA page_count").fetchone()[0])
+
+
+def start_long_reply(qtbot, window: MainWindow, text: str = "Tell me a story") -> None:
+    greedy(window, LONG)
+    with qtbot.waitSignal(window.bridge.sig_token, timeout=WAIT_MS):
+        assert window.send(text)
+
+
+def test_read_only_database_mid_reply_keeps_the_app_usable(qtbot, make_window) -> None:
+    window = make_window()
+    greedy(window, 4)
+    first = send_and_wait(qtbot, window, "Hello")
+    conv = window.conversation_id
+    start_long_reply(qtbot, window)
+    window.store._db.execute("PRAGMA query_only=ON")  # every write now fails: read-only
+    with qtbot.waitSignal(window.sig_reply_finished, timeout=WAIT_MS) as blocker:
+        window.stop()
+
+    assert "Not saved" in window.notice_label.text() and "readonly" in window.notice_label.text()
+    assert window.chat.toPlainText().endswith(blocker.args[0].text)  # still on screen
+    assert window.store.messages(conv)[1].content == first.text  # saved before: intact
+    window.store._db.execute("PRAGMA query_only=OFF")
+    greedy(window, 3)
+    send_and_wait(qtbot, window, "Still here?")
+    assert window.store.messages(conv)[-2].content == "Still here?"
+
+
+def test_disk_full_on_send_keeps_the_message_in_the_composer(qtbot, make_window) -> None:
+    window = make_window()
+    greedy(window, 3)
+    send_and_wait(qtbot, window, "Hello")
+    conv = window.conversation_id
+    before = window.store.messages(conv)
+    window.store._db.execute(f"PRAGMA max_page_count={page_count(window.store)}")
+    big = "a long message that needs new pages " * 300
+    window.composer.set_text(big)
+
+    assert not window.send(big)
+    assert "database or disk is full" in window.notice_label.text()
+    assert window.composer.text() == big and window.reply is None
+    assert window.store.messages(conv) == before
+    window.store._db.execute("PRAGMA max_page_count=1073741823")
+    send_and_wait(qtbot, window, "short")
+
+
+def test_out_of_memory_mid_reply_says_so_and_next_turn_works(
+    qtbot, make_window, tiny_engine: Engine
+) -> None:
+    window = make_window()
+    greedy(window, 5)
+    send_and_wait(qtbot, window, "Hello")
+    fault = ForwardFault(tiny_engine)
+    fault.arm(RuntimeError("CUDA out of memory. Tried to allocate 1 GiB"), at=3)
+    with qtbot.waitSignal(window.sig_reply_failed, timeout=WAIT_MS) as blocker:
+        window.send("And then?")
+    fault.remove()
+
+    assert blocker.args[0].startswith("out of memory") and "\n" not in blocker.args[0]
+    assert window.notice_label.text() == blocker.args[0]
+    assert window.composer.text() == "And then?"  # handed back
+    assert [m.role for m in window.store.messages(window.conversation_id)] == [
+        "user", "assistant"]
+    send_and_wait(qtbot, window, "And then?")
+
+
+def test_deleting_the_streaming_chat_stops_it_cleanly(qtbot, make_window, tiny_engine) -> None:
+    window = make_window()
+    start_long_reply(qtbot, window)
+    conv = window.conversation_id
+    with qtbot.waitSignal(window.sig_reply_finished, timeout=WAIT_MS) as blocker:
+        window.delete_conversation(conv)
+
+    assert blocker.args[0].finish_reason == "cancelled"
+    assert window.store.conversation(conv) is None and window.store.messages(conv) == []
+    qtbot.waitUntil(lambda: conv not in tiny_engine.prefix_cache.conversations(), timeout=WAIT_MS)
+    greedy(window, 3)
+    send_and_wait(qtbot, window, "Fresh start")
+    assert window.conversation_id != conv
+
+
+def test_edits_and_switches_while_streaming(qtbot, make_window) -> None:
+    window = make_window()
+    greedy(window, 3)
+    send_and_wait(qtbot, window, "Other chat")
+    other = window.conversation_id
+    window.new_chat()
+    start_long_reply(qtbot, window, "Main chat")
+    main = window.conversation_id
+    user_id = window.store.messages(main)[0].id
+
+    window.edit(user_id)
+    assert not window.composer.editing and "still being written" in window.notice_label.text()
+    window.open_conversation(other)  # browsing elsewhere does not disturb the reply
+    assert "Other chat" in window.chat.toPlainText()
+    window.open_conversation(main)
+    with qtbot.waitSignal(window.sig_reply_finished, timeout=WAIT_MS) as blocker:
+        window.stop()
+    reply = window.store.messages(main)[-1]
+    assert (reply.status, reply.content) == (STOPPED, blocker.args[0].text)
+    assert window.store.messages(other)[0].content == "Other chat"
+
+
+def test_switching_models_mid_reply_finishes_then_switches(
+    qtbot, make_window, tiny_model_dir: Path
+) -> None:
+    window = make_window()
+    start_long_reply(qtbot, window)
+    with qtbot.waitSignal(window.bridge.sig_model_loaded, timeout=WAIT_MS):
+        window.load_model(str(tiny_model_dir))
+        window.stop()
+    assert window.reply is None
+    assert window.store.messages(window.conversation_id)[-1].status == STOPPED
+    greedy(window, 3)
+    prefills = []
+    window.bridge.sig_prefill_started.connect(prefills.append)
+    send_and_wait(qtbot, window, "After the switch")
+    assert prefills[-1].cache_miss_reason == "model_changed"
+
+
+def test_hundred_send_stop_cycles_in_the_window(qtbot, make_window) -> None:
+    window = make_window()
+    greedy(window, LONG)
+    for i in range(100):
+        if i % 10 == 0:
+            window.new_chat()  # keep each transcript short; the cycle is what is tested
+        with qtbot.waitSignal(window.sig_reply_finished, timeout=WAIT_MS):
+            assert window.send(f"Hi {i}")
+            assert not window.send("again")  # refused while busy
+            window.stop()
+    assert window.reply is None and window.composer.button.text() == "Send"
+    statuses = {m.status for c in window.store.conversations() for m in window.store.messages(c.id)
+                if m.role == "assistant"}
+    assert statuses <= {STOPPED, "length"}
+    assert len(window.store.conversations()) == 10
+
+
+def test_missing_chat_template_is_announced(qtbot, tiny_model_no_template_dir, tmp_path) -> None:
+    with Engine(cache_budget_bytes=8 << 20) as engine:
+        engine.load_model_sync(str(tiny_model_no_template_dir))
+        store = ChatStore(tmp_path / "c.sqlite3")
+        settings = QSettings(str(tmp_path / "s.ini"), QSettings.Format.IniFormat)
+        window = MainWindow(engine, store, settings, hud_calibrate=False)
+        qtbot.addWidget(window)
+        assert "no chat template" in window.notice_label.text()
+        assert window.notice.isVisibleTo(window)
+        window.close()
+        store.close()
