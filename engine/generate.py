@@ -78,17 +78,42 @@ def prepare_prompt(loaded: LoadedModel, request: GenerationRequest) -> PreparedP
             raise ContextOverflowError(len(ids), context)
         return PreparedPrompt(ids)
     messages = list(request.messages)
-    dropped = 0
-    while True:
-        prompt = _encode_messages(loaded, messages)
-        if len(prompt.ids) + 1 <= context:
-            prompt.dropped_messages = dropped
-            return prompt
-        droppable = [i for i, m in enumerate(messages[:-1]) if m.role != "system"]
-        if request.overflow != "drop_oldest" or not droppable:
-            raise ContextOverflowError(len(prompt.ids), context)
-        del messages[droppable[0]]
-        dropped += 1
+    prompt = _encode_messages(loaded, messages)
+    if len(prompt.ids) + 1 <= context:
+        return prompt
+    droppable = [i for i, m in enumerate(messages[:-1]) if m.role != "system"]
+    if request.overflow != "drop_oldest" or not droppable:
+        raise ContextOverflowError(len(prompt.ids), context)
+    return _drop_oldest_to_fit(loaded, messages, droppable, context)
+
+
+def _drop_oldest_to_fit(
+    loaded: LoadedModel, messages: list, droppable: list[int], context: int
+) -> PreparedPrompt:
+    """The prompt with the fewest oldest non-system messages dropped that fits the context.
+
+    Dropping more never makes the prompt longer, so a binary search over the count needs
+    O(log n) encodes of the history instead of one per dropped message.
+    """
+
+    def without_oldest(count: int) -> list:
+        gone = set(droppable[:count])
+        return [m for i, m in enumerate(messages) if i not in gone]
+
+    fewest = _encode_messages(loaded, without_oldest(len(droppable)))
+    if len(fewest.ids) + 1 > context:
+        raise ContextOverflowError(len(fewest.ids), context)
+    # Invariant: dropping `hi` messages fits (best is that prompt); dropping lo - 1 does not.
+    lo, hi, best = 1, len(droppable), fewest
+    while lo < hi:
+        mid = (lo + hi) // 2
+        candidate = _encode_messages(loaded, without_oldest(mid))
+        if len(candidate.ids) + 1 <= context:
+            hi, best = mid, candidate
+        else:
+            lo = mid + 1
+    best.dropped_messages = hi
+    return best
 
 
 def _encode_messages(loaded: LoadedModel, messages: list) -> PreparedPrompt:

@@ -184,3 +184,32 @@ def test_engine_thread_is_the_only_cache_user(tiny_engine: Engine) -> None:
     tiny_engine.add_listener(lambda e: names.add(threading.current_thread().name))
     turn(tiny_engine, "c", [ChatMessage("user", "Hello")])
     assert "phasewise-engine" in names
+
+
+def test_drop_oldest_drops_the_fewest_messages(tiny_engine: Engine) -> None:
+    """Binary search finds the same cut as dropping one message at a time would."""
+    from engine.generate import prepare_prompt
+
+    loaded = tiny_engine._loaded
+    history = [SYSTEM]
+    for i in range(10):
+        history += [ChatMessage("user", f"Question {i} about Paris?"),
+                    ChatMessage("assistant", "The capital of France is Paris.")]
+    history.append(ChatMessage("user", "Last question"))
+    request = GenerationRequest(history, GREEDY, overflow="drop_oldest")
+    prompt = prepare_prompt(loaded, request)
+    # brute force: the first count of oldest droppable messages whose prompt fits
+    droppable = [i for i, m in enumerate(history[:-1]) if m.role != "system"]
+    for count in range(len(droppable) + 1):
+        kept = [m for i, m in enumerate(history) if i not in set(droppable[:count])]
+        if _fits(loaded, kept):
+            assert prompt.ids == prepare_prompt(loaded, GenerationRequest(kept, GREEDY)).ids
+            assert prompt.dropped_messages == count > 0
+            return
+    raise AssertionError("nothing fits")
+
+
+def _fits(loaded, messages) -> bool:
+    from engine.chat_template import encode_chat
+
+    return len(encode_chat(loaded.tokenizer, messages)) + 1 <= loaded.info.context_length
