@@ -65,22 +65,20 @@ def run_ours(
     return DecodeSession(loaded, pool).run(request, timeline, threading.Event(), lambda _e: None)
 
 
-@torch.inference_mode()
-def hf_generate_seconds(loaded: LoadedModel, prompt_ids: list[int], new_tokens: int) -> float:
-    """Wall time of transformers generate() for exactly new_tokens greedy tokens."""
-    input_ids = torch.tensor([prompt_ids], device=loaded.device)
-    start = time.perf_counter()
-    loaded.model.generate(
-        input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        pad_token_id=loaded.tokenizer.eos_token_id,
-    )
-    if loaded.device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
+class _TokenClock:
+    """A generate() streamer that stamps each new token (the first put() is the prompt)."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+        self._seen_prompt = False
+
+    def put(self, _value: torch.Tensor) -> None:
+        if self._seen_prompt:
+            self.stamps.append(time.perf_counter())
+        self._seen_prompt = True
+
+    def end(self) -> None:
+        pass
 
 
 @dataclass
@@ -89,12 +87,28 @@ class HfResult:
     decode_tok_s: float
 
 
+@torch.inference_mode()
 def run_hf(loaded: LoadedModel, prompt_ids: list[int], max_tokens: int) -> HfResult:
-    """generate() baseline: TTFT from a 1-token run; decode rate from the difference."""
-    one = hf_generate_seconds(loaded, prompt_ids, 1)
-    full = hf_generate_seconds(loaded, prompt_ids, max_tokens)
-    rate = (max_tokens - 1) / (full - one) if full > one else 0.0
-    return HfResult(ttft_s=one, decode_tok_s=rate)
+    """transformers generate() for exactly max_tokens greedy tokens, timed per token with a
+    streamer, so TTFT and decode tok/s follow the same definitions as ours."""
+    input_ids = torch.tensor([prompt_ids], device=loaded.device)
+    clock = _TokenClock()
+    start = time.perf_counter()
+    loaded.model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_tokens,
+        min_new_tokens=max_tokens,
+        do_sample=False,
+        pad_token_id=loaded.tokenizer.eos_token_id,
+        streamer=clock,
+    )
+    stamps = clock.stamps
+    decode_s = stamps[-1] - stamps[0] if len(stamps) > 1 else 0.0
+    return HfResult(
+        ttft_s=stamps[0] - start if stamps else 0.0,
+        decode_tok_s=(len(stamps) - 1) / decode_s if decode_s > 0 else 0.0,
+    )
 
 
 def bench_decode(
@@ -119,7 +133,7 @@ def bench_decode(
     progress("warm-up")
     run_ours(loaded, prompt_ids[:16], 4)
     if vs_hf:
-        hf_generate_seconds(hf_model, prompt_ids[:16], 4)
+        run_hf(hf_model, prompt_ids[:16], 4)
     ours: list[GenerationResult] = []
     theirs: list[HfResult] = []
     spec: list[GenerationResult] = []
