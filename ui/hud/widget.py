@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from pathlib import Path
 
 from PySide6.QtCore import QTimer, Signal
@@ -46,6 +47,9 @@ from ui.hud import style
 from ui.hud.panels import PANEL_TYPES, HudContext, Panel
 
 REDRAW_INTERVAL_MS = 34  # <= 30 Hz
+# Redraws may use at most this share of the GUI thread: when a redraw gets expensive (long
+# histories), the next one waits longer, so the HUD never starves decode of CPU.
+REDRAW_DUTY = 0.15
 
 # Which panels each event can change (the rest keep their last drawing).
 _DIRTY_BY_EVENT: dict[type, frozenset[str]] = {
@@ -98,6 +102,7 @@ class HudWidget(QWidget):
         column.addStretch(1)
         scroll = QScrollArea()
         scroll.setWidgetResizable(True)
+        scroll.verticalScrollBar().valueChanged.connect(self._on_scrolled)
         scroll.setWidget(body)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
@@ -231,7 +236,11 @@ class HudWidget(QWidget):
             self._timer.start()
 
     def flush(self) -> None:
-        """Redraw every dirty, visible panel now (the timer calls this; so may tests)."""
+        """Redraw every dirty, visible panel now (the timer calls this; so may tests).
+
+        Panels scrolled out of view stay dirty and redraw when scrolled back into view.
+        """
+        started = time.perf_counter()
         self._timer.stop()
         dirty, self._dirty = self._dirty, set()
         everything = "all" in dirty
@@ -240,11 +249,21 @@ class HudWidget(QWidget):
             self._refresh_combo()
         self._refresh_summary(ctx.reply)
         for key, panel in self.panels.items():
-            if panel.isHidden():
-                self._dirty.discard(key)
+            if panel.isHidden() or not (everything or key in dirty):
                 continue
-            if everything or key in dirty:
-                panel.refresh(ctx)
+            if self._scrolled_out(panel):
+                self._dirty.add(key)
+                continue
+            panel.refresh(ctx)
+        cost_ms = (time.perf_counter() - started) * 1000
+        self._timer.setInterval(max(REDRAW_INTERVAL_MS, round(cost_ms / REDRAW_DUTY)))
+
+    def _scrolled_out(self, panel: Panel) -> bool:
+        return self.isVisible() and panel.visibleRegion().isEmpty()
+
+    def _on_scrolled(self) -> None:
+        if self._dirty and not self._timer.isActive():
+            self._timer.start()
 
     def _refresh_combo(self) -> None:
         combo = self.reply_combo
