@@ -7,20 +7,17 @@ other spec loads a local model. As with local loads, a failed switch keeps the o
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Callable
 from typing import Any
 
 from engine.events import TERMINAL_EVENTS, EngineEvent, ModelInfo, ModelLoaded
+from engine.listeners import EventSource
 from engine.params import GenerationRequest
 from engine.remote import REMOTE_SPEC, RemoteConfig, RemoteEngine, resolve_api_key
 from engine.worker import Engine, RequestHandle
 
-Listener = Callable[[EngineEvent], None]
 
-
-class BackendRouter:
+class BackendRouter(EventSource):
     """Engine's API; requests go to whichever backend loaded a model last."""
 
     def __init__(self, local: Engine) -> None:
@@ -28,7 +25,7 @@ class BackendRouter:
         self.remote: RemoteEngine | None = None
         self._pending_remote: RemoteEngine | None = None
         self._active: Engine | RemoteEngine = local
-        self._listeners: list[Listener] = []
+        self._init_listeners()
         self._handles: dict[str, Engine | RemoteEngine] = {}
         local.add_listener(lambda event: self._forward(local, event))
 
@@ -42,19 +39,6 @@ class BackendRouter:
             backend.shutdown(timeout)
         self.local.shutdown(timeout)
 
-    def __enter__(self) -> BackendRouter:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
-
-    def add_listener(self, listener: Listener) -> None:
-        self._listeners.append(listener)
-
-    def remove_listener(self, listener: Listener) -> None:
-        """Stop calling listener (its owner is going away); unknown listeners are ignored."""
-        with contextlib.suppress(ValueError):
-            self._listeners.remove(listener)
 
     @property
     def model_info(self) -> ModelInfo | None:

@@ -71,17 +71,9 @@ def device_name(device: str) -> str:
         return torch.cuda.get_device_name(torch.device(device))
     if device.startswith("mps"):
         return f"mps: {platform.machine()}"
-    return f"cpu: {_cpu_model() or platform.processor() or platform.machine()}"
+    from engine.kernels import cpu_name  # imports torch; calibration needs it anyway
 
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return f"cpu: {cpu_name()}"
 
 
 def table_peaks(name: str) -> DevicePeaks | None:

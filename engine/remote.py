@@ -15,7 +15,6 @@ cancels its task, which closes the stream at once, even while the server is sile
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -43,12 +42,12 @@ from engine.events import (
     RequestQueued,
     TokenEmitted,
 )
+from engine.listeners import EventSource
 from engine.metrics import RequestMetrics, RequestTimeline, compute_metrics
 from engine.params import GenerationRequest, SamplingParams
 from engine.worker import RequestHandle
 
 log = logging.getLogger(__name__)
-Listener = Callable[[EngineEvent], None]
 now_ns = time.perf_counter_ns  # the clock every engine event is stamped on
 API_KEY_ENV = "PHASEWISE_API_KEY"
 KEYRING_SERVICE = "phasewise"
@@ -249,12 +248,12 @@ class _RemoteHandle(RequestHandle):
         self._on_cancel(self.request_id)
 
 
-class RemoteEngine:
+class RemoteEngine(EventSource):
     """Engine's API over an OpenAI-compatible server; requests may run concurrently."""
 
     def __init__(self, config: RemoteConfig) -> None:
         self.config = config
-        self._listeners: list[Listener] = []
+        self._init_listeners()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="phasewise-remote",
                                         daemon=True)
@@ -279,19 +278,6 @@ class RemoteEngine:
         self._thread.join(timeout)
         self._loop.close()
 
-    def __enter__(self) -> RemoteEngine:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
-
-    def add_listener(self, listener: Listener) -> None:
-        self._listeners.append(listener)
-
-    def remove_listener(self, listener: Listener) -> None:
-        """Stop calling listener (its owner is going away); unknown listeners are ignored."""
-        with contextlib.suppress(ValueError):
-            self._listeners.remove(listener)
 
     @property
     def model_info(self) -> ModelInfo | None:

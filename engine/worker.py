@@ -7,12 +7,11 @@ through each handle's own event queue. Cancellation is cooperative, checked betw
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,13 +31,13 @@ from engine.events import (
 )
 from engine.generate import DecodeSession, now_ns, warm_up
 from engine.kernels import AUTO, select_kernel
+from engine.listeners import EventSource
 from engine.loader import LoadedModel, load_model
 from engine.metrics import RequestTimeline
 from engine.params import GenerationRequest
 from engine.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
-Listener = Callable[[EngineEvent], None]
 _STOP = object()
 
 
@@ -124,12 +123,12 @@ class _LoadCommand:
     done: threading.Event
 
 
-class Engine:
+class Engine(EventSource):
     """One long-lived worker thread that owns the model; everything else talks to it here."""
 
     def __init__(self, cache_budget_bytes: int | None = None) -> None:
         self._inbox: queue.Queue[Any] = queue.Queue()
-        self._listeners: list[Listener] = []
+        self._init_listeners()
         self._thread = threading.Thread(target=self._run, name="phasewise-engine", daemon=True)
         self._loaded: LoadedModel | None = None
         self._prefix_cache: PrefixCache | None = None
@@ -150,19 +149,6 @@ class Engine:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
-    def __enter__(self) -> Engine:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
-
-    def add_listener(self, listener: Listener) -> None:
-        self._listeners.append(listener)
-
-    def remove_listener(self, listener: Listener) -> None:
-        """Stop calling listener (its owner is going away); unknown listeners are ignored."""
-        with contextlib.suppress(ValueError):
-            self._listeners.remove(listener)
 
     @property
     def model_info(self) -> ModelInfo | None:
