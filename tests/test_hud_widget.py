@@ -41,7 +41,8 @@ def feed_conversation(hud: HudWidget) -> None:
 
 def test_events_only_schedule_a_throttled_redraw(hud: HudWidget) -> None:
     feed(hud, reply_events(ReplySpec("r", 0, 20, 0, 10))[:5])
-    assert hud._timer.isActive() and hud._timer.interval() <= 34
+    assert hud._timer.isActive()
+    assert hud._timer.interval() >= 1000 / 30  # never redraws faster than 30 Hz
     hud.flush()
     assert not hud._timer.isActive() and not hud._dirty
 
