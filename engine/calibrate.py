@@ -8,12 +8,13 @@ JSON in the user cache dir, keyed by device name, so later starts cost nothing.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from engine.loader import cache_root
 
 CACHE_FILE = "device_peaks.json"
 
@@ -51,16 +52,6 @@ class DevicePeaks:
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
-
-
-def cache_dir() -> Path:
-    """PHASEWISE_CACHE_DIR if set, else the platform's user cache dir for phasewise."""
-    override = os.environ.get("PHASEWISE_CACHE_DIR")
-    if override:
-        return Path(override)
-    from platformdirs import user_cache_dir
-
-    return Path(user_cache_dir("phasewise"))
 
 
 def device_name(device: str) -> str:
@@ -145,7 +136,7 @@ def device_peaks(
         known = table_peaks(name)
         if known is not None:
             return known
-    path = (directory or cache_dir()) / CACHE_FILE
+    path = (directory or cache_root()) / CACHE_FILE
     cache = _load_cache(path)
     entry = cache.get(name)
     if isinstance(entry, dict) and {"bandwidth_gb_s", "tflop_s"} <= entry.keys():
