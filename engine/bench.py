@@ -18,7 +18,7 @@ import torch
 from engine.events import GenerationResult
 from engine.generate import DecodeSession, now_ns, prepare_prompt
 from engine.loader import LoadedModel
-from engine.metrics import RequestTimeline, percentile
+from engine.metrics import RequestTimeline, percentiles
 from engine.params import ChatMessage, GenerationRequest, SamplingParams
 from engine.prefix_cache import PrefixCache
 
@@ -147,6 +147,7 @@ def bench_decode(
             progress(f"run {i + 1}/{repeats}: phasewise, speculative (ngram)")
             spec.append(run_ours(loaded, prompt_ids, max_tokens, speculative="ngram"))
     itl = [x for r in ours for x in r.metrics.itl_s]
+    itl_p50, itl_p90, itl_p99 = percentiles(itl, (50, 90, 99))
     med = statistics.median
     report: dict[str, Any] = {
         "model": loaded.info.name,
@@ -160,9 +161,9 @@ def bench_decode(
         "prefill_s": med(r.metrics.prefill_s for r in ours),
         "prefill_tok_s": med(r.metrics.prefilled_tokens / r.metrics.prefill_s for r in ours),
         "decode_tok_s": med(r.metrics.decode_tok_s for r in ours),
-        "itl_p50_s": percentile(itl, 50),
-        "itl_p90_s": percentile(itl, 90),
-        "itl_p99_s": percentile(itl, 99),
+        "itl_p50_s": itl_p50,
+        "itl_p90_s": itl_p90,
+        "itl_p99_s": itl_p99,
         "achieved_gb_s": med(r.metrics.achieved_gb_s for r in ours),
         "prefill_tflop_s": med(r.metrics.prefill_tflop_s for r in ours),
         "weight_bytes_per_step": loaded.info.weight_bytes_per_step,

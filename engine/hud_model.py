@@ -26,24 +26,11 @@ from engine.events import (
     SamplerSnapshot,
     TokenEmitted,
 )
-from engine.metrics import NS, RequestMetrics, percentile
+from engine.metrics import NS, RequestMetrics, percentiles
 
 DOMINANT_SHARE = 0.6  # a phase "owns" the time above this share of e2e
 THROUGHPUT_WINDOW = 16  # tokens in the rolling decode tok/s window
 MIN_TOKENS_FOR_CAP = 24  # below this, advising a max_tokens cap is noise
-
-
-def percentiles(values: list[float], qs: tuple[float, ...]) -> list[float]:
-    """Several percentiles with one sort; same interpolation as engine.metrics.percentile."""
-    if not values:
-        return [0.0 for _ in qs]
-    ordered = sorted(values)
-    out = []
-    for q in qs:
-        pos = (len(ordered) - 1) * q / 100
-        lo, hi = math.floor(pos), math.ceil(pos)
-        out.append(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo))
-    return out
 
 
 # ----- formatting --------------------------------------------------------------------------
@@ -387,7 +374,8 @@ class SessionModel:
 
     def ttft_percentiles(self) -> tuple[float, float, float]:
         ttfts = [r.metrics.ttft_s for r in self.finished()]
-        return percentile(ttfts, 50), percentile(ttfts, 90), percentile(ttfts, 99)
+        p50, p90, p99 = percentiles(ttfts, (50, 90, 99))
+        return p50, p90, p99
 
     def conversation(self) -> list[ReplyRecord]:
         """The latest run of turns: a 'first_turn' cache miss starts a new conversation."""

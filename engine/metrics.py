@@ -13,14 +13,23 @@ from dataclasses import asdict, dataclass, field
 NS = 1e-9
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default method); 0.0 for an empty list."""
+def percentiles(values: Sequence[float], qs: Sequence[float]) -> list[float]:
+    """Linear-interpolated percentiles (numpy's default method) with one sort; 0.0 each for
+    an empty list."""
     if not values:
-        return 0.0
+        return [0.0 for _ in qs]
     ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    out = []
+    for q in qs:
+        pos = (len(ordered) - 1) * q / 100
+        lo, hi = math.floor(pos), math.ceil(pos)
+        out.append(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo))
+    return out
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """One linear-interpolated percentile; 0.0 for an empty list."""
+    return percentiles(values, (q,))[0]
 
 
 @dataclass
@@ -84,6 +93,7 @@ def compute_metrics(
     decode_s = (tl.token_ns[-1] - tl.token_ns[0]) * NS if n > 1 else 0.0
     decode_tok_s = (n - 1) / decode_s if decode_s > 0 else 0.0
     tpot_s = (e2e_s - ttft_s) / (n - 1) if n > 1 else 0.0
+    itl_p50, itl_p90, itl_p99 = percentiles(itl_s, (50, 90, 99))
     prefilled = prompt_tokens - cached_tokens
     prefill_tflop_s = 2 * parameters * prefilled / prefill_s / 1e12 if prefill_s > 0 else 0.0
     return RequestMetrics(
@@ -103,8 +113,8 @@ def compute_metrics(
         weight_bytes_per_step=weight_bytes_per_step,
         achieved_gb_s=weight_bytes_per_step * decode_tok_s / 1e9,
         prefill_tflop_s=prefill_tflop_s,
-        itl_p50_s=percentile(itl_s, 50),
-        itl_p90_s=percentile(itl_s, 90),
-        itl_p99_s=percentile(itl_s, 99),
+        itl_p50_s=itl_p50,
+        itl_p90_s=itl_p90,
+        itl_p99_s=itl_p99,
         cache_miss_reason=cache_miss_reason,
     )
