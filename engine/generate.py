@@ -6,6 +6,7 @@ the KV cache stays ours to reuse on the next turn. Runs only in the engine threa
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -65,7 +66,10 @@ def warm_up(loaded: LoadedModel) -> None:
 class PreparedPrompt:
     ids: list[int]
     layout: PromptLayout = field(default_factory=PromptLayout)
-    dropped_messages: int = 0
+
+    @property
+    def dropped_messages(self) -> int:
+        return self.layout.dropped_messages
 
 
 def prepare_prompt(loaded: LoadedModel, request: GenerationRequest) -> PreparedPrompt:
@@ -112,7 +116,7 @@ def _drop_oldest_to_fit(
             hi, best = mid, candidate
         else:
             lo = mid + 1
-    best.dropped_messages = hi
+    best.layout = dataclasses.replace(best.layout, dropped_messages=hi)
     return best
 
 
@@ -153,8 +157,6 @@ class DecodeSession:
             lease = self.prefix_cache.acquire(request.conversation_id, prompt.ids, prompt.layout)
         else:
             lease = self.prefix_cache.cold_lease(request.conversation_id)
-        if prompt.dropped_messages and lease.miss_reason != "first_turn":
-            lease.miss_reason = "dropped_old_turns"
         emit(PrefillStarted(request.request_id, timeline.prefill_start_ns, len(prompt.ids),
                             lease.cached_tokens, lease.miss_reason))
         healthy = False

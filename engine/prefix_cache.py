@@ -81,6 +81,7 @@ class PromptLayout:
 
     spans: tuple[tuple[str, int, int], ...] = ()
     generated_span: tuple[int, int] | None = None  # the last reply we generated, if in prompt
+    dropped_messages: int = 0  # oldest turns dropped to fit the context
 
 
 class PrefixCache:
@@ -137,10 +138,8 @@ class PrefixCache:
         donor_id, donor_len = self._best_donor(prompt_ids, limit)
         if own is not None and own_len >= donor_len:
             crop_to(own.cache, own_len)
-            ids = own.ids[:own_len]
-            reason = self._own_reason(own.ids, prompt_ids, own_len, limit, layout)
-            return CacheLease(conv, ids, own.cache, own_len, reason)
-        if donor_id is not None and donor_len > 0:
+            cache, ids = own.cache, own.ids[:own_len]
+        elif donor_id is not None and donor_len > 0:
             self._entries.move_to_end(donor_id)
             cache = copy.deepcopy(self._entries[donor_id].cache)
             crop_to(cache, donor_len)
@@ -151,6 +150,8 @@ class PrefixCache:
             reason = self._fresh_reason(conv)
         else:
             reason = self._own_reason(own.ids, prompt_ids, own_len, limit, layout)
+        if layout is not None and layout.dropped_messages and reason != "first_turn":
+            reason = "dropped_old_turns"
         return CacheLease(conv, ids, cache, len(ids), reason)
 
     def cold_lease(self, conversation_id: str | None) -> CacheLease:
