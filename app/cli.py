@@ -23,7 +23,6 @@ from app.remote_cli import (
 )
 
 EXIT_ERROR = 1
-EXIT_USAGE = 2
 EXIT_CANCELLED = 130
 
 

@@ -227,7 +227,6 @@ class DecodeSession:
                 draft = lookup.propose(min(DRAFT_TOKENS, room)) if lookup is not None else []
                 if draft:
                     stats.proposed += len(draft)
-                    stats.verify_steps += 1
                 rows = self._forward([token, *draft], lease, rows=1 + len(draft))
         # Plain decoding never feeds the last emitted token; a draft may have gone further.
         self._trim(lease, len(prompt_ids) + max(len(generated) - 1, 0))

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-SPECULATIVE_METHODS = ("ngram",)
 DRAFT_TOKENS = 6
 MAX_NGRAM = 3
 MIN_NGRAM = 2  # a single repeated token is too weak a cue: drafts from it are mostly rejected
@@ -67,8 +66,3 @@ class SpecStats:
 
     proposed: int = 0
     accepted: int = 0
-    verify_steps: int = 0
-
-    @property
-    def accept_rate(self) -> float:
-        return self.accepted / self.proposed if self.proposed else 0.0

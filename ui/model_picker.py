@@ -25,8 +25,6 @@ from PySide6.QtWidgets import (
 
 from engine.remote import REMOTE_SPEC, RemoteError, normalize_base_url, store_api_key
 
-SOURCES = ("default", "folder", "gguf", "hub", REMOTE_SPEC)
-
 
 @dataclass(frozen=True)
 class ModelChoice:
