@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.setup-stamp
 
-.PHONY: setup run test lint bench package test-packaging clean
+.PHONY: setup run test lint bench peers package test-packaging clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,15 @@ lint: setup
 
 bench: setup
 	$(VENV)/bin/phasewise bench --vs hf
+
+# Peers for `bench --vs llama.cpp` and the llama.cpp server tests: llama-cpp-python compiles
+# llama.cpp from source (needs a C++ compiler and CMake; minutes). Not part of `make test`,
+# whose llama.cpp tests skip without it.
+$(VENV)/.peers-stamp: $(STAMP)
+	$(PIP) install --quiet -e ".[peers]"
+	touch $@
+
+peers: $(VENV)/.peers-stamp
 
 # PyInstaller bundle + dist/phasewise_<version>_amd64.deb (CPU torch: the default TORCH).
 $(VENV)/.package-stamp: $(STAMP)
