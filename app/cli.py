@@ -61,8 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_options(ask)
     ask.add_argument("--system", help="system prompt")
     ask.add_argument("--json", action="store_true", help="print one JSON object last")
-    ask.add_argument("--speculative", choices=["ngram"], default=None,
-                     help="prompt-lookup speculative decoding (greedy only; same output)")
+    ask.add_argument("--speculative", choices=["ngram", "draft"], default=None,
+                     help="speculative decoding: ngram = prompt lookup (greedy only), draft "
+                          "= the --draft-model (implied by it); greedy output is unchanged, "
+                          "sampled output keeps its distribution")
+    add_draft_options(ask)
     ask.add_argument("prompt", nargs="+", help="the prompt ('-' reads standard input)")
     ask.set_defaults(handler=cmd_ask)
 
@@ -73,15 +76,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompt-tokens", type=int, default=128,
                        help="prompt length in tokens (default 128)")
     bench.add_argument("--repeats", type=int, default=3, help="runs; medians reported")
-    bench.add_argument("--vs", choices=["hf"], action="append", default=[],
-                       help="also run a peer in the same process: hf = transformers generate()")
+    # Not engine.bench.PEERS: importing it would load torch before --help could print.
+    bench.add_argument("--vs", choices=["hf", "llama.cpp"], nargs="+", action="extend",
+                       default=[], metavar="PEER",
+                       help="also run peers in the same process on the same prompt: hf = "
+                            "transformers generate(), llama.cpp = llama-cpp-python on the "
+                            "model's GGUF (`make peers`); e.g. --vs hf llama.cpp")
     bench.add_argument("--turns", type=int, default=0,
                        help="run a scripted K-turn chat instead, measuring the prefix cache")
     bench.add_argument("--batch", type=int, nargs="+", metavar="B",
                        help="decode B requests per step for each B given (e.g. 1 2 4 8): "
                             "per-token latency and total throughput")
     bench.add_argument("--speculative", action="store_true",
-                       help="also decode with prompt-lookup drafts; report acceptance, speedup")
+                       help="also decode with prompt-lookup drafts (and the --draft-model's, "
+                            "if given); report acceptance, speedup")
+    add_draft_options(bench)
     bench.set_defaults(handler=cmd_bench)
     # Remote backends and `serve` (app/remote_cli.py).
     for command in (parser, ask, bench):
@@ -105,6 +114,22 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="decode path: auto (measured once per model and CPU: the fastest "
                              "that passes the quality guard) | fp32-eager | int8-dynamic | "
                              "bf16-eager | fp16-eager")
+
+
+def add_draft_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--draft-model", metavar="SPEC",
+                        help="a draft model for speculative decoding, sharing the model's "
+                             "vocabulary: 'default', a folder or a .gguf file (e.g. the same "
+                             "model with --draft-kernel int8-dynamic)")
+    parser.add_argument("--draft-kernel", default="auto",
+                        help="the draft model's decode path (as --kernel)")
+
+
+def speculative_method(args: argparse.Namespace) -> str | None:
+    """ask's --speculative, "draft" when only --draft-model is given."""
+    if args.speculative == "draft" and not args.draft_model:
+        raise CliError("--speculative draft needs --draft-model SPEC")
+    return args.speculative or ("draft" if args.draft_model else None)
 
 
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -153,7 +178,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     messages = ([ChatMessage("system", args.system)] if args.system else [])
     messages.append(ChatMessage("user", text))
     request = GenerationRequest(messages=messages, params=params, conversation_id="cli",
-                                speculative=args.speculative)
+                                speculative=speculative_method(args))
     try:
         request.validate()  # fail before the model loads
     except PhasewiseError as exc:
@@ -164,6 +189,11 @@ def cmd_ask(args: argparse.Namespace) -> int:
             engine.add_listener(show_loading_stage)
         try:
             engine.load_model_sync(args.model, kernel=args.kernel, **model_options(args))
+            if args.draft_model:
+                if not hasattr(engine, "load_draft_sync"):
+                    raise CliError("--draft-model needs a local model (not --backend)")
+                engine.load_draft_sync(args.draft_model, kernel=args.draft_kernel,
+                                       **model_options(args))
         except ModelLoadError as exc:
             raise CliError(str(exc)) from None
         handle = engine.submit(request)
@@ -198,6 +228,7 @@ def show_loading_stage(event: object) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from engine import ModelLoadError, PhasewiseError
     from engine.bench import bench_batch, bench_decode, bench_turns
+    from engine.draft import load_draft
     from engine.kernels import select_kernel
     from engine.loader import load_model
 
@@ -209,6 +240,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise CliError(f"--batch sizes must be >= 1 (got {min(args.batch)})")
     if args.backend:
         return bench_remote(args)
+    if "llama.cpp" in args.vs:
+        from engine.peers import import_llama_cpp
+
+        try:
+            import_llama_cpp()  # say so before the model loads, not after
+        except PhasewiseError as exc:
+            raise CliError(str(exc)) from None
 
     def progress(stage: str) -> None:
         print(f"  {stage}", file=sys.stderr, flush=True)
@@ -216,6 +254,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     try:
         reference = load_model(args.model, progress=progress, **model_options(args))
         loaded = select_kernel(reference, args.kernel, progress=progress)
+        draft = load_draft(args.draft_model, loaded, kernel=args.draft_kernel,
+                           progress=progress, **model_options(args)) if args.draft_model else None
     except ModelLoadError as exc:
         raise CliError(str(exc)) from None
     if args.prompt_tokens + args.max_tokens > loaded.info.context_length:
@@ -236,8 +276,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         else:
             report = bench_decode(loaded, prompt_tokens=args.prompt_tokens,
                                   max_tokens=args.max_tokens, repeats=args.repeats,
-                                  vs_hf="hf" in args.vs, speculative=args.speculative,
-                                  hf_reference=reference, progress=progress)
+                                  peers=args.vs, speculative=args.speculative or bool(draft),
+                                  draft=draft, hf_reference=reference, progress=progress)
             print_decode_table(report)
     except PhasewiseError as exc:
         raise CliError(str(exc)) from None
@@ -257,20 +297,44 @@ def print_decode_table(r: dict[str, Any]) -> None:
         ("ITL p50 / p90 / p99", f"{r['itl_p50_s'] * 1e3:.1f} / {r['itl_p90_s'] * 1e3:.1f} / "
                                 f"{r['itl_p99_s'] * 1e3:.1f} ms"),
     ]
-    if "hf_decode_tok_s" in r:
-        rows.append(("transformers generate()", f"{r['hf_decode_tok_s']:.1f} tok/s decode, "
-                                                f"TTFT {r['hf_ttft_s'] * 1e3:.1f} ms "
-                                                f"({r['hf_kernel']})"))
-        rows.append(("decode ratio vs generate()", f"x{r['decode_ratio_vs_hf']:.2f}"))
+    rows += peer_rows(r)
     if "spec_decode_tok_s" in r:
         rows.append(("speculative (ngram)", f"{r['spec_decode_tok_s']:.1f} tok/s decode, "
                                             f"x{r['spec_speedup']:.2f} vs plain, accepted "
                                             f"{r['spec_accepted']}/{r['spec_proposed']} "
                                             f"({r['spec_accept_rate']:.0%})"))
         rows.append(("speculative output = plain", str(r["spec_output_identical"])))
+    if "draft_decode_tok_s" in r:
+        rows.append((f"speculative (draft {r['draft_model']}, {r['draft_kernel']})",
+                     f"{r['draft_decode_tok_s']:.1f} tok/s decode, x{r['draft_speedup']:.2f} vs "
+                     f"plain, accepted {r['draft_accepted']}/{r['draft_proposed']} "
+                     f"({r['draft_accept_rate']:.0%})"))
+        rows.append(("draft output = plain", str(r["draft_output_identical"])))
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
+
+
+# JSON key prefix -> (table label, short name in the ratio rows)
+PEER_NAMES = {"hf": ("transformers generate()", "generate()"),
+              "llama_cpp": ("llama.cpp (llama-cpp-python)", "llama.cpp")}
+
+
+def peer_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
+    """Each peer's decode, TTFT and ITL, and our ratios against it (above 1: ours is better)."""
+    rows = []
+    for key, (label, short) in PEER_NAMES.items():
+        if f"{key}_decode_tok_s" not in r:
+            continue
+        detail = f" ({r['hf_kernel']})" if key == "hf" else ""
+        rows.append((label, f"{r[f'{key}_decode_tok_s']:.1f} tok/s decode, TTFT "
+                            f"{r[f'{key}_ttft_s'] * 1e3:.1f} ms, ITL p50 / p99 "
+                            f"{r[f'{key}_itl_p50_s'] * 1e3:.1f} / "
+                            f"{r[f'{key}_itl_p99_s'] * 1e3:.1f} ms{detail}"))
+        rows.append((f"decode ratio vs {short}", f"x{r[f'decode_ratio_vs_{key}']:.2f}"))
+        rows.append((f"TTFT ratio vs {short}",
+                     f"x{r[f'ttft_ratio_vs_{key}']:.2f} (their TTFT / ours)"))
+    return rows
 
 
 def print_batch_table(r: dict[str, Any]) -> None:

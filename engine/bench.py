@@ -1,7 +1,8 @@
 """Benchmarks shared by `phasewise bench` and benchmarks/: measure, never assert.
 
 Everything runs in the calling thread on one LoadedModel, so our decode loop and the
-transformers generate() baseline see the same weights, prompt, dtype and token count.
+transformers generate() baseline see the same weights, prompt, dtype and token count; the
+llama.cpp peer (engine/peers.py) sees the same prompt ids and token count on the GGUF weights.
 """
 
 from __future__ import annotations
@@ -9,18 +10,24 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from functools import partial
 from typing import Any
 
 import torch
 
+from engine.draft import DraftModel
+from engine.errors import InvalidRequestError
 from engine.events import GenerationResult
 from engine.generate import DecodeSession, now_ns, prepare_prompt
 from engine.loader import LoadedModel
 from engine.metrics import RequestTimeline, percentiles
 from engine.params import ChatMessage, GenerationRequest, SamplingParams
+from engine.peers import LlamaCppPeer, PeerResult, gguf_for, result_from_stamps
 from engine.prefix_cache import PrefixCache
+
+PeerRunner = Callable[[list[int], int], PeerResult]
 
 PASSAGE = (
     "The history of computing is a story of layers. Each generation of engineers built tools "
@@ -50,6 +57,7 @@ def run_ours(
     conversation_id: str | None = None,
     reuse_cache: bool = True,
     speculative: str | None = None,
+    draft: DraftModel | None = None,
 ) -> GenerationResult:
     """One greedy request of exactly max_tokens tokens through the engine's decode loop."""
     pool = cache or PrefixCache(loaded.model.config, budget_bytes=1 << 40)
@@ -62,38 +70,33 @@ def run_ours(
         speculative=speculative,
     )
     timeline = RequestTimeline(submitted_ns=now_ns())
-    return DecodeSession(loaded, pool).run(request, timeline, threading.Event(), lambda _e: None)
+    session = DecodeSession(loaded, pool, draft=draft)
+    return session.run(request, timeline, threading.Event(), lambda _e: None)
 
 
 class _TokenClock:
     """A generate() streamer that stamps each new token (the first put() is the prompt)."""
 
     def __init__(self) -> None:
-        self.stamps: list[float] = []
+        self.stamps: list[int] = []
         self._seen_prompt = False
 
     def put(self, _value: torch.Tensor) -> None:
         if self._seen_prompt:
-            self.stamps.append(time.perf_counter())
+            self.stamps.append(time.perf_counter_ns())
         self._seen_prompt = True
 
     def end(self) -> None:
         pass
 
 
-@dataclass
-class HfResult:
-    ttft_s: float
-    decode_tok_s: float
-
-
 @torch.inference_mode()
-def run_hf(loaded: LoadedModel, prompt_ids: list[int], max_tokens: int) -> HfResult:
+def run_hf(loaded: LoadedModel, prompt_ids: list[int], max_tokens: int) -> PeerResult:
     """transformers generate() for exactly max_tokens greedy tokens, timed per token with a
     streamer, so TTFT and decode tok/s follow the same definitions as ours."""
     input_ids = torch.tensor([prompt_ids], device=loaded.device)
     clock = _TokenClock()
-    start = time.perf_counter()
+    start = time.perf_counter_ns()
     loaded.model.generate(
         input_ids,
         attention_mask=torch.ones_like(input_ids),
@@ -103,12 +106,35 @@ def run_hf(loaded: LoadedModel, prompt_ids: list[int], max_tokens: int) -> HfRes
         pad_token_id=loaded.tokenizer.eos_token_id,
         streamer=clock,
     )
-    stamps = clock.stamps
-    decode_s = stamps[-1] - stamps[0] if len(stamps) > 1 else 0.0
-    return HfResult(
-        ttft_s=stamps[0] - start if stamps else 0.0,
-        decode_tok_s=(len(stamps) - 1) / decode_s if decode_s > 0 else 0.0,
-    )
+    return result_from_stamps(start, clock.stamps)
+
+
+PEERS = ("hf", "llama.cpp")  # what `bench --vs` accepts
+PEER_LABELS = {"hf": "transformers generate()", "llama.cpp": "llama.cpp (llama-cpp-python)"}
+
+
+def peer_key(peer: str) -> str:
+    """The JSON key prefix of a peer: 'hf', 'llama_cpp'."""
+    return peer.replace(".", "_")
+
+
+def _peer_runners(peers: Sequence[str], hf_model: LoadedModel, loaded: LoadedModel,
+                  n_ctx: int, stack: ExitStack, about: dict[str, Any]) -> dict[str, PeerRunner]:
+    """A run(prompt_ids, max_tokens) callable per requested peer, in PEERS order; what each
+    peer ran on goes into `about` for the report."""
+    runners: dict[str, PeerRunner] = {}
+    for peer in (p for p in PEERS if p in peers):
+        if peer == "hf":
+            runners[peer] = partial(run_hf, hf_model)
+            about["hf_kernel"] = hf_model.info.kernel
+        else:
+            gguf = gguf_for(loaded.info)
+            llama = stack.enter_context(LlamaCppPeer(
+                gguf, n_threads=torch.get_num_threads(), n_ctx=n_ctx))
+            runners[peer] = llama.run
+            about.update(llama_cpp_version=llama.version, llama_cpp_threads=llama.n_threads,
+                         llama_cpp_gguf=gguf.name)
+    return runners
 
 
 def bench_decode(
@@ -117,39 +143,68 @@ def bench_decode(
     prompt_tokens: int = 128,
     max_tokens: int = 64,
     repeats: int = 3,
-    vs_hf: bool = False,
+    peers: Sequence[str] = (),
     speculative: bool = False,
+    draft: DraftModel | None = None,
     hf_reference: LoadedModel | None = None,
     progress: Callable[[str], None] = lambda _m: None,
 ) -> dict[str, Any]:
     """Cold TTFT, prefill tok/s, decode tok/s and ITL percentiles; medians over repeats.
 
-    Runs alternate ours / generate() (/ ours with speculative drafts) so drift in machine load
-    hits all alike. generate() runs on hf_reference (the model as loaded, before a fast
-    kernel) when given, so the ratio is against stock transformers.
+    peers ('hf', 'llama.cpp') decode the same prompt ids for the same token count. Runs
+    alternate ours / each peer (/ ours with speculative drafts) so drift in machine load hits
+    all alike. generate() runs on hf_reference (the model as loaded, before a fast kernel) when
+    given, so the ratio is against stock transformers; llama.cpp runs the model's GGUF file.
     """
-    hf_model = hf_reference or loaded
+    unknown = sorted(set(peers) - set(PEERS))
+    if unknown:
+        raise InvalidRequestError(f"unknown bench peer {unknown[0]!r} (choose from "
+                                  f"{', '.join(PEERS)})")
     prompt_ids = fixed_prompt_ids(loaded, prompt_tokens)
-    progress("warm-up")
-    run_ours(loaded, prompt_ids[:16], 4)
-    if vs_hf:
-        run_hf(hf_model, prompt_ids[:16], 4)
-    ours: list[GenerationResult] = []
-    theirs: list[HfResult] = []
-    spec: list[GenerationResult] = []
-    for i in range(repeats):
-        progress(f"run {i + 1}/{repeats}: phasewise")
-        ours.append(run_ours(loaded, prompt_ids, max_tokens))
-        if vs_hf:
-            progress(f"run {i + 1}/{repeats}: transformers generate()")
-            theirs.append(run_hf(hf_model, prompt_ids, max_tokens))
-        if speculative:
-            progress(f"run {i + 1}/{repeats}: phasewise, speculative (ngram)")
-            spec.append(run_ours(loaded, prompt_ids, max_tokens, speculative="ngram"))
+    about: dict[str, Any] = {}
+    with ExitStack() as stack:
+        runners = _peer_runners(peers, hf_reference or loaded, loaded,
+                                prompt_tokens + max_tokens + 8, stack, about)
+        progress("warm-up")
+        run_ours(loaded, prompt_ids[:16], 4)
+        for run in runners.values():
+            run(prompt_ids[:16], 4)
+        ours: list[GenerationResult] = []
+        theirs: dict[str, list[PeerResult]] = {peer: [] for peer in runners}
+        spec: list[GenerationResult] = []
+        drafted: list[GenerationResult] = []
+        for i in range(repeats):
+            progress(f"run {i + 1}/{repeats}: phasewise")
+            ours.append(run_ours(loaded, prompt_ids, max_tokens))
+            for peer, run in runners.items():
+                progress(f"run {i + 1}/{repeats}: {PEER_LABELS[peer]}")
+                theirs[peer].append(run(prompt_ids, max_tokens))
+            if speculative:
+                progress(f"run {i + 1}/{repeats}: phasewise, speculative (ngram)")
+                spec.append(run_ours(loaded, prompt_ids, max_tokens, speculative="ngram"))
+            if speculative and draft is not None:
+                progress(f"run {i + 1}/{repeats}: phasewise, speculative (draft model)")
+                drafted.append(run_ours(loaded, prompt_ids, max_tokens, speculative="draft",
+                                        draft=draft))
+    report = decode_summary(loaded, ours, prompt_tokens, max_tokens, repeats) | about
+    for peer, runs in theirs.items():
+        report.update(peer_summary(peer, runs, report))
+    if speculative:
+        report.update(speculative_summary(ours, spec))
+    if drafted and draft is not None:
+        report.update(speculative_summary(ours, drafted, "draft", prefix="draft_"))
+        report["draft_model"] = draft.name
+        report["draft_kernel"] = draft.loaded.info.kernel
+    return report
+
+
+def decode_summary(loaded: LoadedModel, ours: list[GenerationResult], prompt_tokens: int,
+                   max_tokens: int, repeats: int) -> dict[str, Any]:
+    """Our side of bench_decode's report: medians over runs, ITL percentiles over all."""
     itl = [x for r in ours for x in r.metrics.itl_s]
     itl_p50, itl_p90, itl_p99 = percentiles(itl, (50, 90, 99))
     med = statistics.median
-    report: dict[str, Any] = {
+    return {
         "model": loaded.info.name,
         "device": loaded.info.device,
         "dtype": loaded.info.dtype,
@@ -169,37 +224,47 @@ def bench_decode(
         "weight_bytes_per_step": loaded.info.weight_bytes_per_step,
         "parameters": loaded.info.parameters,
     }
-    if vs_hf:
-        report["hf_kernel"] = hf_model.info.kernel
-        report["hf_ttft_s"] = med(h.ttft_s for h in theirs)
-        report["hf_decode_tok_s"] = med(h.decode_tok_s for h in theirs)
-        report["decode_ratio_vs_hf"] = (
-            report["decode_tok_s"] / report["hf_decode_tok_s"] if report["hf_decode_tok_s"] else 0.0
-        )
-    if speculative:
-        report.update(speculative_summary(ours, spec))
-    return report
 
 
-def speculative_summary(plain: list[GenerationResult], spec: list[GenerationResult]
-                        ) -> dict[str, Any]:
-    """Acceptance and speedup of prompt-lookup decoding against plain runs of the same
-    prompt; spec_output_identical checks the greedy outputs match token for token."""
+def peer_summary(peer: str, runs: list[PeerResult], ours: dict[str, Any]) -> dict[str, Any]:
+    """A peer's medians under its key prefix, and ratios where above 1 means ours is better:
+    decode_ratio_vs_<peer> = our decode tok/s / theirs; ttft_ratio_vs_<peer> = their TTFT /
+    ours."""
+    key = peer_key(peer)
+    med = statistics.median
+    itl_p50, itl_p99 = percentiles([x for r in runs for x in r.itl_s], (50, 99))
+    decode, ttft = med(r.decode_tok_s for r in runs), med(r.ttft_s for r in runs)
+    return {
+        f"{key}_ttft_s": ttft,
+        f"{key}_decode_tok_s": decode,
+        f"{key}_itl_p50_s": itl_p50,
+        f"{key}_itl_p99_s": itl_p99,
+        f"decode_ratio_vs_{key}": ours["decode_tok_s"] / decode if decode else 0.0,
+        f"ttft_ratio_vs_{key}": ttft / ours["ttft_s"] if ours["ttft_s"] else 0.0,
+    }
+
+
+def speculative_summary(plain: list[GenerationResult], spec: list[GenerationResult],
+                        method: str = "ngram", prefix: str = "spec_") -> dict[str, Any]:
+    """Acceptance and speedup of speculative decoding (method "ngram" or "draft") against
+    plain runs of the same prompt, keys under prefix; <prefix>output_identical checks the
+    greedy outputs match token for token."""
     proposed = sum(r.spec_proposed for r in spec)
     accepted = sum(r.spec_accepted for r in spec)
     rate = statistics.median(r.metrics.decode_tok_s for r in spec)
     plain_rate = statistics.median(r.metrics.decode_tok_s for r in plain)
-    return {
-        "spec_method": "ngram",
-        "spec_decode_tok_s": rate,
-        "spec_speedup": rate / plain_rate if plain_rate else 0.0,
-        "spec_e2e_speedup": (statistics.median(r.metrics.e2e_s for r in plain)
-                             / statistics.median(r.metrics.e2e_s for r in spec)),
-        "spec_proposed": proposed,
-        "spec_accepted": accepted,
-        "spec_accept_rate": accepted / proposed if proposed else 0.0,
-        "spec_output_identical": all(s.token_ids == plain[0].token_ids for s in spec),
+    summary = {
+        "method": method,
+        "decode_tok_s": rate,
+        "speedup": rate / plain_rate if plain_rate else 0.0,
+        "e2e_speedup": (statistics.median(r.metrics.e2e_s for r in plain)
+                        / statistics.median(r.metrics.e2e_s for r in spec)),
+        "proposed": proposed,
+        "accepted": accepted,
+        "accept_rate": accepted / proposed if proposed else 0.0,
+        "output_identical": all(s.token_ids == plain[0].token_ids for s in spec),
     }
+    return {prefix + key: value for key, value in summary.items()}
 
 
 TURN_QUESTIONS = (
@@ -293,29 +358,33 @@ def bench_batch(
     rounds: int = 2,
     progress: Callable[[str], None] = lambda _m: None,
 ) -> dict[str, Any]:
-    """Decode B requests in one batch per step: per-token latency and total throughput.
+    """Decode B requests at once through the engine's continuous batcher: per-token latency
+    and total throughput.
 
-    Each request is a different window of the fixed passage, all of one length (no padding).
-    Batch sizes alternate round by round; each step's time is the median over the rounds.
+    Each request is a different window of the fixed passage, all of one length; each is
+    prefilled on its own and joins the batch, as in the engine. A timed step is one forward
+    over all rows plus each row's sampling, detokenizing and events. Batch sizes alternate
+    round by round; each step's time is the median over the rounds.
     """
-    from transformers import DynamicCache
+    from engine.batching import Batcher, DetachedJob
 
     stride = 7
     source = fixed_prompt_ids(loaded, prompt_tokens + stride * max(batch_sizes))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     step_s: dict[int, list[float]] = {b: [] for b in batch_sizes}
     for r in range(rounds):
         for b in batch_sizes:
             progress(f"round {r + 1}/{rounds}: batch {b}")
-            prompts = [source[i * stride : i * stride + prompt_tokens] for i in range(b)]
-            cache = DynamicCache(config=loaded.model.config)
-            logits = loaded.model(input_ids=torch.tensor(prompts, device=loaded.device),
-                                  cache=cache, use_cache=True, logits_to_keep=1).logits
-            for _ in range(max_tokens - 1):
-                step = logits[:, -1].argmax(-1, keepdim=True)
+            pool = PrefixCache(loaded.model.config, budget_bytes=1 << 40)
+            batcher = Batcher(loaded, pool, lambda _job, _event: None,
+                              lambda _job, _result, _error: None)
+            for i in range(b):
+                ids = source[i * stride : i * stride + prompt_tokens]
+                batcher.admit([DetachedJob(GenerationRequest(
+                    [], params, prompt_token_ids=ids, reuse_cache=False))])
+            while batcher.rows:  # the median keeps the last step (rows leave) from counting
                 start = time.perf_counter()
-                logits = loaded.model(input_ids=step, cache=cache, use_cache=True,
-                                      logits_to_keep=1).logits
-                logits[:, -1].argmax(-1).tolist()  # the tokens reach the host, as in serving
+                batcher.step()
                 step_s[b].append(time.perf_counter() - start)
     base = statistics.median(step_s[batch_sizes[0]]) / batch_sizes[0]
     rows = []
@@ -325,4 +394,5 @@ def bench_batch(
                      "total_tok_s": b / step, "throughput_vs_first": base * b / step})
     return {"model": loaded.info.name, "device": loaded.info.device,
             "kernel": loaded.info.kernel, "prompt_tokens": prompt_tokens,
-            "max_tokens": max_tokens, "rounds": rounds, "batches": rows}
+            "max_tokens": max_tokens, "rounds": rounds, "path": "engine batcher",
+            "batches": rows}

@@ -16,6 +16,7 @@ import torch
 
 from engine.chat_template import FALLBACK_STOPS, encode_chat_with_spans
 from engine.detok import IncrementalDetokenizer, StopMatcher
+from engine.draft import DraftModel, DraftProposer
 from engine.errors import ContextOverflowError, InvalidRequestError
 from engine.events import (
     EngineEvent,
@@ -31,7 +32,7 @@ from engine.metrics import RequestTimeline, compute_metrics
 from engine.params import GenerationRequest
 from engine.prefix_cache import CacheLease, PrefixCache, PromptLayout, crop_to
 from engine.sampling import make_generator, sample_token, sampler_view
-from engine.speculative import DRAFT_TOKENS, PromptLookup, SpecStats
+from engine.speculative import PromptLookup, SpecStats, verify_sampled
 
 Emit = Callable[[EngineEvent], None]
 SNAPSHOT_INTERVAL_NS = 100_000_000  # sampler snapshots at most 10 per second
@@ -135,9 +136,11 @@ def _encode_messages(loaded: LoadedModel, messages: list) -> PreparedPrompt:
 class DecodeSession:
     """Runs one request to completion on the engine thread."""
 
-    def __init__(self, loaded: LoadedModel, prefix_cache: PrefixCache) -> None:
+    def __init__(self, loaded: LoadedModel, prefix_cache: PrefixCache,
+                 draft: DraftModel | None = None) -> None:
         self.loaded = loaded
         self.prefix_cache = prefix_cache
+        self.draft = draft  # proposes tokens for speculative="draft" requests
         self.eos_ids = eos_token_ids(loaded)
         self.stops = FALLBACK_STOPS if loaded.info.template_fallback else ()
 
@@ -151,6 +154,9 @@ class DecodeSession:
     ) -> GenerationResult:
         timeline.prefill_start_ns = now_ns()
         prompt = prepare_prompt(self.loaded, request)
+        if request.speculative == "draft" and self.draft is None:
+            raise InvalidRequestError("speculative decoding with a draft model needs one: "
+                                      "load it first (--draft-model SPEC)")
         params = request.params
         budget = min(params.max_tokens, self.loaded.info.context_length - len(prompt.ids))
         if request.reuse_cache:
@@ -187,7 +193,7 @@ class DecodeSession:
         finish: FinishReason = "length"
         self._last_snapshot_ns = 0
 
-        lookup = PromptLookup(prompt_ids) if self._speculates(request) else None
+        drafter = self._drafter(request, prompt_ids, generator)
         stats = SpecStats()
         if cancel.is_set():
             finish = "cancelled"
@@ -202,11 +208,15 @@ class DecodeSession:
                 outcome: FinishReason | None = None
                 for j, logits in enumerate(rows):
                     seen = prompt_ids + generated if params.repetition_penalty != 1.0 else ()
-                    token = sample_token(logits, params, generator, seen)
+                    if drafter is not None and drafter.draft_probs and j < len(draft):
+                        token = verify_sampled(logits, params, seen, draft[j],
+                                               drafter.draft_probs[j], generator)
+                    else:
+                        token = sample_token(logits, params, generator, seen)
                     self._maybe_snapshot(emit, request, logits, token, len(generated))
                     generated.append(token)
-                    if lookup is not None:
-                        lookup.append(token)
+                    if drafter is not None:
+                        drafter.append(token)
                     outcome = self._emit_checked(emit, request, timeline, token, detok, stopper,
                                                  params.ignore_eos)
                     if outcome is None and len(generated) >= budget:
@@ -224,7 +234,7 @@ class DecodeSession:
                     finish = outcome
                     break
                 room = budget - len(generated) - 1
-                draft = lookup.propose(min(DRAFT_TOKENS, room)) if lookup is not None else []
+                draft = drafter.propose(room) if drafter is not None else []
                 if draft:
                     stats.proposed += len(draft)
                 rows = self._forward([token, *draft], lease, rows=1 + len(draft))
@@ -251,7 +261,7 @@ class DecodeSession:
             prompt_token_ids=prompt_ids,
             metrics=metrics,
             model=self.loaded.info,
-            speculative=request.speculative if lookup is not None else None,
+            speculative=request.speculative if drafter is not None else None,
             spec_proposed=stats.proposed,
             spec_accepted=stats.accepted,
         )
@@ -275,11 +285,19 @@ class DecodeSession:
             crop_to(lease.cache, length)
             del lease.ids[length:]
 
-    @staticmethod
-    def _speculates(request: GenerationRequest) -> bool:
-        """Prompt-lookup drafts run for greedy requests only: greedy verification keeps the
-        output identical to plain decoding; sampled requests decode plainly."""
-        return request.speculative == "ngram" and request.params.greedy
+    def _drafter(self, request: GenerationRequest, prompt_ids: list[int],
+                 generator: torch.Generator | None) -> PromptLookup | DraftProposer | None:
+        """Greedy requests: verification keeps the output identical to plain decoding.
+        Sampled requests: a draft model's sampled drafts pass the speculative sampling test,
+        which keeps the output distribution the target's; prompt lookup decodes them plainly."""
+        params = request.params
+        if request.speculative is None or (request.speculative == "ngram" and not params.greedy):
+            return None
+        if request.speculative == "ngram":
+            return PromptLookup(prompt_ids)
+        assert self.draft is not None  # run() refuses a draft request without one
+        stop_ids = () if params.ignore_eos else self.eos_ids
+        return DraftProposer(self.draft, prompt_ids, stop_ids, params, generator)
 
     def _emit_checked(
         self,

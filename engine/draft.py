@@ -1,0 +1,227 @@
+"""Draft-model speculative decoding: a cheaper model with the target's vocabulary proposes.
+
+The draft runs k one-token greedy steps; the target checks all k in one forward pass (see
+engine/speculative.py and DecodeSession._decode) and keeps the longest prefix it agrees with,
+so greedy output is the target's own whatever the draft proposes. The draft keeps its own
+KV cache: before each proposal it is cropped to the longest prefix it shares with the tokens
+accepted so far, and only the rest is fed (usually the target's one correction token).
+
+A good draft is the same model through a cheaper kernel (int8-dynamic on a CPU): nearly every
+proposal is accepted, and its steps cost a fraction of the target's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+import torch
+
+from engine.errors import ModelLoadError
+from engine.loader import LoadedModel, load_model
+from engine.params import SamplingParams
+from engine.prefix_cache import crop_to
+from engine.sampling import filtered_probs
+
+START_DRAFT = 4
+MIN_DRAFT = 1
+MAX_DRAFT = 8
+VOCAB_SAMPLE = 64  # evenly spaced token ids compared between the two vocabularies
+PROBE_TEXT = "The capital of France is Paris.\ndef main():\n    print('hi')  # café 😀 你好"
+
+
+class VocabularyMismatchError(ModelLoadError):
+    """The draft model's tokenizer does not match the target's: its tokens would mean
+    something else to the target."""
+
+
+def vocabulary_difference(draft: Any, target: Any) -> str | None:
+    """A one-line reason why two tokenizers differ, or None if they look the same:
+    size, special token ids, a sample of ids across the vocabulary, and one encoded text."""
+    size = len(target)
+    if len(draft) != size:
+        return f"{len(draft)} tokens vs the model's {size}"
+    for name in ("eos_token_id", "bos_token_id", "pad_token_id", "unk_token_id"):
+        if getattr(draft, name, None) != getattr(target, name, None):
+            return f"{name} is {getattr(draft, name, None)} vs the model's " \
+                   f"{getattr(target, name, None)}"
+    ids = set(range(0, size, max(1, size // VOCAB_SAMPLE))) | {size - 1}
+    ids |= {i for i in (*draft.all_special_ids, *target.all_special_ids) if 0 <= i < size}
+    ids_sorted = sorted(ids)
+    ours = draft.convert_ids_to_tokens(ids_sorted)
+    theirs = target.convert_ids_to_tokens(ids_sorted)
+    for token_id, a, b in zip(ids_sorted, ours, theirs, strict=True):
+        if a != b:
+            return f"token {token_id} is {a!r} vs the model's {b!r}"
+    if draft.encode(PROBE_TEXT, add_special_tokens=False) != target.encode(
+            PROBE_TEXT, add_special_tokens=False):
+        return "the same text splits into different tokens"
+    return None
+
+
+def check_same_vocabulary(draft: LoadedModel, target: LoadedModel) -> None:
+    """Raise VocabularyMismatchError (one line) unless draft can propose tokens for target."""
+    reason = vocabulary_difference(draft.tokenizer, target.tokenizer)
+    if reason is not None:
+        raise VocabularyMismatchError(
+            f"draft model {draft.info.name} does not share the vocabulary of "
+            f"{target.info.name} ({reason}); pick a draft from the same model family")
+
+
+class DraftModel:
+    """A loaded draft model and its KV cache. Only the engine thread may use it.
+
+    `ids` mirrors the cache position by position; any sequence can be drafted for, since
+    each proposal first re-syncs the cache to the longest prefix it shares with it.
+    """
+
+    def __init__(self, loaded: LoadedModel, vocab_limit: int) -> None:
+        self.loaded = loaded
+        self.vocab_limit = vocab_limit  # ids the target can embed: never propose beyond them
+        self.context = loaded.info.context_length
+        self.ids: list[int] = []
+        self.cache: Any = None
+        self.last_probs: list[torch.Tensor] = []  # what each sampled draft token was drawn from
+        self.reset()
+
+    @property
+    def name(self) -> str:
+        return self.loaded.info.name
+
+    def reset(self) -> None:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.loaded.model.config)
+        self.ids = []
+
+    @torch.inference_mode()
+    def propose(self, history: Sequence[int], k: int, stop_ids: Collection[int] = (),
+                params: SamplingParams | None = None,
+                generator: torch.Generator | None = None) -> list[int]:
+        """Up to k tokens continuing history, ending early at a stop id: greedy, or drawn
+        with params' temperature and filters (no repetition penalty), keeping each token's
+        distribution in last_probs for the target's acceptance test."""
+        self.last_probs = []
+        if k <= 0 or not history:
+            return []
+        try:
+            logits = self._logits_after(history)
+            drafts: list[int] = []
+            while True:
+                token = self._pick(logits[: self.vocab_limit], params, generator)
+                drafts.append(token)
+                if len(drafts) >= k or token in stop_ids:
+                    return drafts
+                logits = self._feed([token])
+        except BaseException:
+            self.reset()  # a failed forward leaves the cache in an unknown state
+            raise
+
+    def _pick(self, logits: torch.Tensor, params: SamplingParams | None,
+              generator: torch.Generator | None) -> int:
+        if params is None or params.greedy:
+            return int(logits.argmax())
+        probs = filtered_probs(logits, params)
+        self.last_probs.append(probs)
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+    def _logits_after(self, history: Sequence[int]) -> torch.Tensor:
+        """Crop the cache to what it shares with history (keeping one token to feed, for
+        fresh logits), feed the rest, return the last position's logits."""
+        keep = min(_common_prefix(self.ids, history), len(history) - 1)
+        if len(self.ids) > keep:
+            crop_to(self.cache, keep)
+            del self.ids[keep:]
+        if keep == 0 and len(history) > 1:
+            # The first position's outsized activations (an attention sink) would set an
+            # int8-dynamic draft's per-pass activation scale for the whole prompt: on
+            # SmolLM2 feeding it alone lifts acceptance from ~50% to ~70%.
+            self._feed([history[0]])
+            keep = 1
+        return self._feed(list(history[keep:]))
+
+    def _feed(self, ids: list[int]) -> torch.Tensor:
+        input_ids = torch.tensor([ids], device=self.loaded.device)
+        out = self.loaded.model(input_ids=input_ids, cache=self.cache, use_cache=True,
+                                logits_to_keep=1)
+        self.ids.extend(ids)
+        return out.logits[0, -1]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case, compared at C speed
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
+
+
+class DraftProposer:
+    """One request's drafter: what has been accepted so far, and a draft length k that grows
+    while whole drafts are accepted and shrinks after a rejection.
+
+    Same interface as PromptLookup: append() each emitted token, propose(max_tokens). With
+    sampling params, drafts are sampled and draft_probs holds their distributions.
+    """
+
+    def __init__(self, draft: DraftModel, prompt_ids: Sequence[int],
+                 stop_ids: Collection[int] = (), params: SamplingParams | None = None,
+                 generator: torch.Generator | None = None) -> None:
+        self.draft = draft
+        self.history = list(prompt_ids)
+        self.stop_ids = frozenset(stop_ids)
+        self.params = params
+        self.generator = generator
+        self.draft_probs: list[torch.Tensor] | None = None
+        self.k = START_DRAFT
+        self._last: list[int] = []
+        self._last_at = 0  # len(history) when _last was proposed
+
+    def append(self, token: int) -> None:
+        self.history.append(token)
+
+    def propose(self, max_tokens: int) -> list[int]:
+        self._adapt()
+        room = self.draft.context - len(self.history)  # the draft's own position limit
+        k = min(self.k, max_tokens, room)
+        self._last = self.draft.propose(self.history, k, self.stop_ids, self.params,
+                                        self.generator)
+        self._last_at = len(self.history)
+        sampled = self.params is not None and not self.params.greedy
+        self.draft_probs = self.draft.last_probs if sampled else None
+        return self._last
+
+    def _adapt(self) -> None:
+        """Judge the previous draft by what was appended since it was proposed."""
+        if not self._last:
+            return
+        emitted = self.history[self._last_at : self._last_at + len(self._last)]
+        accepted = _common_prefix(emitted, self._last)
+        if accepted == len(self._last):
+            self.k = min(self.k + 1, MAX_DRAFT)
+        else:
+            self.k = max(self.k - 1, MIN_DRAFT)
+
+
+def load_draft(
+    spec: str,
+    target: LoadedModel,
+    *,
+    kernel: str = "auto",
+    progress: Callable[[str], None] | None = None,
+    **options: Any,
+) -> DraftModel:
+    """Load a draft model for target, by the loader's rules (offline, no remote code,
+    safetensors) on the target's device; raise ModelLoadError with one line on failure."""
+    from engine.kernels import select_kernel
+
+    options = {**options, "device": target.info.device}
+    loaded = load_model(spec, progress=progress, **options)
+    check_same_vocabulary(loaded, target)
+    loaded = select_kernel(loaded, kernel, progress=progress)
+    draft = DraftModel(loaded, vocab_limit=target.model.config.vocab_size)
+    draft.propose([loaded.tokenizer.eos_token_id or 0] * 4, 1)  # one-time kernel set-up
+    draft.reset()
+    return draft
