@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Literal
@@ -10,6 +11,7 @@ from engine.errors import InvalidRequestError
 
 Role = Literal["system", "user", "assistant"]
 _request_ids = itertools.count(1)
+MAX_ALTERNATIVES = 8  # one decode batch
 
 
 @dataclass(frozen=True)
@@ -71,15 +73,17 @@ class GenerationRequest:
     overflow: Literal["refuse", "drop_oldest"] = "refuse"
     # False computes the whole prompt cold (benchmarks, cached-vs-cold checks).
     reuse_cache: bool = True
-    # "ngram": prompt-lookup speculative decoding (greedy requests only; the output is
-    # identical to plain decoding). None decodes one token per step.
-    speculative: Literal["ngram"] | None = None
+    # Speculative decoding: "ngram" drafts by prompt lookup (greedy requests only), "draft" with
+    # the engine's draft model (Engine.load_draft_sync). Greedy output is identical to plain
+    # decoding; sampled drafts pass the speculative sampling test (same distribution).
+    # None decodes one token per step.
+    speculative: Literal["ngram", "draft"] | None = None
 
     def validate(self) -> None:
         self.params.validate()
-        if self.speculative not in (None, "ngram"):
+        if self.speculative not in (None, "ngram", "draft"):
             raise InvalidRequestError(
-                f"unknown speculative method {self.speculative!r} (use 'ngram')")
+                f"unknown speculative method {self.speculative!r} (use 'ngram' or 'draft')")
         if self.prompt_token_ids is not None:
             if not self.prompt_token_ids:
                 raise InvalidRequestError("prompt is empty")
@@ -89,3 +93,20 @@ class GenerationRequest:
         last = self.messages[-1]
         if last.role != "user" or not last.content.strip():
             raise InvalidRequestError("prompt is empty: type a message first")
+
+    def alternatives(self, n: int) -> list[GenerationRequest]:
+        """N sampled replies to this prompt, each with its own request id and seed (seed + i
+        when a seed is set, so the set is reproducible). They decode plainly, in one batch."""
+        if not 1 <= n <= MAX_ALTERNATIVES:
+            raise InvalidRequestError(f"alternatives must be 1 to {MAX_ALTERNATIVES} (got {n})")
+        seed = self.params.seed
+        return [
+            dataclasses.replace(
+                self,
+                request_id=f"{self.request_id}.{i}",
+                params=dataclasses.replace(self.params,
+                                           seed=None if seed is None else seed + i),
+                speculative=None,
+            )
+            for i in range(n)
+        ]

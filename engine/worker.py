@@ -11,12 +11,15 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from engine.batching import Batcher, batchable, cache_supports_batching
+from engine.draft import DraftModel, load_draft
 from engine.errors import ModelLoadError, PhasewiseError
 from engine.events import (
     EngineEvent,
@@ -39,6 +42,7 @@ from engine.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 _STOP = object()
+_DRAFT = "_draft"  # a _LoadCommand option: load a draft model (True) or drop it (False)
 
 
 OUT_OF_MEMORY_MESSAGE = (
@@ -115,6 +119,17 @@ class _Job:
     timeline: RequestTimeline
     cancel: threading.Event
 
+    @property
+    def request(self) -> GenerationRequest:
+        return self.handle.request
+
+
+@dataclass
+class _Group:
+    """Alternatives of one prompt: admitted together, so they share one prefill."""
+
+    jobs: list[_Job]
+
 
 @dataclass
 class _LoadCommand:
@@ -132,8 +147,10 @@ class Engine(EventSource):
         self._thread = threading.Thread(target=self._run, name="phasewise-engine", daemon=True)
         self._loaded: LoadedModel | None = None
         self._prefix_cache: PrefixCache | None = None
+        self._draft: DraftModel | None = None  # for speculative="draft"; dropped on model change
         self._cache_budget = cache_budget_bytes
         self._active: dict[str, _Job] = {}
+        self._batching = False  # the loaded model's cache can be batched row-wise
         self._lock = threading.Lock()
         self.last_load_error: str | None = None
 
@@ -179,15 +196,38 @@ class Engine(EventSource):
         assert self._loaded is not None
         return self._loaded.info
 
+    def load_draft_sync(self, spec: str | None, timeout: float | None = None,
+                        **options: Any) -> None:
+        """Load a draft model for speculative="draft" requests after the model loads (None
+        drops it). It must share the model's vocabulary; a new model drops it. options:
+        load_model's keywords and kernel. Raise ModelLoadError with the reason on failure
+        (the previous draft, if any, stays)."""
+        self.last_load_error = None
+        done = threading.Event()
+        self._inbox.put(_LoadCommand(spec or "", {**options, _DRAFT: spec is not None}, done))
+        done.wait(timeout)
+        if self.last_load_error is not None:
+            raise ModelLoadError(self.last_load_error)
+
     def submit(self, request: GenerationRequest) -> RequestHandle:
+        job = self._new_job(request)
+        self._inbox.put(job)
+        return job.handle
+
+    def submit_alternatives(self, request: GenerationRequest, n: int) -> list[RequestHandle]:
+        """N sampled replies to one prompt that share one prefill; each has its own request
+        id, events, seed and cancel (see GenerationRequest.alternatives)."""
+        jobs = [self._new_job(r) for r in request.alternatives(n)]
+        self._inbox.put(_Group(jobs))
+        return [job.handle for job in jobs]
+
+    def _new_job(self, request: GenerationRequest) -> _Job:
         cancel = threading.Event()
-        handle = RequestHandle(request, cancel)
-        job = _Job(handle, RequestTimeline(submitted_ns=now_ns()), cancel)
+        job = _Job(RequestHandle(request, cancel), RequestTimeline(submitted_ns=now_ns()), cancel)
         with self._lock:
             self._active[request.request_id] = job
         self._deliver(job, RequestQueued(request.request_id, job.timeline.submitted_ns))
-        self._inbox.put(job)
-        return handle
+        return job
 
     def cancel(self, request_id: str) -> None:
         with self._lock:
@@ -207,25 +247,100 @@ class Engine(EventSource):
 
     # ----- engine thread ---------------------------------------------------------------
     def _run(self) -> None:
+        item: Any = None  # an item the batch loop took from the inbox but could not serve
         while True:
-            item = self._inbox.get()
+            item = self._inbox.get() if item is None else item
             if item is _STOP:
                 break
+            current, item = item, None
             try:
-                if isinstance(item, _LoadCommand):
-                    self._load(item)
-                elif isinstance(item, _Job):
-                    self._serve(item)
-                elif isinstance(item, tuple) and item[0] == "drop" and self._prefix_cache:
-                    self._prefix_cache.drop(item[1])
+                if self._joins_batch(current):
+                    item = self._serve_batch(current)
+                elif isinstance(current, _Job):
+                    self._serve(current)
+                elif isinstance(current, _Group):
+                    for job in current.jobs:
+                        self._serve(job)
+                else:
+                    self._handle_command(current)
             except Exception:  # never let the engine thread die
                 log.exception("engine thread error")
         self._loaded = None
         self._prefix_cache = None
+        self._draft = None
+
+    def _handle_command(self, item: Any) -> None:
+        if isinstance(item, _LoadCommand):
+            self._load(item)
+        elif isinstance(item, tuple) and item[0] == "drop" and self._prefix_cache:
+            self._prefix_cache.drop(item[1])
+
+    def _joins_batch(self, item: Any) -> bool:
+        if not self._batching or self._loaded is None:
+            return False
+        if isinstance(item, _Group):
+            return True
+        return isinstance(item, _Job) and batchable(item.request)
+
+    def _serve_batch(self, first: _Job | _Group) -> Any:
+        """Continuous batching: queued requests join between decode steps, finished ones
+        leave, until the batch is empty. Returns the first inbox item that cannot join (a
+        load, a speculative request, stop): nothing queued after it joins, keeping order."""
+        assert self._loaded is not None and self._prefix_cache is not None
+        batcher = Batcher(self._loaded, self._prefix_cache, self._deliver, self._end_job)
+        waiting: deque[_Job | _Group] = deque([first])
+        blocked: Any = None
+        try:
+            while True:
+                if blocked is None:
+                    blocked = self._pull_joinable(waiting)
+                while waiting and batcher.room >= len(_jobs(waiting[0])):
+                    batcher.admit(_jobs(waiting.popleft()))
+                if batcher.rows:
+                    batcher.step()
+                elif not waiting:
+                    return blocked
+        except Exception as exc:  # e.g. out of memory re-packing: no request may hang
+            stranded = [row.job for row in batcher.rows]
+            stranded += [job for item in waiting for job in _jobs(item)]
+            for job in stranded:
+                self._end_job(job, None, exc)
+            return blocked
+
+    def _pull_joinable(self, waiting: deque) -> Any:
+        """Move queued requests that may join into `waiting`; return the first that may not."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return None
+            if self._joins_batch(item):
+                waiting.append(item)
+            elif isinstance(item, tuple) and item[0] == "drop":
+                self._handle_command(item)
+            else:
+                return item
+
+    def _end_job(self, job: _Job, result: GenerationResult | None,
+                 error: BaseException | None) -> None:
+        """The batcher's report: a result, or the error that ended the request."""
+        request_id = job.handle.request_id
+        try:
+            if result is not None:
+                self._deliver(job, RequestFinished(request_id, now_ns(), result))
+            else:
+                message = self._failure_message(request_id, error)
+                self._deliver(job, RequestFailed(request_id, now_ns(), message))
+        finally:
+            with self._lock:
+                self._active.pop(request_id, None)
 
     def _load(self, cmd: _LoadCommand) -> None:
         start = time.perf_counter()
         options = dict(cmd.options)
+        if _DRAFT in options:
+            self._load_draft(cmd.spec if options.pop(_DRAFT) else None, options, cmd)
+            return
         kernel = options.pop("kernel", AUTO)
         try:
             loaded = load_model(cmd.spec, progress=self._load_progress, **options)
@@ -240,6 +355,8 @@ class Engine(EventSource):
             return
         had_model = self._loaded is not None
         self._loaded = loaded
+        self._batching = cache_supports_batching(loaded)
+        self._draft = None  # it was checked against the old model's vocabulary
         budget = self._cache_budget or default_cache_budget(loaded.device.type)
         if self._prefix_cache is None:
             self._prefix_cache = PrefixCache(loaded.model.config, budget)
@@ -247,6 +364,24 @@ class Engine(EventSource):
             self._prefix_cache.reset(model_changed=had_model, config=loaded.model.config)
             self._prefix_cache.budget_bytes = budget
         self._broadcast(ModelLoaded(now_ns(), loaded.info, time.perf_counter() - start))
+        cmd.done.set()
+
+    def _load_draft(self, spec: str | None, options: dict[str, Any], cmd: _LoadCommand) -> None:
+        if spec is None:
+            self._draft = None
+        elif self._loaded is None:
+            self._fail_load("load a model before its draft model", cmd)
+            return
+        else:
+            try:
+                self._draft = load_draft(spec, self._loaded, progress=self._load_progress,
+                                         **options)
+            except PhasewiseError as exc:
+                self._fail_load(str(exc), cmd)
+                return
+            except Exception as exc:
+                self._fail_load(f"cannot load draft model {spec}: {exc}".splitlines()[0], cmd)
+                return
         cmd.done.set()
 
     def _load_progress(self, stage: str) -> None:
@@ -262,24 +397,27 @@ class Engine(EventSource):
         try:
             if self._loaded is None or self._prefix_cache is None:
                 raise PhasewiseError("no model is loaded")
-            session = DecodeSession(self._loaded, self._prefix_cache)
+            session = DecodeSession(self._loaded, self._prefix_cache, draft=self._draft)
             result = session.run(job.handle.request, job.timeline, job.cancel,
                                  lambda ev: self._deliver(job, ev))
             self._deliver(job, RequestFinished(request_id, now_ns(), result))
-        except PhasewiseError as exc:
-            self._deliver(job, RequestFailed(request_id, now_ns(), str(exc)))
         except Exception as exc:
-            if is_out_of_memory(exc):
-                log.warning("request %s ran out of memory; freeing the prefix cache", request_id)
-                self._free_memory()
-                message = OUT_OF_MEMORY_MESSAGE
-            else:
-                log.exception("request %s failed", request_id)
-                message = f"generation failed: {type(exc).__name__}: {exc}".splitlines()[0]
+            message = self._failure_message(request_id, exc)
             self._deliver(job, RequestFailed(request_id, now_ns(), message))
         finally:
             with self._lock:
                 self._active.pop(request_id, None)
+
+    def _failure_message(self, request_id: str, exc: BaseException | None) -> str:
+        """The one line a failed request reports; out of memory also frees the cache."""
+        if isinstance(exc, PhasewiseError):
+            return str(exc)
+        if exc is not None and is_out_of_memory(exc):
+            log.warning("request %s ran out of memory; freeing the prefix cache", request_id)
+            self._free_memory()
+            return OUT_OF_MEMORY_MESSAGE
+        log.error("request %s failed", request_id, exc_info=exc)
+        return f"generation failed: {type(exc).__name__}: {exc}".splitlines()[0]
 
     def _free_memory(self) -> None:
         """After an out-of-memory error: drop every cached prefix and return freed blocks."""
@@ -299,3 +437,6 @@ class Engine(EventSource):
             except Exception:
                 log.exception("engine listener failed")
 
+
+def _jobs(item: _Job | _Group) -> list[_Job]:
+    return item.jobs if isinstance(item, _Group) else [item]

@@ -1,13 +1,16 @@
-"""The conversation view: finished messages as rendered Markdown, the live reply as plain text.
+"""The conversation view: finished messages as rendered Markdown, live replies as plain text.
 
 Streaming: the first token is inserted at once (TTFT is what the user perceives); later
-tokens are buffered and a <= 60 Hz timer flushes them in one insert, so a fast model never
-floods the GUI thread. When the reply ends the whole view is re-rendered as Markdown.
+tokens are buffered and a <= 60 Hz timer flushes them in one insert per live reply, so a
+fast model never floods the GUI thread. Several replies can stream at once (N alternatives),
+each into its own block. When a reply ends the view is re-rendered as Markdown.
 """
 
 from __future__ import annotations
 
+import html
 import time
+from dataclasses import dataclass, field
 
 from PySide6.QtCore import QTimer, QUrl, Signal
 from PySide6.QtGui import QDesktopServices, QGuiApplication, QPalette, QTextCursor
@@ -21,11 +24,30 @@ ACTION_SCHEME = "pw-action"  # our own links: pw-action:<action>/<message id>
 STATUS_LABELS = {"stopped": "stopped", "length": "hit max tokens", "error": "failed"}
 
 
+@dataclass(frozen=True)
+class Alternative:
+    """A finished alternative reply waiting to be kept or discarded."""
+
+    index: int  # its number within the set; the Keep link carries it
+    label: str
+    text: str
+    status: str = DONE
+
+
+@dataclass
+class _Stream:
+    cursor: QTextCursor
+    text: str = ""  # painted so far
+    pending: str = ""  # buffered until the next flush
+    indexes: list[int] = field(default_factory=list)
+
+
 class ChatView(QTextBrowser):
     """Read-only transcript of one conversation with per-message action links."""
 
     sig_action = Signal(str, int)
-    """A message action was clicked: (action in copy|edit|regenerate, message id)."""
+    """A message action was clicked: (action in copy|edit|regenerate|alternatives, message
+    id), or (keep, index of the alternative)."""
     sig_tokens_painted = Signal(str, list, object)  # object: ns stamps overflow a C int
     """Tokens reached the screen: (request id, token indexes, time.perf_counter_ns())."""
 
@@ -39,37 +61,40 @@ class ChatView(QTextBrowser):
         self.insert_count = 0  # streaming inserts, for tests and the coalescing check
         self._messages: list[Message] = []
         self._code_blocks: dict[tuple[int, int], str] = {}
-        self._stream_cursor: QTextCursor | None = None
-        self._stream_request = ""
-        self._stream_text = ""
-        self._pending = ""
-        self._pending_indexes: list[int] = []
+        self._alternatives: list[Alternative] = []
+        self._streams: dict[str, _Stream] = {}
+        self._last_stream = ""  # the most recently started reply
+        self._last_stream_text = ""  # its text once it ended
         self._timer = QTimer(self)
         self._timer.setInterval(FLUSH_INTERVAL_MS)
         self._timer.timeout.connect(self.flush)
         self.show_messages([])
 
     # ----- whole-transcript rendering -----------------------------------------------------
-    def show_messages(self, messages: list[Message]) -> None:
-        """Render finished messages (any live stream is dropped; call begin_stream after)."""
+    def show_messages(self, messages: list[Message],
+                      alternatives: list[Alternative] | None = None) -> None:
+        """Render finished messages, then finished alternatives with a Keep link each (live
+        streams are dropped; call begin_stream after)."""
         self._timer.stop()
-        self._stream_cursor = None
+        self._streams.clear()
         self._messages = list(messages)
+        self._alternatives = list(alternatives or [])
         self._code_blocks.clear()
-        if not messages:
+        if not messages and not self._alternatives:
             self.setHtml(self._welcome_html())
             return
         theme = self._theme()
         last_assistant = max((m.id for m in messages if m.role == "assistant"), default=-1)
         parts = [self._message_html(m, theme, m.id == last_assistant) for m in messages]
+        parts += [self._alternative_html(a, theme) for a in self._alternatives]
         self.setHtml("".join(parts))
         self._scroll_to_bottom()
 
     def set_plain_text(self, plain: bool) -> None:
         """Toggle Markdown rendering off (exact characters) or on."""
         self.plain_text = plain
-        if self._stream_cursor is None:
-            self.show_messages(self._messages)
+        if not self._streams:
+            self.show_messages(self._messages, self._alternatives)
 
     def _message_html(self, message: Message, theme: Theme, last_reply: bool) -> str:
         who = "You" if message.role == "user" else "Assistant"
@@ -84,13 +109,24 @@ class ChatView(QTextBrowser):
         if message.role == "user":
             actions.append("edit")
         elif last_reply:
-            actions.append("regenerate")
+            actions += ["regenerate", "alternatives"]
         links = " &nbsp; ".join(
             f'<a href="{ACTION_SCHEME}:{a}/{message.id}">{a.capitalize()}</a>' for a in actions
         )
-        status = STATUS_LABELS.get(message.status, "") if message.status != DONE else ""
-        badge = f' &nbsp;<span style="color:{theme.muted}">· {status}</span>' if status else ""
-        bg = self._bubble_colour(message.role)
+        return self._bubble_html(who, message.role, message.status, links, body, theme)
+
+    def _alternative_html(self, alt: Alternative, theme: Theme) -> str:
+        body = render_plain(alt.text) if self.plain_text else \
+            render_markdown(alt.text, -1 - alt.index, theme).html
+        link = f'<a href="{ACTION_SCHEME}:keep/{alt.index}">Keep this one</a>'
+        return self._bubble_html(html.escape(alt.label), "assistant", alt.status, link, body,
+                                 theme)
+
+    def _bubble_html(self, who: str, role: str, status: str, links: str, body: str,
+                     theme: Theme) -> str:
+        label = STATUS_LABELS.get(status, "") if status != DONE else ""
+        badge = f' &nbsp;<span style="color:{theme.muted}">· {label}</span>' if label else ""
+        bg = self._bubble_colour(role)
         return (
             f'<table width="100%" border="0" cellspacing="0" cellpadding="10" '
             f'style="margin-bottom:10px; background-color:{bg}">'
@@ -111,64 +147,92 @@ class ChatView(QTextBrowser):
         )
 
     # ----- streaming ---------------------------------------------------------------------
-    def begin_stream(self, request_id: str) -> None:
-        """Start showing a live reply under the current transcript."""
-        if not self._messages:
+    def begin_stream(self, request_id: str, label: str = "Assistant") -> None:
+        """Start showing a live reply at the end of the view (after any other live one)."""
+        if not self._messages and not self._alternatives and not self._streams:
             self.setHtml("")
+        # The last live reply's cursor sits at the document's end: keep it there while this
+        # reply is added after it, else it would move along and write into this one.
+        for stream in self._streams.values():
+            stream.cursor.setKeepPositionOnInsert(True)
         cursor = QTextCursor(self.document())
         cursor.movePosition(QTextCursor.MoveOperation.End)
-        cursor.insertHtml(f"<p><b>Assistant</b> <span style=\"color:{self._theme().muted}\">"
-                          "· writing…</span></p>")
+        if self._streams:
+            cursor.insertBlock()
+        cursor.insertHtml(f"<p><b>{html.escape(label)}</b> <span style=\"color:"
+                          f"{self._theme().muted}\">· writing…</span></p>")
         cursor.insertBlock()
-        self._stream_cursor = cursor
-        self._stream_request = request_id
-        self._stream_text = ""
-        self._pending = ""
-        self._pending_indexes = []
+        for stream in self._streams.values():
+            stream.cursor.setKeepPositionOnInsert(False)
+            stream.cursor.clearSelection()  # its anchor moved along: select nothing
+        self._streams[request_id] = _Stream(cursor)
+        self._last_stream, self._last_stream_text = request_id, ""
         self._timer.start()
         self._scroll_to_bottom()
 
     def push_token(self, request_id: str, index: int, text: str) -> None:
         """Buffer one token's text; the first one is painted immediately."""
-        if request_id != self._stream_request or self._stream_cursor is None:
+        stream = self._streams.get(request_id)
+        if stream is None:
             return
-        self._pending += text
-        self._pending_indexes.append(index)
+        stream.pending += text
+        stream.indexes.append(index)
         if index == 0:
-            self.flush()
+            self._flush_stream(request_id, stream)
 
     def push_text(self, request_id: str, text: str) -> None:
         """Text without a token (held back until the end of the reply)."""
-        if request_id == self._stream_request and self._stream_cursor is not None:
-            self._pending += text
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.pending += text
 
     def flush(self) -> None:
-        """Insert all buffered text in one go (the timer's tick)."""
-        if self._stream_cursor is None or not (self._pending or self._pending_indexes):
+        """Insert every live reply's buffered text, one insert each (the timer's tick)."""
+        for request_id, stream in list(self._streams.items()):
+            self._flush_stream(request_id, stream)
+
+    def _flush_stream(self, request_id: str, stream: _Stream) -> None:
+        if not (stream.pending or stream.indexes):
             return
         at_bottom = self._is_at_bottom()
-        if self._pending:
-            self._stream_cursor.insertText(self._pending)
+        if stream.pending:
+            stream.cursor.insertText(stream.pending)
             self.insert_count += 1
-        self._stream_text += self._pending
-        painted = self._pending_indexes
-        self._pending, self._pending_indexes = "", []
+        stream.text += stream.pending
+        painted = stream.indexes
+        stream.pending, stream.indexes = "", []
         if at_bottom:
             self._scroll_to_bottom()
         if painted:
-            self.sig_tokens_painted.emit(self._stream_request, painted, time.perf_counter_ns())
+            self.sig_tokens_painted.emit(request_id, painted, time.perf_counter_ns())
 
-    def end_stream(self) -> None:
-        """Paint whatever is buffered and stop the flush timer."""
-        self.flush()
-        self._timer.stop()
-        self._stream_cursor = None
-        self._stream_request = ""
+    def end_stream(self, request_id: str | None = None) -> None:
+        """Paint what a live reply (None: every one) has buffered and stop following it."""
+        ids = list(self._streams) if request_id is None else [request_id]
+        for rid in ids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                self._flush_stream(rid, stream)
+                if rid == self._last_stream:
+                    self._last_stream_text = stream.text
+        if not self._streams:
+            self._timer.stop()
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self._streams)
+
+    def stream_text(self, request_id: str) -> str:
+        """What a live reply has shown so far (buffered text included)."""
+        stream = self._streams.get(request_id)
+        return stream.text + stream.pending if stream else ""
 
     @property
     def streamed_text(self) -> str:
-        """What the live reply has shown so far (buffered text included)."""
-        return self._stream_text + self._pending
+        """What the most recently started reply has shown (so far, or in all once ended)."""
+        if self._last_stream in self._streams:
+            return self.stream_text(self._last_stream)
+        return self._last_stream_text
 
     # ----- links ---------------------------------------------------------------------------
     def _on_anchor(self, url: QUrl) -> None:
@@ -221,6 +285,6 @@ class ChatView(QTextBrowser):
     def changeEvent(self, event) -> None:
         """Re-render when the system switches between light and dark."""
         super().changeEvent(event)
-        if event.type() == event.Type.PaletteChange and self._stream_cursor is None:
-            self.show_messages(self._messages)
+        if event.type() == event.Type.PaletteChange and not self._streams:
+            self.show_messages(self._messages, self._alternatives)
 

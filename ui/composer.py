@@ -9,9 +9,12 @@ from PySide6.QtWidgets import (
     QLabel,
     QPlainTextEdit,
     QPushButton,
+    QSpinBox,
     QVBoxLayout,
     QWidget,
 )
+
+from engine.params import MAX_ALTERNATIVES
 
 
 class _Editor(QPlainTextEdit):
@@ -58,6 +61,12 @@ class Composer(QWidget):
         self.button.setObjectName("sendButton")
         self.button.setMinimumWidth(84)
         self.button.clicked.connect(self._on_button)
+        self.alternatives = QSpinBox()
+        self.alternatives.setObjectName("alternativesSpin")
+        self.alternatives.setRange(1, MAX_ALTERNATIVES)
+        self.alternatives.setPrefix("× ")
+        self.alternatives.setToolTip("Replies per message: more than one generates that many "
+                                     "alternatives at once (one shared prefill); keep one")
         self.edit_banner = QLabel()
         self.edit_banner.setObjectName("editBanner")
         self.edit_banner.hide()
@@ -68,7 +77,11 @@ class Composer(QWidget):
 
         row = QHBoxLayout()
         row.addWidget(self.editor, 1)
-        row.addWidget(self.button, 0, Qt.AlignmentFlag.AlignBottom)
+        side = QVBoxLayout()
+        side.addStretch(1)
+        side.addWidget(self.alternatives)
+        side.addWidget(self.button)
+        row.addLayout(side)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(12, 6, 12, 12)
         layout.addWidget(self.edit_banner)
@@ -80,6 +93,10 @@ class Composer(QWidget):
     def set_text(self, text: str) -> None:
         self.editor.setPlainText(text)
         self.editor.moveCursor(self.editor.textCursor().MoveOperation.End)
+
+    def alternative_count(self) -> int:
+        """How many replies a send asks for (1 = a plain reply)."""
+        return self.alternatives.value()
 
     def set_busy(self, busy: bool) -> None:
         """While a reply runs the button becomes Stop; typing stays possible."""

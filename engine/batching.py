@@ -1,0 +1,406 @@
+"""Continuous batching: several requests share each decode step.
+
+Requests join and leave between steps. A joining request gets its own prefill on its
+prefix-cache lease (batch of one, exactly as when it runs alone); then its KV rows join the
+batch. The batch's KV is one left-padded DynamicCache with a padding mask and per-row
+position ids, re-packed only when a row joins or leaves, never per step. A leaving row's KV
+(padding stripped) goes back into the prefix cache, so its conversation's next turn hits.
+
+"N alternatives" of one prompt share one prefill: the first row prefills, the others copy
+its KV and first logits, then each samples with its own generator.
+
+Runs only on the engine thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from engine.chat_template import FALLBACK_STOPS
+from engine.detok import IncrementalDetokenizer, StopMatcher
+from engine.events import (
+    EngineEvent,
+    FinishReason,
+    GenerationResult,
+    PrefillStarted,
+    SamplerSnapshot,
+    TextFlushed,
+    TokenEmitted,
+)
+from engine.generate import SNAPSHOT_INTERVAL_NS, eos_token_ids, now_ns, prepare_prompt
+from engine.loader import LoadedModel
+from engine.metrics import RequestTimeline, compute_metrics
+from engine.params import GenerationRequest
+from engine.prefix_cache import CacheLease, PrefixCache, crop_to
+from engine.sampling import make_generator, sample_token, sampler_view
+
+MAX_BATCH = 8  # rows decoding at once; later requests wait in the queue
+ALT_CACHE_SUFFIX = "~alt"  # prefix-cache key of alternative i >= 1: f"{conversation}~alt{i}"
+
+LayerKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values (1, H, T, D)
+
+
+class BatchJob(Protocol):
+    """What the batcher needs of a queued request (the worker's job object)."""
+
+    @property
+    def request(self) -> GenerationRequest: ...
+
+    timeline: RequestTimeline
+    cancel: threading.Event
+
+
+@dataclass
+class DetachedJob:
+    """A request outside the engine's queue (benchmarks): the caller handles its events."""
+
+    request: GenerationRequest
+    timeline: RequestTimeline = field(default_factory=lambda: RequestTimeline(now_ns()))
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+Emit = Callable[[BatchJob, EngineEvent], None]
+Done = Callable[[BatchJob, GenerationResult | None, BaseException | None], None]
+
+
+def batchable(request: GenerationRequest) -> bool:
+    """Speculative requests verify several tokens per step: they run alone."""
+    return request.speculative is None
+
+
+def cache_supports_batching(loaded: LoadedModel) -> bool:
+    """Only plain full-attention layers can be padded and concatenated row-wise."""
+    layers = DynamicCache(config=loaded.model.config).layers
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
+@dataclass
+class Row:
+    """One request in the batch: its sampler, text state and KV bookkeeping."""
+
+    job: BatchJob
+    prompt_ids: list[int]
+    lease: CacheLease
+    budget: int
+    generator: torch.Generator | None
+    detok: IncrementalDetokenizer
+    stopper: StopMatcher
+    generated: list[int] = field(default_factory=list)
+    finish: FinishReason | None = None
+    last_snapshot_ns: int = 0
+
+    @property
+    def request(self) -> GenerationRequest:
+        return self.job.request
+
+    @property
+    def kv_len(self) -> int:
+        """Positions this row holds in the KV: the prompt plus every token fed back."""
+        return len(self.prompt_ids) + max(len(self.generated) - 1, 0)
+
+
+class Batcher:
+    """The decode batch: admit (prefill + join), step (one forward for all rows), leave."""
+
+    def __init__(self, loaded: LoadedModel, prefix_cache: PrefixCache, emit: Emit,
+                 done: Done) -> None:
+        self.loaded = loaded
+        self.prefix_cache = prefix_cache
+        self._emit = emit
+        self._done = done
+        self.eos_ids = eos_token_ids(loaded)
+        self.stops = FALLBACK_STOPS if loaded.info.template_fallback else ()
+        self.rows: list[Row] = []
+        self._cache: DynamicCache | None = None
+        self._pads: list[int] = []  # left padding of each row in the batched KV
+        self.steps = 0
+        self.repacks = 0
+
+    @property
+    def room(self) -> int:
+        return MAX_BATCH - len(self.rows)
+
+    # ----- joining ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def admit(self, jobs: Sequence[BatchJob]) -> None:
+        """Prefill one request (or one prompt shared by N alternatives) and join the batch.
+        A request that ends at its first token (or fails) never joins."""
+        first = jobs[0]
+        try:
+            row, logits = self._prefill(first)
+        except Exception as exc:
+            for job in jobs:
+                self._done(job, None, exc)
+            return
+        rows = [row] + [self._sibling(job, row, i) for i, job in enumerate(jobs[1:], 1)]
+        kv = _layer_kv(row.lease.cache) if row.lease.cache.get_seq_length() else []
+        joining: list[tuple[Row, LayerKV]] = []
+        for r in rows:
+            try:
+                self._take_token(r, logits)
+            except Exception as exc:
+                self._done(r.job, None, exc)
+                continue
+            if r.finish is None:
+                joining.append((r, kv))
+            else:
+                self._finish(r, None if r is row else kv)
+        if joining:
+            self._repack(joining)
+
+    def _prefill(self, job: BatchJob) -> tuple[Row, torch.Tensor]:
+        request, timeline = job.request, job.timeline
+        timeline.prefill_start_ns = now_ns()
+        prompt = prepare_prompt(self.loaded, request)
+        if request.reuse_cache:
+            lease = self.prefix_cache.acquire(request.conversation_id, prompt.ids, prompt.layout)
+        else:
+            lease = self.prefix_cache.cold_lease(request.conversation_id)
+        self._emit(job, PrefillStarted(request.request_id, timeline.prefill_start_ns,
+                                       len(prompt.ids), lease.cached_tokens, lease.miss_reason))
+        row = self._new_row(job, prompt.ids, lease)
+        if job.cancel.is_set():
+            return row, torch.empty(0)
+        new_ids = prompt.ids[lease.cached_tokens :]
+        out = self.loaded.model(input_ids=torch.tensor([new_ids], device=self.loaded.device),
+                                cache=lease.cache, use_cache=True, logits_to_keep=1)
+        lease.ids.extend(new_ids)
+        logits = out.logits[0, -1]
+        _sync(logits)
+        timeline.first_logits_ns = now_ns()
+        return row, logits
+
+    def _sibling(self, job: BatchJob, source: Row, index: int) -> Row:
+        """An alternative of source's prompt: its prefill is source's (all tokens cached)."""
+        timeline, src = job.timeline, source.job.timeline
+        timeline.prefill_start_ns, timeline.first_logits_ns = src.prefill_start_ns, \
+            src.first_logits_ns
+        ids = list(source.prompt_ids)
+        conversation = f"{source.lease.conversation_id}{ALT_CACHE_SUFFIX}{index}"
+        lease = CacheLease(conversation, list(ids), None, len(ids), "none")
+        self._emit(job, PrefillStarted(job.request.request_id, timeline.prefill_start_ns,
+                                       len(ids), len(ids), "none"))
+        return self._new_row(job, ids, lease)
+
+    def _new_row(self, job: BatchJob, prompt_ids: list[int], lease: CacheLease) -> Row:
+        params = job.request.params
+        budget = min(params.max_tokens, self.loaded.info.context_length - len(prompt_ids))
+        generator = None if params.greedy else make_generator(params.seed, self.loaded.device)
+        return Row(job, prompt_ids, lease, budget, generator,
+                   IncrementalDetokenizer(self.loaded.tokenizer),
+                   StopMatcher(tuple(params.stop) + self.stops))
+
+    # ----- decoding --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> None:
+        """Rows cancelled since the last step leave; then one forward over all rows, one
+        token each. A forward error fails every row (their leases are not returned)."""
+        self._leave([r for r in self.rows if r.job.cancel.is_set()], "cancelled")
+        if not self.rows:
+            return
+        try:
+            logits = self._forward()
+        except Exception as exc:
+            rows, self.rows, self._cache, self._pads = self.rows, [], None, []
+            for row in rows:
+                self._done(row.job, None, exc)
+            return
+        self.steps += 1
+        failed: list[tuple[Row, BaseException]] = []
+        for i, row in enumerate(self.rows):
+            try:
+                self._take_token(row, logits[i])
+            except Exception as exc:
+                failed.append((row, exc))
+        for row, exc in failed:
+            self._drop(row)
+            self._done(row.job, None, exc)
+        self._leave([r for r in self.rows if r.finish is not None], None)
+
+    def _forward(self) -> torch.Tensor:
+        """One decode step for every row: each feeds its last token at its own position."""
+        device = self.loaded.device
+        input_ids = torch.tensor([[r.generated[-1]] for r in self.rows], device=device)
+        positions = torch.tensor([[r.kv_len] for r in self.rows], device=device)
+        mask = None
+        if any(self._pads):
+            length = self._cache.get_seq_length() + 1
+            pads = torch.tensor(self._pads, device=device)
+            mask = (torch.arange(length, device=device)[None, :] >= pads[:, None]).long()
+        out = self.loaded.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                                cache=self._cache, use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1]
+        _sync(logits)
+        return logits
+
+    def _take_token(self, row: Row, logits: torch.Tensor) -> None:
+        """Sample and emit one token for row; set row.finish if the reply ends here."""
+        if not row.generated and (row.job.cancel.is_set() or not logits.numel()):
+            row.finish = "cancelled"  # stopped before its prefill ran
+            return
+        params = row.request.params
+        seen = row.prompt_ids + row.generated if params.repetition_penalty != 1.0 else ()
+        token = sample_token(logits, params, row.generator, seen)
+        self._maybe_snapshot(row, logits, token)
+        row.generated.append(token)
+        row.finish = self._emit_text(row, token)
+        if row.finish is None and len(row.generated) >= row.budget:
+            row.finish = "length"
+        if row.finish is None and row.job.cancel.is_set():
+            row.finish = "cancelled"
+
+    def _emit_text(self, row: Row, token: int) -> FinishReason | None:
+        if token in self.eos_ids and not row.request.params.ignore_eos:
+            text = row.stopper.feed(row.detok.flush()) + row.stopper.flush()
+            self._emit_token(row, token, text)
+            return "stop"
+        text = row.stopper.feed(row.detok.push(token))
+        self._emit_token(row, token, text)
+        return "stop" if row.stopper.stopped else None
+
+    def _emit_token(self, row: Row, token: int, text: str) -> None:
+        t = now_ns()
+        row.job.timeline.token_ns.append(t)
+        index = len(row.job.timeline.token_ns) - 1
+        self._emit(row.job, TokenEmitted(row.request.request_id, t, index, token, text))
+
+    def _maybe_snapshot(self, row: Row, logits: torch.Tensor, token: int) -> None:
+        """The sampler's view of this token, throttled per row to ~10 per second."""
+        t = now_ns()
+        if row.generated and t - row.last_snapshot_ns < SNAPSHOT_INTERVAL_NS:
+            return
+        row.last_snapshot_ns = t
+        params = row.request.params
+        top, kept = sampler_view(logits, params)
+        decode = self.loaded.tokenizer.decode
+        candidates = tuple((tid, decode([tid]), p) for tid, p in top)
+        self._emit(row.job, SamplerSnapshot(row.request.request_id, t, len(row.generated),
+                                            params.temperature, params.top_p, candidates, kept,
+                                            token))
+
+    # ----- leaving ---------------------------------------------------------------------------
+    def _leave(self, leaving: list[Row], reason: FinishReason | None) -> None:
+        """Finished rows hand their KV back to the prefix cache; the rest are re-packed."""
+        if not leaving:
+            return
+        gone = {id(r) for r in leaving}
+        kept: list[tuple[Row, LayerKV]] = []
+        for i, row in enumerate(self.rows):
+            kv = self._row_kv(i)
+            if id(row) in gone:
+                row.finish = row.finish or reason
+                self._finish(row, None if row.lease.cache is self._cache else kv)
+            else:
+                kept.append((row, kv))
+        self.rows, self._cache, self._pads = [], None, []
+        if kept:
+            self._repack(kept)
+
+    def _drop(self, row: Row) -> None:
+        """Remove a failed row without returning its KV to the prefix cache."""
+        i = self.rows.index(row)
+        kept = [(r, self._row_kv(j)) for j, r in enumerate(self.rows) if j != i]
+        self.rows, self._cache, self._pads = [], None, []
+        if kept:
+            self._repack(kept)
+
+    def _finish(self, row: Row, kv: LayerKV | None) -> None:
+        """Return the row's KV (exactly prompt + fed tokens) to the prefix cache, report.
+
+        kv None: the row's own lease cache holds its KV (it never shared a batch, or held
+        the batch alone). An alternative that ended at its first token has nothing of its
+        own to return."""
+        length = row.kv_len
+        if kv is not None and kv:
+            layers = [(k[:, :, :length].clone(), v[:, :, :length].clone()) for k, v in kv]
+            row.lease.cache = _build_cache(self.loaded, layers)
+        if row.lease.cache is not None:
+            crop_to(row.lease.cache, length)
+            row.lease.ids = (row.prompt_ids + row.generated)[: row.lease.cache.get_seq_length()]
+            self.prefix_cache.release(row.lease)
+        self._done(row.job, self._result(row), None)
+
+    def _result(self, row: Row) -> GenerationResult:
+        request, timeline = row.request, row.job.timeline
+        finish: FinishReason = row.finish or "length"
+        if finish != "stop":
+            tail = row.stopper.feed(row.detok.flush()) + row.stopper.flush()
+            if tail:
+                self._emit(row.job, TextFlushed(request.request_id, now_ns(), tail))
+        timeline.done_ns = now_ns()
+        metrics = compute_metrics(
+            timeline,
+            prompt_tokens=len(row.prompt_ids),
+            cached_tokens=row.lease.cached_tokens,
+            parameters=self.loaded.info.parameters,
+            weight_bytes_per_step=self.loaded.info.weight_bytes_per_step,
+            cache_miss_reason=row.lease.miss_reason,
+        )
+        return GenerationResult(
+            request_id=request.request_id, text=row.stopper.emitted, finish_reason=finish,
+            token_ids=list(row.generated), prompt_token_ids=row.prompt_ids, metrics=metrics,
+            model=self.loaded.info,
+        )
+
+    # ----- the batched KV ----------------------------------------------------------------------
+    def _row_kv(self, i: int) -> LayerKV:
+        """Row i's KV with its left padding stripped (views into the batch)."""
+        pad = self._pads[i]
+        return [(k[i : i + 1, :, pad:], v[i : i + 1, :, pad:]) for k, v in _layer_kv(self._cache)]
+
+    def _repack(self, joining: list[tuple[Row, LayerKV]]) -> None:
+        """Rebuild the batched KV from the current rows plus `joining`, left-padded to the
+        longest row (the common padding is dropped). A lone unpadded row keeps its cache."""
+        entries = [(r, self._row_kv(i)) for i, r in enumerate(self.rows)] + joining
+        self.rows = [r for r, _ in entries]
+        lengths = [r.kv_len for r in self.rows]
+        longest = max(lengths)
+        self._pads = [longest - n for n in lengths]
+        self.repacks += 1
+        if len(entries) == 1:
+            row, kv = entries[0]
+            if row.lease.cache is None or row.lease.cache.get_seq_length() != longest:
+                row.lease.cache = _build_cache(
+                    self.loaded, [(k[:, :, :longest].clone(), v[:, :, :longest].clone())
+                                  for k, v in kv])
+            self._cache = row.lease.cache
+            return
+        layers = []
+        for layer in range(len(entries[0][1])):
+            keys = [_left_pad(kv[layer][0][:, :, :n], longest - n)
+                    for (_, kv), n in zip(entries, lengths, strict=True)]
+            values = [_left_pad(kv[layer][1][:, :, :n], longest - n)
+                      for (_, kv), n in zip(entries, lengths, strict=True)]
+            layers.append((torch.cat(keys), torch.cat(values)))
+        self._cache = _build_cache(self.loaded, layers)
+        for row in self.rows:  # their KV lives in the batch now; free the prefill copies
+            row.lease.cache = None
+
+
+def _left_pad(t: torch.Tensor, pad: int) -> torch.Tensor:
+    return F.pad(t, (0, 0, pad, 0)) if pad else t
+
+
+def _layer_kv(cache: Any) -> LayerKV:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _build_cache(loaded: LoadedModel, layers: LayerKV) -> DynamicCache:
+    cache = DynamicCache(config=loaded.model.config)
+    for i, (keys, values) in enumerate(layers):
+        cache.update(keys, values, i)
+    return cache
+
+
+def _sync(t: torch.Tensor) -> None:
+    """Stamps must mean 'the logits exist': wait for the GPU's queued work."""
+    if t.device.type == "cuda":
+        torch.cuda.synchronize(t.device)

@@ -1,0 +1,319 @@
+"""Continuous batching in the engine: rows share decode steps, join and leave between steps,
+and each row's output is exactly what the request gives alone."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine import (
+    ChatMessage,
+    Engine,
+    EngineEvent,
+    GenerationRequest,
+    GenerationResult,
+    InvalidRequestError,
+    PhasewiseError,
+    PrefillStarted,
+    SamplingParams,
+    TokenEmitted,
+)
+from engine.batching import MAX_BATCH
+from tests.fault_injection import ForwardFault
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+PROMPTS = [
+    "Hello",
+    "The capital of France is Paris and the capital of Germany is",
+    "def main():",
+    "Emoji and CJK café naïve résumé, hello how are you today? I am fine",
+]
+
+
+@pytest.fixture(scope="module")
+def sharp_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with its layer weights scaled up: its greedy output depends on the
+    whole context (the plain tiny model repeats one token), so a wrong KV row or position
+    shows up as different tokens."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("sharp-model")
+    shutil.copytree(tiny_model_dir, folder, dirs_exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if weight.dim() == 2 and "embed" not in name:
+                weight.mul_(8.0)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def engine(sharp_model_dir: Path) -> Iterator[Engine]:
+    with Engine(cache_budget_bytes=64 << 20) as eng:
+        eng.load_model_sync(str(sharp_model_dir), kernel="fp32-eager")
+        yield eng
+
+
+def ask(text: str, params: SamplingParams = GREEDY, **kw: Any) -> GenerationRequest:
+    return GenerationRequest([ChatMessage("user", text)], params, **kw)
+
+
+def alone(engine: Engine, request: GenerationRequest) -> GenerationResult:
+    """The request run by itself, cold (nothing else in the batch, nothing cached)."""
+    solo = GenerationRequest(request.messages, request.params, reuse_cache=False)
+    return engine.submit(solo).wait(60)
+
+
+def token_order(engine: Engine) -> list[str]:
+    """Request ids of TokenEmitted events, in the order the engine emitted them."""
+    order: list[str] = []
+    engine.add_listener(lambda e: order.append(e.request_id) if isinstance(e, TokenEmitted)
+                        else None)
+    return order
+
+
+def on_token(engine: Engine, request_id: str, index: int, action: Callable[[], Any]) -> None:
+    """Run action (on the engine thread) when request_id emits its token number `index`."""
+    def listener(event: EngineEvent) -> None:
+        if isinstance(event, TokenEmitted) and event.request_id == request_id \
+                and event.index == index:
+            action()
+
+    engine.add_listener(listener)
+
+
+@contextlib.contextmanager
+def engine_held(engine: Engine) -> Iterator[None]:
+    """Keep the engine thread busy inside a one-token request until the block ends, so
+    everything submitted inside the block is queued when it resumes."""
+    entered, gate = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        entered.set()
+        gate.wait(30)
+
+    blocker = ask("wait", SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    on_token(engine, blocker.request_id, 0, hold)
+    handle = engine.submit(blocker)
+    assert entered.wait(30)
+    try:
+        yield
+    finally:
+        gate.set()
+        handle.wait(30)
+
+
+def interleaved(order: list[str], a: str, b: str) -> bool:
+    """b emitted a token between two of a's tokens: they shared decode steps."""
+    first_a, last_a = order.index(a), len(order) - 1 - order[::-1].index(a)
+    return b in order[first_a:last_a]
+
+
+def test_batched_greedy_output_matches_each_request_alone(engine: Engine) -> None:
+    requests = [ask(p, conversation_id=f"c{i}") for i, p in enumerate(PROMPTS)]
+    expected = [alone(engine, r).token_ids for r in requests]
+    assert len({tuple(t) for t in expected}) == len(PROMPTS), "prompts give different replies"
+    order = token_order(engine)
+
+    handles = [engine.submit(r) for r in requests]
+    results = [h.wait(60) for h in handles]
+
+    assert [r.token_ids for r in results] == expected
+    assert all(interleaved(order, requests[0].request_id, r.request_id) for r in requests[1:])
+
+
+def test_sampled_rows_with_seeds_match_alone(engine: Engine) -> None:
+    requests = [ask(p, SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20, seed=i,
+                                      ignore_eos=True)) for i, p in enumerate(PROMPTS)]
+    expected = [alone(engine, r).token_ids for r in requests]
+    handles = [engine.submit(r) for r in requests]
+    assert [h.wait(60).token_ids for h in handles] == expected
+
+
+def test_requests_join_and_leave_mid_run(engine: Engine) -> None:
+    long = ask(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    short = ask(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    late = ask(PROMPTS[3])
+    expected = {r.request_id: alone(engine, r).token_ids for r in (long, short, late)}
+    order = token_order(engine)
+    handles: list = []
+    on_token(engine, long.request_id, 3, lambda: handles.append(engine.submit(short)))
+    on_token(engine, short.request_id, 2, lambda: handles.append(engine.submit(late)))
+
+    first = engine.submit(long).wait(60)
+    results = [first] + [h.wait(60) for h in handles]
+
+    assert {r.request_id: r.token_ids for r in results} == expected
+    assert order.index(short.request_id) > order.index(long.request_id) + 3  # joined later
+    assert interleaved(order, long.request_id, short.request_id)
+    assert interleaved(order, long.request_id, late.request_id)
+    # short left after 5 tokens while the others went on
+    short_last = len(order) - 1 - order[::-1].index(short.request_id)
+    assert long.request_id in order[short_last + 1 :]
+
+
+def test_cancelling_one_row_leaves_the_others_intact(engine: Engine) -> None:
+    requests = [ask(p) for p in PROMPTS[:3]]
+    expected = [alone(engine, r).token_ids for r in requests]
+    victim = requests[1]
+    on_token(engine, victim.request_id, 4, lambda: engine.cancel(victim.request_id))
+
+    results = [h.wait(60) for h in [engine.submit(r) for r in requests]]
+
+    assert results[1].finish_reason == "cancelled"
+    assert results[1].token_ids == expected[1][:5]
+    assert [results[0].token_ids, results[2].token_ids] == [expected[0], expected[2]]
+    assert {results[0].finish_reason, results[2].finish_reason} == {"length"}
+    assert engine._active == {}
+
+
+def test_per_row_metrics_add_up(engine: Engine) -> None:
+    prefills: dict[str, PrefillStarted] = {}
+    engine.add_listener(lambda e: prefills.setdefault(e.request_id, e)
+                        if isinstance(e, PrefillStarted) else None)
+    handles = [engine.submit(ask(p, conversation_id=f"m{i}")) for i, p in enumerate(PROMPTS)]
+    results = [h.wait(60) for h in handles]
+
+    for result in results:
+        m = result.metrics
+        assert m.prompt_tokens == len(result.prompt_token_ids) == m.cached_tokens + \
+            m.prefilled_tokens
+        assert m.prefilled_tokens == m.prompt_tokens  # first turns: nothing cached
+        assert m.output_tokens == len(result.token_ids) == GREEDY.max_tokens
+        assert len(m.itl_s) == m.output_tokens - 1
+        assert m.queue_s + m.prefill_s <= m.ttft_s <= m.e2e_s
+        assert m.decode_s == pytest.approx(sum(m.itl_s))
+        assert m.decode_tok_s == pytest.approx((m.output_tokens - 1) / m.decode_s)
+        assert prefills[result.request_id].prompt_tokens == m.prompt_tokens
+
+
+def test_next_turn_hits_the_cache_after_a_batched_turn(engine: Engine) -> None:
+    """Each row's KV goes back to its conversation: the next turn reuses exactly what it
+    reuses after the same turn run alone (the random model's replies do not re-tokenize
+    identically, so the ledger says where the match ends; it must not differ)."""
+
+    def two_turns(tag: str, batched: bool) -> list[GenerationResult]:
+        first = [ask(p, conversation_id=f"{tag}{i}") for i, p in enumerate(PROMPTS[:3])]
+        replies = run(first, batched)
+        follow_ups = [
+            GenerationRequest([*r.messages, ChatMessage("assistant", reply.text),
+                               ChatMessage("user", "And then?")], GREEDY,
+                              conversation_id=r.conversation_id)
+            for r, reply in zip(first, replies, strict=True)
+        ]
+        return run(follow_ups, batched)
+
+    def run(requests: list[GenerationRequest], batched: bool) -> list[GenerationResult]:
+        if batched:
+            return [h.wait(60) for h in [engine.submit(r) for r in requests]]
+        return [engine.submit(r).wait(60) for r in requests]
+
+    sequential = two_turns("s", batched=False)
+    for i in range(3):  # else they would donate their longer prefixes to the batched run
+        engine.drop_conversation(f"s{i}")
+    batched = two_turns("b", batched=True)
+
+    def ledger(r: GenerationResult) -> tuple:
+        return r.metrics.cached_tokens, r.metrics.cache_miss_reason, r.token_ids
+
+    assert [ledger(r) for r in batched] == [ledger(r) for r in sequential]
+    assert all(r.metrics.cached_tokens > len(PROMPTS[0]) for r in batched)
+
+
+def test_alternatives_share_one_prefill_and_each_reproduces_alone(engine: Engine) -> None:
+    params = SamplingParams(temperature=1.0, max_tokens=16, seed=40, ignore_eos=True)
+    request = ask(PROMPTS[1], params, conversation_id="alt")
+    order = token_order(engine)
+
+    handles = engine.submit_alternatives(request, 3)
+    results = [h.wait(60) for h in handles]
+
+    ids = [r.request_id for r in results]
+    assert len(set(ids)) == 3 and request.request_id not in ids
+    prompt = len(results[0].prompt_token_ids)
+    assert [r.metrics.prefilled_tokens for r in results] == [prompt, 0, 0]
+    assert [r.metrics.cached_tokens for r in results] == [0, prompt, prompt]
+    assert len({tuple(r.token_ids) for r in results}) == 3, "each alternative has its own seed"
+    for i, result in enumerate(results):  # alternative i is the request with seed 40 + i
+        solo = ask(PROMPTS[1], SamplingParams(temperature=1.0, max_tokens=16, seed=40 + i,
+                                              ignore_eos=True))
+        assert result.token_ids == alone(engine, solo).token_ids
+    assert interleaved(order, ids[0], ids[2])
+
+
+def test_alternatives_count_is_checked() -> None:
+    for n in (0, 9):
+        with pytest.raises(InvalidRequestError, match="alternatives"):
+            ask("hi").alternatives(n)
+
+
+def test_one_batch_step_serves_every_row(engine: Engine) -> None:
+    """The throughput mechanism: B requests of T tokens cost B prefills plus about T decode
+    forwards in all, not B x T."""
+    calls = 0
+    model = engine._loaded.model
+    original = model.forward
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return original(*args, **kwargs)
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with engine_held(engine):  # all four are queued when the engine resumes
+        model.forward = counting
+        handles = [engine.submit(ask(p, params)) for p in PROMPTS]
+    try:
+        results = [h.wait(60) for h in handles]
+    finally:
+        model.forward = original
+    assert all(r.metrics.output_tokens == 12 for r in results)
+    assert calls == len(PROMPTS) + (12 - 1)
+
+
+def test_more_requests_than_a_batch_wait_their_turn(engine: Engine) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    requests = [ask(f"{PROMPTS[i % 4]} {i}", params) for i in range(MAX_BATCH + 3)]
+    expected = [alone(engine, r).token_ids for r in requests]
+    assert [h.wait(60).token_ids for h in [engine.submit(r) for r in requests]] == expected
+
+
+def test_speculative_request_runs_alone_and_the_batch_goes_on(engine: Engine) -> None:
+    plain = [ask(p) for p in PROMPTS[:2]]
+    spec = ask(PROMPTS[2], speculative="ngram")
+    expected = [alone(engine, r).token_ids for r in [*plain, spec]]
+    handles = [engine.submit(r) for r in (plain[0], spec, plain[1])]
+    results = [h.wait(60) for h in handles]
+    assert [results[0].token_ids, results[2].token_ids, results[1].token_ids] == expected
+    assert results[1].speculative == "ngram"
+
+
+def test_a_forward_error_fails_the_batch_and_the_engine_recovers(engine: Engine) -> None:
+    fault = ForwardFault(engine)
+    with engine_held(engine):
+        handles = [engine.submit(ask(p)) for p in PROMPTS[:2]]
+        fault.arm(ValueError("bad step"), at=4)  # two prefills, one step, then this step
+    for handle in handles:
+        with pytest.raises(PhasewiseError, match="bad step"):
+            handle.wait(60)
+    fault.remove()
+    assert engine._active == {}
+    assert engine.submit(ask(PROMPTS[0])).wait(60).token_ids == alone(engine, ask(PROMPTS[0])
+                                                                      ).token_ids
+
+
+@pytest.mark.real_model
+def test_real_model_batched_matches_alone(real_engine: Engine) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    requests = [ask(p, params) for p in ("What is the capital of France?",
+                                         "Name three colours.", "Say hi.")]
+    expected = [alone(real_engine, r).token_ids for r in requests]
+    assert [h.wait(120).token_ids for h in [real_engine.submit(r) for r in requests]] == expected
