@@ -1,5 +1,8 @@
 """Start the desktop app: QApplication, the engine thread, the window, the first model load.
 
+The Qt event loop runs through qasync, so asyncio I/O (remote backends' HTTP streams) runs on
+it, on the GUI thread; the torch decode loop keeps its own engine thread.
+
 `--smoke-test` drives the real window: it sends one prompt through the GUI path (greedy),
 waits for the reply, prints one JSON line and exits; it uses a throwaway chat database and
 settings file so it never touches the user's chats.
@@ -7,6 +10,7 @@ settings file so it never touches the user's chats.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -43,14 +47,10 @@ def run_gui(
         print("phasewise: error: no display found (set DISPLAY, or QT_QPA_PLATFORM=offscreen "
               "to run headless)", file=sys.stderr)
         return 1
-    from PySide6.QtCore import QSettings
     from PySide6.QtWidgets import QApplication
+    from qasync import QEventLoop  # after PySide6: qasync binds to the Qt already imported
 
-    from engine import Engine
-    from engine.backends import BackendRouter
-    from engine.remote import REMOTE_SPEC
-    from ui.main_window import MainWindow
-    from ui.store import ChatStore
+    from engine.remote import close_async_generators_on
     from ui.theme import apply_theme
 
     app = QApplication.instance() or QApplication([sys.argv[0] if sys.argv else "phasewise"])
@@ -58,6 +58,25 @@ def run_gui(
     app.setApplicationName("Phasewise")
     app.setApplicationVersion(__version__)
     apply_theme(app)
+    loop = QEventLoop(app)
+    asyncio.set_event_loop(loop)
+    close_async_generators_on(loop)  # qasync leaves this to the garbage collector
+    with loop:
+        return _run_window(loop, model, backend, backend_model, smoke_test,
+                           {"device": device, "dtype": dtype, "kernel": kernel,
+                            "allow_download": allow_download})
+
+
+def _run_window(loop: asyncio.AbstractEventLoop, model: str, backend: str | None,
+                backend_model: str | None, smoke_test: bool, load_options: dict) -> int:
+    """The window on the running qasync loop; shuts the backends down before the loop closes."""
+    from PySide6.QtCore import QSettings
+
+    from engine import Engine
+    from engine.backends import BackendRouter
+    from engine.remote import REMOTE_SPEC
+    from ui.main_window import MainWindow
+    from ui.store import ChatStore
 
     scratch = tempfile.TemporaryDirectory(prefix="phasewise-smoke-") if smoke_test else None
     if scratch is not None:
@@ -66,23 +85,22 @@ def run_gui(
     else:
         store = ChatStore()
         settings = QSettings()
-    engine = BackendRouter(Engine()).start()  # local models and remote backends
+    engine = BackendRouter(Engine(), loop=loop).start()  # local models and remote backends
     try:
-        window = MainWindow(engine, store, settings, load_options={
-            "device": device, "dtype": dtype, "kernel": kernel, "allow_download": allow_download})
+        window = MainWindow(engine, store, settings, load_options=load_options)
         window.show()
         smoke = _SmokeTest(window) if smoke_test else None
         if backend:
             window.load_model(REMOTE_SPEC, base_url=backend, model=backend_model)
         else:
             window.load_model(model)
-        code = app.exec()
+        code = loop.run_forever()  # app.exec(), with the asyncio loop running on it
         if smoke is not None:
             code = smoke.exit_code
         window.close()
         return code
     finally:
-        engine.shutdown()
+        engine.shutdown()  # the loop has stopped: a remote's closing runs it once more
         store.close()
         if scratch is not None:
             scratch.cleanup()

@@ -3,10 +3,13 @@ other caller) can switch between them with a model load and never hold two refer
 
 load_model("remote", base_url=..., model=...) connects to an OpenAI-compatible server; any
 other spec loads a local model. As with local loads, a failed switch keeps the old backend.
+Given a loop (the GUI's qasync loop), remote backends stream on it instead of in a thread of
+their own.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any
 
@@ -20,13 +23,15 @@ from engine.worker import Engine, RequestHandle
 class BackendRouter(EventSource):
     """Engine's API; requests go to whichever backend loaded a model last."""
 
-    def __init__(self, local: Engine) -> None:
+    def __init__(self, local: Engine, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.local = local
+        self.loop = loop
         self.remote: RemoteEngine | None = None
         self._pending_remote: RemoteEngine | None = None
         self._active: Engine | RemoteEngine = local
         self._init_listeners()
         self._handles: dict[str, Engine | RemoteEngine] = {}
+        self._lent: list[RemoteEngine] = []  # made by new_remote for others (compare mode)
         local.add_listener(lambda event: self._forward(local, event))
 
     # ----- lifecycle -------------------------------------------------------------------
@@ -35,7 +40,10 @@ class BackendRouter(EventSource):
         return self
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        for backend in {id(b): b for b in (self.remote, self._pending_remote) if b}.values():
+        """Close every backend, lent ones too (their owner may not have): shutdown() of a
+        remote that is already shut down does nothing."""
+        remotes = [self.remote, self._pending_remote, *self._lent]
+        for backend in {id(b): b for b in remotes if b}.values():
             backend.shutdown(timeout)
         self.local.shutdown(timeout)
 
@@ -57,12 +65,23 @@ class BackendRouter(EventSource):
         """A local model, or (spec "remote", base_url=..., model=...) a remote backend."""
         if spec != REMOTE_SPEC:
             return self.local.load_model(spec, **options)
-        base_url = options["base_url"]
-        backend = RemoteEngine(RemoteConfig(base_url, model=options.get("model") or None,
-                                            api_key=resolve_api_key(base_url)))
+        config = RemoteConfig(options["base_url"], model=options.get("model") or None,
+                              api_key=resolve_api_key(options["base_url"]))
+        backend = RemoteEngine(config, loop=self.loop)
         backend.add_listener(lambda event: self._forward(backend, event))
         self._pending_remote = backend
         return backend.start().load_model()
+
+    def new_remote(self, base_url: str, model: str | None = None,
+                   api_key: str | None = None) -> RemoteEngine:
+        """A remote backend on this router's loop (key: the one given, else the URL's stored
+        one), not started and not the chat's: compare mode runs its own next to it."""
+        config = RemoteConfig(base_url, model=model or None,
+                              api_key=api_key or resolve_api_key(base_url))
+        backend = RemoteEngine(config, loop=self.loop)
+        self._lent = [b for b in self._lent if not b.closed.is_set()]
+        self._lent.append(backend)
+        return backend
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         backend = self._active
@@ -97,6 +116,9 @@ class BackendRouter(EventSource):
         if isinstance(backend, RemoteEngine):
             self.remote, self._pending_remote = backend, None
         self._active = backend
-        if old_remote is not None and old_remote is not backend:
-            # Shut down off this thread: it may be the old backend's own loop thread.
+        if old_remote is None or old_remote is backend:
+            return
+        if self.loop is not None:  # run there: on its own loop shutdown() never waits
+            self.loop.call_soon_threadsafe(old_remote.shutdown)
+        else:  # off this thread: it may be the old backend's own loop thread
             threading.Thread(target=old_remote.shutdown, daemon=True).start()

@@ -8,8 +8,10 @@ A server may pack several tokens into one chunk; output_tokens then comes from `
 Prompt and cached token counts come from `usage` (`prompt_tokens_details.cached_tokens`)
 when the server sends them and are marked unknown otherwise.
 
-The HTTP streams run on an asyncio loop in this backend's own thread; cancelling a request
-cancels its task, which closes the stream at once, even while the server is silent.
+The HTTP streams run on an asyncio loop: by default one in this backend's own thread (the CLI,
+headless use); in the GUI, the caller's loop (qasync's loop on the Qt event loop), where events
+reach listeners on the GUI thread. Cancelling a request cancels its task, which closes the
+stream at once, even while the server is silent.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import asyncio
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -216,6 +219,23 @@ def remote_metrics(timeline: RequestTimeline, usage: dict[str, Any] | None) -> R
     return m
 
 
+# ----- a shared loop --------------------------------------------------------------------------
+def close_async_generators_on(loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
+    """Have async generators dropped unfinished on this thread closed by a task on `loop`.
+
+    asyncio's own loops install this hook in run_forever(); qasync's does not. Without it an
+    HTTP stream left early (cancel, error, [DONE]) is closed by the garbage collector outside
+    any task, and httpx's cleanup fails. Returns a function that restores the old hooks."""
+    old = sys.get_asyncgen_hooks()
+
+    def finalize(agen: Any) -> None:
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(loop.create_task, agen.aclose())
+
+    sys.set_asyncgen_hooks(firstiter=old.firstiter, finalizer=finalize)
+    return lambda: sys.set_asyncgen_hooks(*old)
+
+
 # ----- one request ----------------------------------------------------------------------------
 @dataclass
 class _Reply:
@@ -233,7 +253,9 @@ class _Job:
     handle: RequestHandle
     reply: _Reply
     cancel: threading.Event
-    future: Any = None  # concurrent.futures.Future of the task
+    # Set by the task itself once it runs: only a running coroutine can be cancelled into
+    # its except clauses (one cancelled before its first step would never report).
+    task: asyncio.Task | None = None
 
 
 class _RemoteHandle(RequestHandle):
@@ -249,35 +271,80 @@ class _RemoteHandle(RequestHandle):
 
 
 class RemoteEngine(EventSource):
-    """Engine's API over an OpenAI-compatible server; requests may run concurrently."""
+    """Engine's API over an OpenAI-compatible server; requests may run concurrently.
 
-    def __init__(self, config: RemoteConfig) -> None:
+    loop: run the HTTP streams on this asyncio loop (the GUI's qasync loop) instead of a
+    loop in a thread of our own. Nothing here then blocks the loop's thread: shutdown() from
+    it only schedules the closing (see `closed`).
+    """
+
+    def __init__(self, config: RemoteConfig,
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.config = config
         self._init_listeners()
-        self._loop = asyncio.new_event_loop()
+        self._own_loop = loop is None
+        self._loop = loop or asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="phasewise-remote",
-                                        daemon=True)
+                                        daemon=True) if self._own_loop else None
         self._client: httpx.AsyncClient | None = None
         self._info: ModelInfo | None = None
         self._jobs: dict[str, _Job] = {}
+        self._tasks: set[asyncio.Task] = set()  # every task we made; touched on the loop only
+        self._loading: set[asyncio.Task] = set()  # model-list requests that have begun
         self._lock = threading.Lock()
+        self._started = False
+        self._shut = False
+        self._closing = False  # the loop has begun closing: start no more tasks
+        self._closing_task: asyncio.Task | None = None
+        self.closed = threading.Event()
+        """Set once every task has ended and the connections are closed."""
         self.last_load_error: str | None = None
 
     # ----- lifecycle ---------------------------------------------------------------------
     def start(self) -> RemoteEngine:
-        self._thread.start()
+        if self._thread is not None:
+            self._thread.start()
+        self._started = True
         return self
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Cancel everything, close the connections, stop the thread."""
-        if not self._thread.is_alive():
-            return
-        self.cancel_all()
-        asyncio.run_coroutine_threadsafe(self._close(), self._loop).result(timeout)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout)
-        self._loop.close()
+        """Cancel everything and close the connections (and our own loop's thread).
 
+        On a shared loop: from the loop's own thread this only schedules the closing (a
+        wait there would deadlock); from another thread it waits; after the loop stopped
+        (the GUI's exit) it runs the loop until the closing is done, as asyncio.run does."""
+        if not self._started or self.closed.is_set():
+            return
+        if not self._shut:
+            self._shut = True
+            self.cancel_all()
+            if self._own_loop:
+                asyncio.run_coroutine_threadsafe(self._aclose(), self._loop).result(timeout)
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(timeout)
+                self._loop.close()
+                return
+            if self._on_loop_thread():
+                self._closing_task = self._spawn(self._aclose())
+                return
+            if self._loop.is_running():
+                asyncio.run_coroutine_threadsafe(self._aclose(), self._loop).result(timeout)
+                return
+        # The shared loop has stopped (the GUI is exiting): run it until the closing is done.
+        if not self._loop.is_running() and not self._loop.is_closed():
+            self._loop.run_until_complete(self._closing_task or self._aclose())
+
+    def _on_loop_thread(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            return False
+
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The asyncio loop the HTTP streams run on."""
+        return self._loop
 
     @property
     def model_info(self) -> ModelInfo | None:
@@ -293,11 +360,14 @@ class RemoteEngine(EventSource):
         """Ask the server which models it has and pick ours; events report the outcome.
         Local-load options (device, dtype, kernel) mean nothing here and are ignored."""
         done = threading.Event()
-        asyncio.run_coroutine_threadsafe(self._load(done), self._loop)
+        self._loop.call_soon_threadsafe(self._start_load, done)
         return done
 
     def load_model_sync(self, spec: str = REMOTE_SPEC, timeout: float | None = None,
                         **options: Any) -> ModelInfo:
+        if self._on_loop_thread():
+            raise RemoteError("load_model_sync would block the loop that does the loading: "
+                              "use load_model and its events")
         self.last_load_error = None
         self.load_model(spec, **options).wait(timeout)
         if self.last_load_error is not None or self._info is None:
@@ -311,17 +381,18 @@ class RemoteEngine(EventSource):
         with self._lock:
             self._jobs[request.request_id] = job
         self._deliver(job, RequestQueued(request.request_id, job.reply.timeline.submitted_ns))
-        job.future = asyncio.run_coroutine_threadsafe(self._serve(job), self._loop)
+        self._loop.call_soon_threadsafe(self._start_job, job)
         return handle
 
     def cancel(self, request_id: str) -> None:
-        """Stop a request now: its task is cancelled, which closes the stream."""
+        """Stop a request now: its task is cancelled, which closes the stream. One that has
+        not started yet sees the flag when it starts and ends as cancelled."""
         with self._lock:
             job = self._jobs.get(request_id)
         if job is not None:
             job.cancel.set()
-            if job.future is not None:
-                job.future.cancel()
+            if not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._cancel_task, job)
 
     def cancel_all(self) -> None:
         with self._lock:
@@ -333,6 +404,28 @@ class RemoteEngine(EventSource):
         """The server owns its cache; there is nothing to drop here."""
 
     # ----- the loop thread ---------------------------------------------------------------
+    def _spawn(self, coro: Any) -> asyncio.Task:
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _start_load(self, done: threading.Event) -> None:
+        if self._closing:
+            done.set()
+            return
+        self._spawn(self._load(done))
+
+    def _start_job(self, job: _Job) -> None:
+        if self._closing:  # submitted while shutting down: it ends before it began
+            job.cancel.set()
+        self._spawn(self._serve(job))
+
+    @staticmethod
+    def _cancel_task(job: _Job) -> None:
+        if job.task is not None:
+            job.task.cancel()
+
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:  # created on the loop thread, used only there
             timeout = httpx.Timeout(self.config.stall_timeout_s,
@@ -342,11 +435,28 @@ class RemoteEngine(EventSource):
             self._client = httpx.AsyncClient(timeout=timeout, headers=headers, verify=True)
         return self._client
 
-    async def _close(self) -> None:
+    async def _aclose(self) -> None:
+        """End every task (each reports its outcome), then close the connections."""
+        self._closing = True
+        with self._lock:
+            jobs = list(self._jobs.values())
+        for job in jobs:  # one not started yet sees the flag and ends as cancelled
+            job.cancel.set()
+            self._cancel_task(job)
+        for task in self._loading:
+            task.cancel()
+        await asyncio.gather(*(t for t in self._tasks if t is not asyncio.current_task()),
+                             return_exceptions=True)
         if self._client is not None:
             await self._client.aclose()
+            self._client = None
+        self.closed.set()
 
     async def _load(self, done: threading.Event) -> None:
+        if self._closing:
+            done.set()
+            return
+        self._loading.add(asyncio.current_task())
         self.last_load_error = None
         self._broadcast(ModelLoading(now_ns(), f"connecting to {self.config.base_url}"))
         try:
@@ -357,6 +467,7 @@ class RemoteEngine(EventSource):
         else:
             self._broadcast(ModelLoaded(now_ns(), self._info, 0.0))
         finally:
+            self._loading.discard(asyncio.current_task())
             done.set()
 
     async def _fetch_model_info(self) -> ModelInfo:
@@ -373,6 +484,7 @@ class RemoteEngine(EventSource):
         return model_info(self.config, cards)
 
     async def _serve(self, job: _Job) -> None:
+        job.task = asyncio.current_task()
         error: str | None = None
         try:
             if job.cancel.is_set():

@@ -74,3 +74,33 @@ def make_window(qtbot, tiny_engine: Engine, tmp_path: Path) -> Iterator[Callable
     yield make
     for store in stores:
         store.close()
+
+
+@pytest.fixture(scope="session")
+def _qasync_session_loop(qapp: Any) -> Iterator[Any]:
+    """One qasync loop on the test QApplication for the whole session: stopping a qasync
+    loop quits the app, after which qtbot's waits would return at once."""
+    import asyncio
+
+    import qasync
+
+    loop = qasync.QEventLoop(qapp, already_running=True)
+    asyncio._set_running_loop(None)  # running only inside tests that ask for qasync_loop
+    yield loop
+    loop.stop()
+    loop.close()
+
+
+@pytest.fixture
+def qasync_loop(_qasync_session_loop: Any) -> Iterator[Any]:
+    """The GUI's asyncio loop, as in run_gui: qasync on the Qt event loop, so coroutines run
+    on the GUI thread whenever Qt spins (qtbot's waits included)."""
+    import asyncio
+
+    from engine.remote import close_async_generators_on
+
+    asyncio._set_running_loop(_qasync_session_loop)
+    restore = close_async_generators_on(_qasync_session_loop)  # as run_gui does
+    yield _qasync_session_loop
+    restore()
+    asyncio._set_running_loop(None)

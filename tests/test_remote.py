@@ -3,9 +3,12 @@ and small fake servers that misbehave in one way each."""
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import socket
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -26,6 +29,7 @@ from engine.remote import (
     NO_USAGE_NOTICE,
     RemoteConfig,
     RemoteEngine,
+    RemoteError,
     normalize_base_url,
     request_body,
 )
@@ -126,6 +130,53 @@ def test_unknown_model_name_is_refused(phasewise_server: ServerThread) -> None:
     with RemoteEngine(RemoteConfig(phasewise_server.base_url, model="gpt-9")) as engine, \
             pytest.raises(ModelLoadError, match="has no model 'gpt-9'"):
         engine.load_model_sync(timeout=30)
+
+
+# ----- a loop shared with the caller (the GUI's) -------------------------------------------------
+@pytest.fixture
+def shared_loop() -> Iterator[tuple[asyncio.AbstractEventLoop, threading.Thread]]:
+    """A caller's asyncio loop running in its thread, as qasync runs on the GUI's."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop, thread
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    loop.close()
+
+
+def test_shared_loop_serves_and_never_blocks_its_own_thread(
+    phasewise_server: ServerThread, shared_loop: tuple[asyncio.AbstractEventLoop, Any]
+) -> None:
+    loop, _thread = shared_loop
+    engine = RemoteEngine(RemoteConfig(phasewise_server.base_url), loop=loop).start()
+    engine.load_model_sync(timeout=30)  # another thread: waiting is safe
+    assert engine.submit(chat()).wait(60).finish_reason in ("stop", "length")
+
+    async def on_the_loop() -> str:
+        with pytest.raises(RemoteError, match="would block the loop") as caught:
+            engine.load_model_sync(timeout=1)
+        engine.shutdown()  # only scheduled: the loop is busy running this coroutine
+        return f"{caught.value} closed={engine.closed.is_set()}"
+
+    said = asyncio.run_coroutine_threadsafe(on_the_loop(), loop).result(30)
+    assert said.endswith("closed=False")
+    assert engine.closed.wait(30)
+
+
+def test_shared_loop_that_stopped_is_run_once_more_to_close(
+    phasewise_server: ServerThread, shared_loop: tuple[asyncio.AbstractEventLoop, Any]
+) -> None:
+    """run_gui's exit: the Qt loop has returned, then the backends shut down."""
+    loop, thread = shared_loop
+    engine = RemoteEngine(RemoteConfig(phasewise_server.base_url), loop=loop).start()
+    engine.load_model_sync(timeout=30)
+    assert engine.submit(chat()).wait(60).text is not None  # leaves a pooled connection
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    assert not loop.is_running()
+    engine.shutdown()
+    assert engine.closed.is_set()
 
 
 # ----- faults ------------------------------------------------------------------------------

@@ -1,7 +1,10 @@
-"""The window chatting through a remote backend: `phasewise serve` and a faulty fake server."""
+"""The window chatting through a remote backend: `phasewise serve` and a faulty fake server.
+
+As in run_gui, remote backends stream on the qasync loop (the Qt event loop, GUI thread)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -11,6 +14,7 @@ from PySide6.QtCore import QSettings
 from app.serve import ServerThread
 from engine import Engine
 from engine.backends import BackendRouter
+from engine.events import TokenEmitted
 from engine.remote import REMOTE_SPEC
 from tests.fake_servers import PARTIAL, fake_app
 from tests.serving import phasewise_server, served_engine
@@ -23,11 +27,15 @@ WAIT_MS = 30_000
 
 
 @pytest.fixture
-def router(monkeypatch: pytest.MonkeyPatch) -> Iterator[BackendRouter]:
-    """A window's engine front with no local model loaded (the remote does the work)."""
+def router(qtbot, qasync_loop, monkeypatch: pytest.MonkeyPatch) -> Iterator[BackendRouter]:
+    """A window's engine front on the GUI's qasync loop, no local model loaded."""
     monkeypatch.setenv("PHASEWISE_API_KEY", "test-key")  # keep the user's keyring out
-    with BackendRouter(Engine()) as backends:
-        yield backends
+    backends = BackendRouter(Engine(), loop=qasync_loop).start()
+    yield backends
+    remote = backends.remote
+    backends.shutdown()  # on the loop's thread: the remote's closing is only scheduled
+    if remote is not None:
+        qtbot.waitUntil(remote.closed.is_set, timeout=WAIT_MS)
 
 
 @pytest.fixture
@@ -73,6 +81,37 @@ def test_chat_streams_through_phasewise_serve_with_hud(
     # The second turn goes through the same backend and reuses the server's cache.
     second = send_and_wait(qtbot, window, "And again?")
     assert second.metrics.cached_tokens > 0
+
+
+def test_remote_streams_on_the_gui_loop(
+    qtbot, remote_window, phasewise_server: ServerThread, router: BackendRouter, qasync_loop
+) -> None:
+    window = remote_window(phasewise_server.base_url)
+    assert router.remote.loop is qasync_loop
+    threads: set[int] = set()
+    router.add_listener(lambda _event: threads.add(threading.get_ident()))
+    result = send_and_wait(qtbot, window, "Hello")
+    assert result.error is None and threads == {threading.get_ident()}
+
+
+def test_shutdown_on_the_gui_thread_never_waits_for_its_own_loop(
+    qtbot, remote_window, router: BackendRouter
+) -> None:
+    """A stalled stream: shutdown() from the GUI thread returns before the loop could close
+    anything (a wait there would deadlock), and the loop then cancels the reply and closes."""
+    with ServerThread(fake_app("stall")) as server:
+        window = remote_window(server.base_url)
+        remote = router.remote
+        with qtbot.waitSignal(window.bridge.sig_token, timeout=WAIT_MS,
+                              check_params_cb=lambda e: isinstance(e, TokenEmitted)
+                              and e.text == PARTIAL[-1]):
+            assert window.send("Hello")
+        with qtbot.waitSignal(window.sig_reply_finished, timeout=WAIT_MS) as blocker:
+            remote.shutdown()
+            assert not remote.closed.is_set()
+        qtbot.waitUntil(remote.closed.is_set, timeout=WAIT_MS)
+    result = blocker.args[0]
+    assert result.finish_reason == "cancelled" and result.text == "".join(PARTIAL)
 
 
 def test_broken_stream_keeps_the_partial_reply_and_says_why(qtbot, remote_window) -> None:

@@ -2,7 +2,9 @@
 
 The window owns the flow of a reply: save the user's message, submit to the engine (never
 waiting on it), stream tokens into the view, save the partial reply in batches, and on the
-end write the authoritative text, its settings and its metrics.
+end write the authoritative text, its settings and its metrics. Several replies may run at
+once (the engine batches them): one per chat, or N alternatives in one chat, of which the
+user keeps one.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import html
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from PySide6.QtCore import QByteArray, QCoreApplication, QSettings, Qt, QTimer, Signal
@@ -34,6 +36,7 @@ from engine import (
     ChatMessage,
     Engine,
     GenerationRequest,
+    GenerationResult,
     ModelInfo,
     RequestFailed,
     RequestFinished,
@@ -41,7 +44,7 @@ from engine import (
     TokenEmitted,
 )
 from ui.bridge import EngineBridge
-from ui.chat_view import ChatView
+from ui.chat_view import Alternative, ChatView
 from ui.composer import Composer
 from ui.controls import ControlsPanel
 from ui.hud import HudWidget
@@ -52,18 +55,31 @@ from ui.store import DONE, STOPPED, STREAMING, ChatStore, Message, StoreError
 SAVE_INTERVAL_MS = 500  # how often a streaming reply's text is written to the database
 TITLE_CHARS = 48
 FINISH_STATUS = {"stop": DONE, "length": "length", "cancelled": STOPPED, "error": "error"}
+DEFAULT_ALTERNATIVES = 3  # the Alternatives link when the composer asks for one reply
 
 
 @dataclass
 class ActiveReply:
-    """The one reply being generated (the engine serves one request at a time anyway)."""
+    """A reply being generated. Several run at once: one per chat, or a chat's alternatives."""
 
     request_id: str
     conversation_id: str
-    message_id: int
+    message_id: int | None  # its saved row; None for an alternative (saved only if kept)
     user_message_id: int | None  # set when this send created the user message
     user_text: str
     text: str = ""  # everything received so far, painted or not
+    label: str = "Assistant"
+    alternative: int | None = None  # its index among the chat's alternatives
+
+
+@dataclass
+class AlternativeSet:
+    """N alternatives of one reply in one chat: they stream, then wait for the user's pick."""
+
+    request_ids: list[str]
+    settings: dict[str, Any]
+    results: dict[int, GenerationResult] = field(default_factory=dict)
+    ended: int = 0  # finished or failed
 
 
 class MainWindow(QMainWindow):
@@ -75,6 +91,8 @@ class MainWindow(QMainWindow):
     """A reply ended and was saved (its GenerationResult)."""
     sig_reply_failed = Signal(str)
     """A request failed; the one-line message is also shown in the notice bar."""
+    sig_alternatives_ready = Signal(str)
+    """Every alternative of a chat's set ended (its conversation id); one can be kept."""
 
     def __init__(
         self,
@@ -96,7 +114,8 @@ class MainWindow(QMainWindow):
         self.bridge = EngineBridge(engine, self)
         self.model_info: ModelInfo | None = engine.model_info
         self.conversation_id: str | None = None
-        self.reply: ActiveReply | None = None
+        self.replies: dict[str, ActiveReply] = {}  # running, by request id, oldest first
+        self.alternative_sets: dict[str, AlternativeSet] = {}  # by conversation id
         self._editing_message_id: int | None = None
 
         self._build_widgets()
@@ -207,6 +226,7 @@ class MainWindow(QMainWindow):
         self.new_action.triggered.connect(self.new_chat)
         chat_menu.addAction(self.new_action)
         chat_menu.addAction("Choose model…", self.choose_model)
+        chat_menu.addAction("Compare backends…", self.compare_backends)
         chat_menu.addSeparator()
         chat_menu.addAction("Quit", QKeySequence.StandardKey.Quit, self.close)
         view_menu = self.menuBar().addMenu("&View")
@@ -275,6 +295,7 @@ class MainWindow(QMainWindow):
         self.title_label.setText("New chat")
         self.controls.set_system_prompt("")
         self.chat.show_messages([])
+        self._update_busy()
         self.sidebar.refresh(select="")
         self.sidebar.list.clearSelection()
         self._show_context_fill(None)
@@ -290,14 +311,11 @@ class MainWindow(QMainWindow):
         self.controls.set_system_prompt(conv.system_prompt)
         self._render_conversation()
         self.sidebar.refresh(select=conv_id)
-        if self.reply and self.reply.conversation_id == conv_id:
-            self.chat.begin_stream(self.reply.request_id)
-            self.chat.push_text(self.reply.request_id, self.reply.text)
-            self.chat.flush()
+        self._update_busy()
 
     def delete_conversation(self, conv_id: str) -> None:
-        if self.reply and self.reply.conversation_id == conv_id:
-            self.stop()
+        self._stop_conversation(conv_id)
+        self.alternative_sets.pop(conv_id, None)
         try:
             self.store.delete_conversation(conv_id)
         except StoreError as exc:
@@ -310,15 +328,36 @@ class MainWindow(QMainWindow):
             self.sidebar.refresh()
 
     def _render_conversation(self) -> None:
+        """Saved messages, finished alternatives, then this chat's live replies."""
         messages = self._visible_messages()
-        self.chat.show_messages(messages)
+        self.chat.show_messages(messages, self._finished_alternatives(self.conversation_id))
+        for reply in self._running(self.conversation_id):
+            self.chat.begin_stream(reply.request_id, reply.label)
+            self.chat.push_text(reply.request_id, reply.text)
+        self.chat.flush()
         self._show_context_fill(messages)
 
     def _visible_messages(self) -> list[Message]:
         if self.conversation_id is None:
             return []
-        streaming_id = self.reply.message_id if self.reply else None
-        return [m for m in self.store.messages(self.conversation_id) if m.id != streaming_id]
+        streaming = {r.message_id for r in self.replies.values()}
+        return [m for m in self.store.messages(self.conversation_id) if m.id not in streaming]
+
+    def _finished_alternatives(self, conv_id: str | None) -> list[Alternative]:
+        alts = self.alternative_sets.get(conv_id) if conv_id else None
+        if alts is None:
+            return []
+        return [Alternative(i, f"Alternative {i + 1}", r.text,
+                            FINISH_STATUS.get(r.finish_reason, DONE))
+                for i, r in sorted(alts.results.items())]
+
+    @property
+    def reply(self) -> ActiveReply | None:
+        """The most recently started reply still running (any chat), or None."""
+        return next(reversed(self.replies.values()), None)
+
+    def _running(self, conv_id: str | None) -> list[ActiveReply]:
+        return [r for r in self.replies.values() if r.conversation_id == conv_id]
 
     def _on_system_prompt(self, text: str) -> None:
         if self.conversation_id is not None:
@@ -330,8 +369,8 @@ class MainWindow(QMainWindow):
     # ----- sending -------------------------------------------------------------------------
     def send(self, text: str) -> bool:
         """Send the composer's text (or resend an edited message). False if refused."""
-        if self.reply is not None:
-            return self._refuse("A reply is still being written: press Esc to stop it first.")
+        if self._busy_refusal():
+            return False
         if not text.strip():
             return self._refuse("Type a message first.")
         if self.model_info is None:
@@ -349,8 +388,9 @@ class MainWindow(QMainWindow):
         self.composer.editor.clear()
         return self._start_reply(conv_id, user_id, text)
 
-    def regenerate(self, message_id: int) -> None:
-        """Replace a reply with a new one from the same history (the prompt is all cached)."""
+    def regenerate(self, message_id: int, alternatives: int | None = None) -> None:
+        """Replace a reply with a new one (or `alternatives` of them) from the same history
+        (the prompt is all cached)."""
         if self._busy_refusal():
             return
         message = self.store.message(message_id)
@@ -361,7 +401,38 @@ class MainWindow(QMainWindow):
         except StoreError as exc:
             self._on_store_error(str(exc))
             return
-        self._start_reply(message.conversation_id, None, "")
+        self._start_reply(message.conversation_id, None, "", alternatives)
+
+    def generate_alternatives(self, message_id: int) -> None:
+        """Replace a reply with N alternatives streaming at once (N from the composer, at
+        least two); the user keeps one."""
+        count = self.composer.alternative_count()
+        self.regenerate(message_id, count if count > 1 else DEFAULT_ALTERNATIVES)
+
+    def keep_alternative(self, index: int) -> bool:
+        """Save alternative `index` of the current chat as its reply; discard the others
+        (any still running are stopped). False if there is no such finished alternative."""
+        conv_id = self.conversation_id
+        alts = self.alternative_sets.get(conv_id) if conv_id else None
+        result = alts.results.get(index) if alts else None
+        if alts is None or result is None or conv_id is None:
+            return False
+        for request_id in alts.request_ids:
+            if self.replies.pop(request_id, None) is not None:
+                self.engine.cancel(request_id)
+                self.chat.end_stream(request_id)
+        del self.alternative_sets[conv_id]
+        status = FINISH_STATUS.get(result.finish_reason, DONE)
+        try:
+            message_id = self.store.add_message(conv_id, "assistant", result.text,
+                                                status=status, settings=alts.settings)
+            self.store.finish_message(message_id, result.text, status, _metrics_dict(result))
+        except StoreError as exc:
+            self._on_store_error(str(exc))
+        self._render_conversation()
+        self._update_busy()
+        self.sidebar.refresh()
+        return True
 
     def edit(self, message_id: int) -> None:
         """Put a user message back in the composer; sending replaces it and what followed."""
@@ -376,14 +447,34 @@ class MainWindow(QMainWindow):
         self.composer.editor.setFocus()
 
     def stop(self) -> None:
-        """Stop the running reply; the engine stops within one decode step."""
-        if self.reply is not None:
-            self.engine.cancel(self.reply.request_id)
+        """Stop the current chat's running replies; the engine stops within one decode step."""
+        self._stop_conversation(self.conversation_id)
 
-    def _start_reply(self, conv_id: str, user_id: int | None, user_text: str) -> bool:
+    def _stop_conversation(self, conv_id: str | None) -> None:
+        for reply in self._running(conv_id):
+            self.engine.cancel(reply.request_id)
+
+    def _start_reply(self, conv_id: str, user_id: int | None, user_text: str,
+                     alternatives: int | None = None) -> bool:
         params = self.controls.params()
         request = GenerationRequest(self._history(conv_id), params, conversation_id=conv_id)
         settings = asdict(params) | {"model": self.model_info.name if self.model_info else ""}
+        count = alternatives or self.composer.alternative_count()
+        if count > 1:
+            started = self._start_alternatives(request, count, user_id, user_text, settings)
+        else:
+            started = self._start_single(request, user_id, user_text, settings)
+        if not started:
+            return False
+        if conv_id == self.conversation_id:
+            self._render_conversation()
+        self._update_busy()
+        self.sidebar.refresh()
+        return True
+
+    def _start_single(self, request: GenerationRequest, user_id: int | None, user_text: str,
+                      settings: dict[str, Any]) -> bool:
+        conv_id = request.conversation_id or ""
         try:
             reply_id = self.store.add_message(conv_id, "assistant", "", status=STREAMING,
                                               settings=settings)
@@ -392,15 +483,30 @@ class MainWindow(QMainWindow):
             if conv_id == self.conversation_id:
                 self._render_conversation()
             return False
-        self.reply = ActiveReply(request.request_id, conv_id, reply_id, user_id, user_text)
-        if conv_id == self.conversation_id:
-            self._render_conversation()
-            self.chat.begin_stream(request.request_id)
-        self.composer.set_busy(True)
+        self.replies[request.request_id] = ActiveReply(request.request_id, conv_id, reply_id,
+                                                       user_id, user_text)
         self._save_timer.start()
-        self.sidebar.refresh()
         self.engine.submit(request)
         self.sig_reply_started.emit(request.request_id)
+        return True
+
+    def _start_alternatives(self, request: GenerationRequest, count: int, user_id: int | None,
+                            user_text: str, settings: dict[str, Any]) -> bool:
+        """N replies to one prompt, streaming at once; nothing is saved until one is kept."""
+        conv_id = request.conversation_id or ""
+        submit_all = getattr(self.engine, "submit_alternatives", None)
+        if submit_all is not None:  # the local engine: one shared prefill
+            handles = submit_all(request, count)
+        else:  # a remote backend: N plain requests
+            handles = [self.engine.submit(r) for r in request.alternatives(count)]
+        ids = [h.request_id for h in handles]
+        for i, request_id in enumerate(ids):
+            # each knows the user message: if the whole set fails, the last one takes it back
+            self.replies[request_id] = ActiveReply(
+                request_id, conv_id, None, user_id, user_text,
+                label=f"Alternative {i + 1}", alternative=i)
+            self.sig_reply_started.emit(request_id)
+        self.alternative_sets[conv_id] = AlternativeSet(ids, settings)
         return True
 
     def _history(self, conv_id: str) -> list[ChatMessage]:
@@ -425,17 +531,16 @@ class MainWindow(QMainWindow):
         return self.conversation_id
 
     # ----- engine events -----------------------------------------------------------------
-    def _is_current(self, request_id: str) -> bool:
-        return self.reply is not None and self.reply.request_id == request_id
-
     def _on_token(self, event: TokenEmitted) -> None:
-        if self._is_current(event.request_id):
-            self.reply.text += event.text
+        reply = self.replies.get(event.request_id)
+        if reply is not None:
+            reply.text += event.text
             self.chat.push_token(event.request_id, event.index, event.text)
 
     def _on_text_flushed(self, event: TextFlushed) -> None:
-        if self._is_current(event.request_id):
-            self.reply.text += event.text
+        reply = self.replies.get(event.request_id)
+        if reply is not None:
+            reply.text += event.text
             self.chat.push_text(event.request_id, event.text)
 
     def _on_tokens_painted(self, request_id: str, indexes: list, painted_ns: int) -> None:
@@ -443,17 +548,18 @@ class MainWindow(QMainWindow):
             self.hud.on_token_painted(request_id, index, painted_ns)
 
     def _on_finished(self, event: RequestFinished) -> None:
-        if not self._is_current(event.request_id):
+        reply, result = self.replies.get(event.request_id), event.result
+        if reply is None:
             return
-        reply, result = self.reply, event.result
-        self._end_reply()
-        metrics = result.metrics.to_dict()
-        if result.model is not None:
-            metrics.update(model=result.model.name, device=result.model.device,
-                           dtype=result.model.dtype, context_length=result.model.context_length)
+        self._end_reply(reply)
+        if reply.message_id is None:
+            self._alternative_ended(reply, result)
+            self.sig_reply_finished.emit(result)
+            return
         status = FINISH_STATUS.get(result.finish_reason, DONE)
         try:
-            self.store.finish_message(reply.message_id, result.text, status, metrics)
+            self.store.finish_message(reply.message_id, result.text, status,
+                                      _metrics_dict(result))
         except StoreError as exc:
             # The full reply stays on screen (not re-rendered from the store); what was
             # saved before stays saved and is marked stopped on the next start.
@@ -468,12 +574,15 @@ class MainWindow(QMainWindow):
         self.sig_reply_finished.emit(result)
 
     def _on_failed(self, event: RequestFailed) -> None:
-        if not self._is_current(event.request_id):
+        reply = self.replies.get(event.request_id)
+        if reply is None:
             return
-        reply = self.reply
-        self._end_reply()
+        self._end_reply(reply)
+        if reply.message_id is None and not self._alternative_ended(reply, None):
+            return  # other alternatives of the set are still good
         try:
-            self.store.delete_message(reply.message_id)
+            if reply.message_id is not None:
+                self.store.delete_message(reply.message_id)
             if reply.user_message_id is not None:
                 # The request never ran (e.g. too long for the context) or broke off (out of
                 # memory): take the message back into the composer so nothing typed is lost.
@@ -486,23 +595,49 @@ class MainWindow(QMainWindow):
         self.notify(event.message)
         self.sig_reply_failed.emit(event.message)
 
-    def _end_reply(self) -> None:
-        self.chat.end_stream()
-        self._save_timer.stop()
-        self.reply = None
-        self.composer.set_busy(False)
+    def _end_reply(self, reply: ActiveReply) -> None:
+        self.replies.pop(reply.request_id, None)
+        self.chat.end_stream(reply.request_id)
+        if not any(r.message_id is not None for r in self.replies.values()):
+            self._save_timer.stop()
+        self._update_busy()
+
+    def _alternative_ended(self, reply: ActiveReply, result: GenerationResult | None) -> bool:
+        """Record an alternative's end; True if its whole set failed (then it is dropped)."""
+        alts = self.alternative_sets.get(reply.conversation_id)
+        if alts is None or reply.alternative is None:
+            return False
+        alts.ended += 1
+        if result is not None:
+            alts.results[reply.alternative] = result
+        complete = alts.ended == len(alts.request_ids)
+        if complete and not alts.results:
+            del self.alternative_sets[reply.conversation_id]
+            return True
+        self._after_reply(reply)
+        if complete:
+            self.sig_alternatives_ready.emit(reply.conversation_id)
+        return False
 
     def _after_reply(self, reply: ActiveReply) -> None:
         if reply.conversation_id == self.conversation_id:
             self._render_conversation()
+        self._update_busy()
         self.sidebar.refresh()
 
+    def _update_busy(self) -> None:
+        """The composer's Stop button follows the chat on screen."""
+        self.composer.set_busy(bool(self._running(self.conversation_id)))
+
     def _save_partial(self) -> None:
-        if self.reply is not None:
+        for reply in list(self.replies.values()):
+            if reply.message_id is None:
+                continue
             try:
-                self.store.save_partial(self.reply.message_id, self.reply.text)
+                self.store.save_partial(reply.message_id, reply.text)
             except StoreError as exc:  # keep streaming; the next batch tries again
                 self._on_store_error(str(exc))
+                return
 
     def _on_store_error(self, message: str) -> None:
         self.notify(self._store_message(message))
@@ -523,10 +658,19 @@ class MainWindow(QMainWindow):
             self.edit(message_id)
         elif action == "regenerate":
             self.regenerate(message_id)
+        elif action == "alternatives":
+            self.generate_alternatives(message_id)
+        elif action == "keep":
+            self.keep_alternative(message_id)
 
     def _busy_refusal(self) -> bool:
-        if self.reply is not None:
+        """Refuse to start in the chat on screen while it is writing or awaiting a pick
+        (other chats may be writing: their replies run alongside)."""
+        if self._running(self.conversation_id):
             self._refuse("A reply is still being written: press Esc to stop it first.")
+            return True
+        if self.conversation_id in self.alternative_sets:
+            self._refuse("Keep one of the alternatives first (the Keep this one link).")
             return True
         return False
 
@@ -544,6 +688,17 @@ class MainWindow(QMainWindow):
         if dialog.exec():
             choice = dialog.choice()
             self.load_model(choice.spec, **choice.options)
+
+    def compare_backends(self) -> Any:
+        """Open Compare mode: the composer's prompt on two backends, overlaid (the chat's
+        backend is not disturbed). Returns the dialog."""
+        from ui.compare import CompareDialog
+
+        dialog = CompareDialog.for_engine(self.engine, self.controls.params(),
+                                          self.composer.text(), self)
+        dialog.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        dialog.show()
+        return dialog
 
     def load_model(self, spec: str, **options: Any) -> None:
         """Ask the engine to load a model in its thread; progress shows in the status bar."""
@@ -615,13 +770,23 @@ class MainWindow(QMainWindow):
         self.settings.sync()
 
     def closeEvent(self, event: QCloseEvent) -> None:
-        """Cancel a running reply, keep its partial text (marked stopped), save settings."""
-        if self.reply is not None:
-            reply = self.reply
+        """Cancel running replies, keep their partial text (marked stopped), save settings.
+        Alternatives nobody kept are discarded."""
+        for reply in list(self.replies.values()):
             self.engine.cancel(reply.request_id)
-            self._end_reply()
-            with contextlib.suppress(StoreError):  # else the next start marks it stopped
-                self.store.finish_message(reply.message_id, reply.text, STOPPED)
+            self._end_reply(reply)
+            if reply.message_id is not None:
+                with contextlib.suppress(StoreError):  # else the next start marks it stopped
+                    self.store.finish_message(reply.message_id, reply.text, STOPPED)
         self.bridge.detach()
         self.save_settings()
         super().closeEvent(event)
+
+
+def _metrics_dict(result: GenerationResult) -> dict[str, Any]:
+    """What a saved reply records: its metrics plus the model that wrote it."""
+    metrics = result.metrics.to_dict()
+    if result.model is not None:
+        metrics.update(model=result.model.name, device=result.model.device,
+                       dtype=result.model.dtype, context_length=result.model.context_length)
+    return metrics

@@ -2,6 +2,7 @@
 
 A hub id downloads weights, so it needs an explicit consent tick. The dialog only picks; the
 window asks the engine to load (in its thread) and shows progress in the status bar.
+RemoteBackendInputs (URL, model, key) is shared with the Compare dialog.
 """
 
 from __future__ import annotations
@@ -32,6 +33,46 @@ class ModelChoice:
     options: dict = field(default_factory=dict)
 
 
+class RemoteBackendInputs(QWidget):
+    """The base URL, model name and API key of an OpenAI-compatible server."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.url = QLineEdit()
+        self.url.setPlaceholderText("base URL, e.g. http://gpu-box:8000/v1")
+        self.model = QLineEdit()
+        self.model.setPlaceholderText("model name (empty: the first the server lists)")
+        self.key = QLineEdit()
+        self.key.setEchoMode(QLineEdit.EchoMode.Password)
+        self.key.setPlaceholderText("API key (optional; kept in the OS keyring)")
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        for edit in self.edits():
+            layout.addWidget(edit)
+
+    def edits(self) -> tuple[QLineEdit, QLineEdit, QLineEdit]:
+        return self.url, self.model, self.key
+
+    def options(self) -> dict:
+        """{"base_url", "model"}; raises ValueError with a one-line reason for a bad URL."""
+        try:
+            url = normalize_base_url(self.url.text())
+        except RemoteError as exc:
+            raise ValueError(f"{str(exc)[0].upper()}{str(exc)[1:]}.") from None
+        return {"base_url": url, "model": self.model.text().strip()}
+
+    def store_key(self, base_url: str) -> None:
+        """Move a typed key to the OS keyring (never into settings); ValueError without one."""
+        if not self.key.text():
+            return
+        try:
+            store_api_key(base_url, self.key.text())
+        except Exception:
+            raise ValueError("No OS keyring is available to keep the key: set "
+                             "PHASEWISE_API_KEY in the environment instead.") from None
+        self.key.clear()
+
+
 class ModelPickerDialog(QDialog):
     """Modal picker; `choice()` is valid after it was accepted."""
 
@@ -56,13 +97,8 @@ class ModelPickerDialog(QDialog):
         self.hub_id = QLineEdit()
         self.hub_id.setPlaceholderText("e.g. HuggingFaceTB/SmolLM2-360M-Instruct")
         self.consent = QCheckBox("Allow downloading this model from the internet")
-        self.remote_url = QLineEdit()
-        self.remote_url.setPlaceholderText("base URL, e.g. http://gpu-box:8000/v1")
-        self.remote_model = QLineEdit()
-        self.remote_model.setPlaceholderText("model name (empty: the first the server lists)")
-        self.remote_key = QLineEdit()
-        self.remote_key.setEchoMode(QLineEdit.EchoMode.Password)
-        self.remote_key.setPlaceholderText("API key (optional; kept in the OS keyring)")
+        self.remote = RemoteBackendInputs()
+        self.remote_url, self.remote_model, self.remote_key = self.remote.edits()
         self.error = QLabel()
         self.error.setObjectName("errorLabel")
         self.buttons = QDialogButtonBox(
@@ -89,11 +125,10 @@ class ModelPickerDialog(QDialog):
         grid.addWidget(self.hub_id, 3, 1, 1, 2)
         grid.addWidget(self.consent, 4, 1, 1, 2)
         grid.addWidget(self.radios[REMOTE_SPEC], 5, 0, 1, 3)
-        for row, edit in enumerate((self.remote_url, self.remote_model, self.remote_key), 6):
-            grid.addWidget(edit, row, 1, 1, 2)
-        for source, edit in (("folder", self.folder_path), ("gguf", self.gguf_path),
-                             ("hub", self.hub_id), (REMOTE_SPEC, self.remote_url),
-                             (REMOTE_SPEC, self.remote_model), (REMOTE_SPEC, self.remote_key)):
+        grid.addWidget(self.remote, 6, 1, 1, 2)
+        remote_edits = [(REMOTE_SPEC, edit) for edit in self.remote.edits()]
+        for source, edit in [("folder", self.folder_path), ("gguf", self.gguf_path),
+                             ("hub", self.hub_id), *remote_edits]:
             edit.textEdited.connect(lambda _t, s=source: self.radios[s].setChecked(True))
         layout = QVBoxLayout(self)
         layout.addLayout(grid)
@@ -134,28 +169,14 @@ class ModelPickerDialog(QDialog):
         return ModelChoice(text)
 
     def _remote_choice(self) -> ModelChoice:
-        try:
-            url = normalize_base_url(self.remote_url.text())
-        except RemoteError as exc:
-            raise ValueError(f"{str(exc)[0].upper()}{str(exc)[1:]}.") from None
-        return ModelChoice(REMOTE_SPEC, {"base_url": url,
-                                         "model": self.remote_model.text().strip()})
+        return ModelChoice(REMOTE_SPEC, self.remote.options())
 
     def _accept(self) -> None:
         try:
             choice = self.choice()
-            if choice.spec == REMOTE_SPEC and self.remote_key.text():
-                self._store_key(choice.options["base_url"])
+            if choice.spec == REMOTE_SPEC:
+                self.remote.store_key(choice.options["base_url"])
         except ValueError as exc:
             self.error.setText(str(exc))
             return
         self.accept()
-
-    def _store_key(self, base_url: str) -> None:
-        """The key goes to the OS keyring only, never into settings."""
-        try:
-            store_api_key(base_url, self.remote_key.text())
-        except Exception:
-            raise ValueError("No OS keyring is available to keep the key: set "
-                             "PHASEWISE_API_KEY in the environment instead.") from None
-        self.remote_key.clear()
