@@ -1,9 +1,10 @@
 """How long is the GUI thread ever blocked while a reply streams, and what does the GUI cost?
 
-Runs one greedy reply (up to 256 tokens) headless on the engine, then the same reply through
-the real window (offscreen) twice: once plain, for the decode rate with the HUD visible, and
-once with a 1 ms precise timer on the GUI thread: the largest gap between its ticks is the
-longest the event loop was blocked. Prints numbers, asserts nothing.
+Runs the same greedy reply (up to 256 tokens) headless on the engine and through the real
+window (offscreen, HUD visible), alternating in ABBA order over --rounds pairs so that a load
+that drifts over the run (a shared machine) weighs on both sides alike; then once more through
+the window with a 5 ms precise timer on the GUI thread: the largest lateness of its ticks is
+the longest the event loop was blocked. Prints numbers, asserts nothing.
 
     QT_QPA_PLATFORM=offscreen .venv/bin/python benchmarks/gui_latency.py [--model default]
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -24,12 +26,14 @@ from PySide6.QtCore import QSettings, Qt, QTimer
 from PySide6.QtWidgets import QApplication
 
 from engine import ChatMessage, Engine, GenerationRequest, SamplingParams, percentile
+from engine.metrics import RequestMetrics
 from ui.main_window import MainWindow
 from ui.store import ChatStore
 from ui.theme import apply_theme
 
 PROMPT = "Write a long, detailed story about a dragon who learns to bake bread."
 MAX_TOKENS = 256
+GUI_CPU_S: list[float] = []  # GUI thread CPU seconds per GUI reply, send to finish
 
 
 class TickProbe:
@@ -61,7 +65,11 @@ class TickProbe:
 
 
 def gui_reply(app: QApplication, engine: Engine, scratch: Path, probe: TickProbe | None):
-    """One reply through the real window; returns (result, finished_ns, inserts)."""
+    """One reply through the real window; returns (result, finished_ns, inserts).
+
+    Also records the GUI thread's CPU seconds from send to finish in GUI_CPU_S: unlike a
+    decode rate, CPU time barely moves when other processes load the machine.
+    """
     store = ChatStore(scratch / "chats.sqlite3")
     settings = QSettings(str(scratch / "s.ini"), QSettings.Format.IniFormat)
     window = MainWindow(engine, store, settings, hud_calibrate=False)
@@ -70,8 +78,10 @@ def gui_reply(app: QApplication, engine: Engine, scratch: Path, probe: TickProbe
     window.controls.max_tokens.setValue(MAX_TOKENS)
     results = []
     finished_ns: list[int] = []
+    cpu_at_send: list[float] = []
     window.sig_reply_finished.connect(
-        lambda r: (results.append(r), finished_ns.append(time.perf_counter_ns()))
+        lambda r: (results.append(r), finished_ns.append(time.perf_counter_ns()),
+                   GUI_CPU_S.append(time.thread_time() - cpu_at_send[0]))
     )
     # keep running a moment after the end: the final Markdown render happens then
     window.sig_reply_finished.connect(lambda _r: QTimer.singleShot(500, app.quit))
@@ -79,6 +89,7 @@ def gui_reply(app: QApplication, engine: Engine, scratch: Path, probe: TickProbe
     def begin() -> None:  # once the freshly shown window has painted and gone idle
         if probe is not None:
             probe.start()
+        cpu_at_send.append(time.thread_time())
         window.send(PROMPT)
 
     QTimer.singleShot(1000, begin)
@@ -91,27 +102,41 @@ def gui_reply(app: QApplication, engine: Engine, scratch: Path, probe: TickProbe
     return results[0], finished_ns[0], inserts
 
 
+def headless_reply(engine: Engine) -> RequestMetrics:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    request = GenerationRequest([ChatMessage("user", PROMPT)], params, "headless")
+    return engine.submit(request).wait().metrics
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="headless/GUI pairs, alternated ABBA (default 2)")
     args = parser.parse_args()
     app = QApplication([])
     apply_theme(app)
     engine = Engine().start()
     try:
         info = engine.load_model_sync(args.model)
-        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-        request = GenerationRequest([ChatMessage("user", PROMPT)], params, "headless")
-        headless = engine.submit(request).wait().metrics
-        # Throughput without the probe (its 1 ms ticks cost CPU themselves), then stalls with it.
-        with tempfile.TemporaryDirectory() as scratch:
-            plain, _, inserts = gui_reply(app, engine, Path(scratch), None)
+        headless_runs, gui_runs, inserts = [], [], 0
+        for round_ in range(args.rounds):
+            for side in ("headless", "gui") if round_ % 2 == 0 else ("gui", "headless"):
+                if side == "headless":
+                    headless_runs.append(headless_reply(engine))
+                else:  # throughput without the probe (its ticks cost CPU themselves)
+                    with tempfile.TemporaryDirectory() as scratch:
+                        plain, _, inserts = gui_reply(app, engine, Path(scratch), None)
+                    gui_runs.append(plain.metrics)
+                runs = headless_runs if side == "headless" else gui_runs
+                print(f"round {round_ + 1} {side}: {runs[-1].decode_tok_s:.1f} tok/s, load "
+                      f"average {os.getloadavg()[0]:.2f}", flush=True)
         probe = TickProbe()
         with tempfile.TemporaryDirectory() as scratch:
             _, finished_ns, _ = gui_reply(app, engine, Path(scratch), probe)
-        gui = plain.metrics
     finally:
         engine.shutdown()
+    headless, gui = headless_runs[0], gui_runs[0]
 
     late = probe.late_ms
     worst = max(range(len(late)), key=late.__getitem__)
@@ -121,8 +146,16 @@ def main() -> int:
     print(f"GUI timer lateness: max {late[worst]:.1f} ms ({from_end_s:+.2f} s from the reply's "
           f"end), p99 {percentile(late, 99):.1f} ms, p50 {percentile(late, 50):.1f} ms "
           f"over {len(late)} ticks")
-    print(f"decode tok/s: headless {headless.decode_tok_s:.1f}, GUI {gui.decode_tok_s:.1f} "
-          f"(GUI/headless = {gui.decode_tok_s / max(headless.decode_tok_s, 1e-9):.2f})")
+    for round_, (h, g) in enumerate(zip(headless_runs, gui_runs, strict=True), 1):
+        print(f"round {round_} decode tok/s: headless {h.decode_tok_s:.1f}, GUI "
+              f"{g.decode_tok_s:.1f} (GUI/headless = {g.decode_tok_s / h.decode_tok_s:.2f})")
+    cpu_ms = [s * 1000 / m.output_tokens for s, m in zip(GUI_CPU_S, gui_runs, strict=False)]
+    print("GUI thread CPU per token (whole window, HUD visible): "
+          + ", ".join(f"{ms:.2f} ms" for ms in cpu_ms))
+    h_mean = statistics.fmean(m.decode_tok_s for m in headless_runs)
+    g_mean = statistics.fmean(m.decode_tok_s for m in gui_runs)
+    print(f"decode tok/s over {args.rounds} rounds: headless {h_mean:.1f}, GUI {g_mean:.1f} "
+          f"(GUI/headless = {g_mean / h_mean:.2f}); load average {os.getloadavg()[0]:.2f}")
     print(f"TTFT s: headless {headless.ttft_s:.3f}, GUI {gui.ttft_s:.3f}")
     print(f"chat view inserts: {inserts} for {gui.output_tokens} tokens")
     return 0

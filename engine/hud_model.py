@@ -15,6 +15,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from engine.events import (
     EngineEvent,
     ModelInfo,
@@ -31,6 +33,9 @@ from engine.metrics import NS, RequestMetrics, percentiles
 DOMINANT_SHARE = 0.6  # a phase "owns" the time above this share of e2e
 THROUGHPUT_WINDOW = 16  # tokens in the rolling decode tok/s window
 MIN_TOKENS_FOR_CAP = 24  # below this, advising a max_tokens cap is noise
+# Session-wide plot points kept (one per token, plus a gap between replies): 10,000 tokens of
+# history fit; beyond that the oldest points drop, so memory and redraw cost stay bounded.
+PLOT_HISTORY = 16_384
 
 
 # ----- formatting --------------------------------------------------------------------------
@@ -55,6 +60,40 @@ def nice_cap(output_tokens: int) -> int:
     target = max(output_tokens / 3, 1)
     magnitude = 10 ** math.floor(math.log10(target))
     return max(int(target // magnitude * magnitude), 1)
+
+
+# ----- plot buffers -------------------------------------------------------------------------
+class SeriesRing:
+    """The latest `capacity` rows of a few float columns; O(1) append, O(1) read.
+
+    Each row is stored twice (at slot i and i + capacity), so the latest rows are always one
+    contiguous slice: a plot gets a numpy view, never a list rebuilt from the whole history.
+    """
+
+    def __init__(self, capacity: int, columns: int) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be at least 1")
+        self.capacity = capacity
+        self.appended = 0  # rows ever appended (the oldest drop beyond capacity)
+        self._data = np.full((columns, 2 * capacity), np.nan)
+
+    def append(self, *row: float) -> None:
+        slot = self.appended % self.capacity
+        self._data[:, slot] = row
+        self._data[:, slot + self.capacity] = row
+        self.appended += 1
+
+    def __len__(self) -> int:
+        return min(self.appended, self.capacity)
+
+    @property
+    def nbytes(self) -> int:
+        return self._data.nbytes
+
+    def view(self) -> np.ndarray:
+        """(columns, rows) oldest first; a view into the buffer, valid until the next append."""
+        start = self.appended % self.capacity if self.appended > self.capacity else 0
+        return self._data[:, start:start + len(self)]
 
 
 # ----- records -----------------------------------------------------------------------------
@@ -260,17 +299,18 @@ def _advise_queue(b: Breakdown, share: float) -> str:
 class SessionModel:
     """All replies of a session, folded from engine events in arrival order."""
 
-    def __init__(self) -> None:
+    def __init__(self, plot_history: int = PLOT_HISTORY) -> None:
         self.replies: dict[str, ReplyRecord] = {}
+        self._order: list[ReplyRecord] = []  # replies in arrival order, for O(1) tail reads
         self.model: ModelInfo | None = None
         self.peaks: dict[str, object] | None = None  # calibrate.DevicePeaks as a dict
         self.settings: dict[str, object] = {}
         self.markers: list[SettingMarker] = []
         self.t0_ns: int | None = None
-        # Session-wide rolling decode throughput: (session seconds, tok/s), one per token.
-        self.throughput_t: list[float] = []
-        self.throughput: list[float] = []
-        self.throughput_rid: list[str] = []
+        # Session-wide rolling decode throughput: (session seconds, tok/s), one row per token
+        # and a NaN row between replies, so idle time is never drawn as throughput.
+        self.throughput_ring = SeriesRing(plot_history, 2)
+        self._throughput_rid = ""
 
     # -- folding events --
     def apply(self, event: EngineEvent) -> ReplyRecord | None:
@@ -308,6 +348,7 @@ class SessionModel:
         reply = ReplyRecord(event.request_id, len(self.replies) + 1, event.t_ns,
                             settings=dict(self.settings))
         self.replies[event.request_id] = reply
+        self._order.append(reply)
         return reply
 
     def _token(self, reply: ReplyRecord, event: TokenEmitted) -> None:
@@ -321,9 +362,11 @@ class SessionModel:
         first = reply.token_ns[max(n - 1 - THROUGHPUT_WINDOW, 0)]
         steps = min(n - 1, THROUGHPUT_WINDOW)
         if event.t_ns > first:
-            self.throughput_t.append(self.session_s(event.t_ns))
-            self.throughput.append(steps / ((event.t_ns - first) * NS))
-            self.throughput_rid.append(reply.request_id)
+            if self._throughput_rid not in ("", reply.request_id):
+                self.throughput_ring.append(math.nan, math.nan)
+            self._throughput_rid = reply.request_id
+            self.throughput_ring.append(self.session_s(event.t_ns),
+                                        steps / ((event.t_ns - first) * NS))
 
     def _finished(self, reply: ReplyRecord, event: RequestFinished) -> None:
         result = event.result
@@ -360,7 +403,32 @@ class SessionModel:
         return (t_ns - (self.t0_ns or t_ns)) * NS
 
     def ordered(self) -> list[ReplyRecord]:
-        return list(self.replies.values())
+        return list(self._order)
+
+    def replies_after(self, count: int) -> list[ReplyRecord]:
+        """Replies after the first `count`, without copying the whole session."""
+        return self._order[count:]
+
+    def throughput_series(self) -> tuple[np.ndarray, np.ndarray]:
+        """(session seconds, tok/s) of the kept history, NaN between replies.
+
+        Copies of one contiguous slice (bounded by the ring's capacity, a memcpy): a plot may
+        keep them while the ring moves on.
+        """
+        t, v = self.throughput_ring.view().copy()
+        return t, v
+
+    @property
+    def throughput_t(self) -> list[float]:
+        """Session seconds of each kept rolling-throughput point (no gaps)."""
+        t, _v = self.throughput_series()
+        return t[np.isfinite(t)].tolist()
+
+    @property
+    def throughput(self) -> list[float]:
+        """Rolling decode tok/s of each kept point, matching throughput_t."""
+        t, v = self.throughput_series()
+        return v[np.isfinite(t)].tolist()
 
     def latest(self) -> ReplyRecord | None:
         return next(reversed(self.replies.values()), None) if self.replies else None

@@ -106,3 +106,25 @@ def conversation_specs(start_ns: int = 2_000 * MS) -> list[ReplySpec]:
         ReplySpec("req-4", start_ns + 27_000 * MS, 1100, 1058, 300, miss_reason="none",
                   temperature=1.1, top_p=0.8),
     ]
+
+
+def history_events(tokens: int = 10_000, per_reply: int = 250,
+                   start_ns: int = 2_000 * MS) -> list[list[EngineEvent]]:
+    """A long session: replies of per_reply tokens until `tokens` have been emitted.
+
+    Conversations of eight turns whose prompts grow and are cached (a new conversation
+    every eighth reply), so per-turn panels and the context forecast see a realistic history.
+    Returns one event list per reply, in order, with consistent session-wide stamps.
+    """
+    replies = []
+    start = start_ns
+    for number in range(-(-tokens // per_reply)):
+        turn = number % 8
+        prompt = 300 + turn * (per_reply + 30)
+        spec = ReplySpec(f"req-{number + 1}", start, prompt, 0 if turn == 0 else prompt - 30,
+                         min(per_reply, tokens - number * per_reply),
+                         miss_reason="first_turn" if turn == 0 else "none")
+        events = reply_events(spec)
+        replies.append(events)
+        start = events[-1].t_ns + 1_000 * MS  # the user reads, then sends the next turn
+    return replies

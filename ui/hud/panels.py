@@ -138,6 +138,28 @@ def integer_ticks(plot: pg.PlotWidget, values: list[int], most: int = 12) -> Non
 
 
 SYMBOLS_UP_TO = 400  # beyond this, per-point symbols cost more than they show
+NICE_STEPS = (1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0)
+
+
+def nice_ceiling(value: float) -> float:
+    """The round number at or above value (1, 1.5, 2, 3, 4, 5, 6, 8 x 10^k); 1 for nothing.
+
+    Live plots snap their ranges to these, so an axis (ticks, text, grid: the costliest
+    paint) is redrawn a few times per reply instead of at every redraw.
+    """
+    if not math.isfinite(value) or value <= 0:
+        return 1.0
+    magnitude = 10.0 ** math.floor(math.log10(value))
+    return next(step * magnitude for step in NICE_STEPS if step * magnitude >= value * (1 - 1e-9))
+
+
+def snap_range(plot: pg.PlotWidget, *, x_to: float | None = None, y_to: float | None = None,
+               x_from: float = 0.0) -> None:
+    """Set the x and/or y range from x_from (or 0) to the nice ceiling of a data maximum."""
+    if x_to is not None:
+        plot.setXRange(x_from, nice_ceiling(x_to), padding=0.02)
+    if y_to is not None:
+        plot.setYRange(0, nice_ceiling(y_to), padding=0)
 
 
 def fast_curve(plot: pg.PlotWidget, color: str) -> pg.PlotDataItem:
@@ -245,17 +267,20 @@ class ItlPanel(Panel):
     def refresh(self, ctx: HudContext) -> None:
         reply = ctx.reply
         self._itl = reply.itl_s() if reply else []
-        set_points(self._curve, np.arange(1, len(self._itl) + 1), np.asarray(self._itl))
-        if reply is None or not self._itl:
+        itl = np.asarray(self._itl, dtype=float)
+        set_points(self._curve, np.arange(1, len(itl) + 1), itl)
+        if reply is None or not len(itl):
             for line in self._lines.values():
                 line.setVisible(False)
             return
         pcts = reply.itl_percentiles()
         # From zero, so a flat ITL looks flat: the point decode's physics makes.
-        self.plot.setYRange(0, max(max(self._itl), pcts[2]) * 1.15, padding=0)
+        snap_range(self.plot, x_to=max(len(itl), 10), y_to=max(float(itl.max()), pcts[2]) * 1.15)
         for (name, line), value in zip(self._lines.items(), pcts, strict=True):
             line.setPos(value)
-            line.label.setFormat(f"{name} {fmt_ms(value)}")
+            text = f"{name} {fmt_ms(value)}"
+            if line.label.format != text:  # re-laying out the same text costs a repaint
+                line.label.setFormat(text)
             line.setVisible(True)
         state = "live" if not reply.done else "finished"
         self.caption.setText(
@@ -290,17 +315,21 @@ class ThroughputPanel(Panel):
 
     def refresh(self, ctx: HudContext) -> None:
         model = ctx.model
-        t, v, rid = model.throughput_t, model.throughput, model.throughput_rid
-        # A NaN between replies breaks the line, so idle time isn't drawn as throughput.
-        breaks = [i for i in range(1, len(rid)) if rid[i] != rid[i - 1]]
-        self._t = np.insert(np.asarray(t, dtype=float), breaks, np.nan)
-        self._v = np.insert(np.asarray(v, dtype=float), breaks, np.nan)
+        # From the model's bounded ring (NaN between replies breaks the line, so idle time
+        # isn't drawn as throughput): no per-redraw work grows past the ring's capacity.
+        self._t, self._v = model.throughput_series()
         self._curve.setData(self._t, self._v)
-        if len(v):
-            self.plot.setYRange(0, max(v) * 1.15, padding=0)
+        if len(self._t):
+            first, last = float(np.nanmin(self._t)), float(np.nanmax(self._t))
+            x_from = 0.0
+            if model.throughput_ring.appended > model.throughput_ring.capacity:
+                step = nice_ceiling(last - first) / 10  # the oldest points dropped: snap too
+                x_from = math.floor(first / step) * step
+            snap_range(self.plot, x_to=last, y_to=np.nanmax(self._v) * 1.15, x_from=x_from)
         done = model.finished()
-        self._means.setData(x=[model.session_s(r.done_ns) for r in done],
-                            y=[r.metrics.decode_tok_s for r in done])
+        if len(done) != len(self._means.data):  # reply means change only when one finishes
+            self._means.setData(x=[model.session_s(r.done_ns) for r in done],
+                                y=[r.metrics.decode_tok_s for r in done])
         if done and done[-1].metrics:
             last = done[-1].metrics
             self.caption.setText(
@@ -350,7 +379,9 @@ class BreakdownPanel(Panel):
         for phase, _detail, seconds, _share in b.rows():
             self._bars[phase].setOpts(x0=[start], width=[seconds])
             start += seconds
-        self.plot.setXRange(0, max(b.e2e_s, 1e-6), padding=0.01)
+        # Live, the axis snaps to round steps (cheap repaints); final, it fits the reply.
+        end = max(b.e2e_s, 1e-6) if b.final else nice_ceiling(b.e2e_s)
+        self.plot.setXRange(0, end, padding=0.01)
         self.plot.setYRange(-0.5, 0.5, padding=0)
         self.table.setText(self._table_html(b))
         state = "e2e" if b.final else "so far (live)"
@@ -625,7 +656,8 @@ class RenderLagPanel(Panel):
             self.caption.setText("No painted tokens reported for this reply yet.")
             return
         # From zero and up to the ITL line, so lag reads against the engine's token gap.
-        self.plot.setYRange(0, max(max(self.lags_s), itl_p50) * 1.15, padding=0)
+        snap_range(self.plot, x_to=max(max(self.indices), 10),
+                   y_to=max(max(self.lags_s), itl_p50) * 1.15)
         p50, p99 = percentiles(self.lags_s, (50, 99))
         verdict = ("the UI keeps up" if itl_p50 == 0 or p50 < itl_p50
                    else "the UI is slower than the engine")

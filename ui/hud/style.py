@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
-from PySide6.QtGui import QColor, QFont
+from PySide6.QtGui import QColor, QFont, QPaintEvent
+from PySide6.QtWidgets import QGraphicsItem
 
 BG = "#15171c"
 CARD = "#1d2027"
@@ -60,9 +63,28 @@ def brush(color: str, alpha: int = 255) -> object:
     return pg.mkBrush(c)
 
 
-def make_plot(height: int = 150) -> pg.PlotWidget:
+class HudPlot(pg.PlotWidget):
+    """A PlotWidget that adds up the time its paints take: painting is the HUD's main cost
+    and happens after a redraw returns, so the redraw throttle has to be told about it."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.paint_s = 0.0
+
+    def paintEvent(self, event: QPaintEvent) -> None:
+        started = time.perf_counter()
+        super().paintEvent(event)
+        self.paint_s += time.perf_counter() - started
+
+    def take_paint_s(self) -> float:
+        """Seconds spent painting since the last call."""
+        spent, self.paint_s = self.paint_s, 0.0
+        return spent
+
+
+def make_plot(height: int = 150) -> HudPlot:
     """A quiet plot: dark, light grid, no mouse pan/zoom (the dock scrolls instead)."""
-    plot = pg.PlotWidget(background=CARD)
+    plot = HudPlot(background=CARD)
     plot.setMinimumHeight(height)
     plot.setMaximumHeight(height + 40)
     item = plot.getPlotItem()
@@ -78,6 +100,10 @@ def make_plot(height: int = 150) -> pg.PlotWidget:
         axis.setTextPen(pen(MUTED, 1))
         axis.setStyle(tickFont=font)
         axis.label.setFont(font)
+        # An axis (ticks, labels and the grid across the plot) is the costliest item to paint
+        # and changes only with the range: keep it as a pixmap, so a new curve point repaints
+        # the curve, not the text.
+        axis.setCacheMode(QGraphicsItem.CacheMode.DeviceCoordinateCache)
     return plot
 
 

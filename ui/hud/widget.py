@@ -5,7 +5,8 @@
 - mark_setting_change(name, value, t_ns): a slider changed (marker on time plots).
 
 Events only update the session model (cheap appends) and mark panels dirty; a single-shot
-QTimer redraws the dirty, visible panels at most 10 times a second.
+QTimer redraws the dirty, visible panels at most 5 times a second while a reply streams, and
+once more right after it ends, so the final numbers land at once.
 """
 
 from __future__ import annotations
@@ -46,12 +47,16 @@ from engine.hud_model import ReplyRecord, SessionModel, advise, fmt_ms, fmt_seco
 from ui.hud import style
 from ui.hud.panels import PANEL_TYPES, HudContext, Panel
 
-# 10 Hz: plots still move live, and pyqtgraph's painting (the HUD's main cost) stays off
-# the decode loop's back on small machines.
-REDRAW_INTERVAL_MS = 100
-# Redraws may use at most this share of the GUI thread: when a redraw gets expensive (long
-# histories), the next one waits longer, so the HUD never starves decode of CPU.
-REDRAW_DUTY = 0.15
+# 5 Hz while tokens stream: plots still move live, and pyqtgraph's painting (the HUD's main
+# cost) stays off the decode loop's back on small machines, where every millisecond of GUI
+# thread is taken from decode.
+REDRAW_INTERVAL_MS = 200
+# The redraw after a reply ends (or fails): prompt, and still under 30 Hz.
+FINAL_REDRAW_MS = 34
+# Redraw plus paint may use at most this share of the GUI thread: when it gets expensive (a
+# slow or busy machine), the next redraw waits longer, but never more than the cap.
+REDRAW_DUTY = 0.05
+MAX_REDRAW_INTERVAL_MS = 1000
 
 # Which panels each event can change (the rest keep their last drawing).
 _DIRTY_BY_EVENT: dict[type, frozenset[str]] = {
@@ -178,6 +183,8 @@ class HudWidget(QWidget):
         dirty = _DIRTY_BY_EVENT.get(type(event))
         if dirty:
             self._mark_dirty(dirty)
+        if isinstance(event, RequestFinished | RequestFailed):
+            self._timer.start(FINAL_REDRAW_MS)
 
     def on_token_painted(self, request_id: str, index: int, painted_ns: int) -> None:
         """The chat view painted token `index` at painted_ns (perf_counter_ns)."""
@@ -257,8 +264,11 @@ class HudWidget(QWidget):
                 self._dirty.add(key)
                 continue
             panel.refresh(ctx)
-        cost_ms = (time.perf_counter() - started) * 1000
-        self._timer.setInterval(max(REDRAW_INTERVAL_MS, round(cost_ms / REDRAW_DUTY)))
+        # The painting of the previous redraw happened after it returned; count it here.
+        painted_s = sum(panel.plot.take_paint_s() for panel in self.panels.values())
+        cost_ms = (time.perf_counter() - started + painted_s) * 1000
+        self._timer.setInterval(
+            min(max(REDRAW_INTERVAL_MS, round(cost_ms / REDRAW_DUTY)), MAX_REDRAW_INTERVAL_MS))
 
     def _scrolled_out(self, panel: Panel) -> bool:
         return self.isVisible() and panel.visibleRegion().isEmpty()
@@ -270,7 +280,7 @@ class HudWidget(QWidget):
     def _refresh_combo(self) -> None:
         combo = self.reply_combo
         combo.blockSignals(True)
-        for reply in self.model.ordered()[combo.count() - 1:]:
+        for reply in self.model.replies_after(combo.count() - 1):
             combo.addItem(f"Reply #{reply.number} · {reply.request_id}", reply.request_id)
         combo.blockSignals(False)
 
