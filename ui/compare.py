@@ -10,6 +10,7 @@ each side's events with engine.hud_model.SessionModel, as the HUD does.
 
 from __future__ import annotations
 
+import html
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -307,6 +308,8 @@ class CompareDialog(QDialog):
         style.axis_label(self.throughput_plot, "bottom", "seconds since submit")
         self.itl_curves: list[pg.PlotDataItem] = []
         self.throughput_curves: list[pg.PlotDataItem] = []
+        self.legend = QLabel()  # which color is which side, for the overlaid plots
+        self.legend.setObjectName("hudCaption")
 
     def _build_results(self) -> None:
         self.table = QTableWidget(len(TABLE_ROWS), 3)
@@ -358,6 +361,7 @@ class CompareDialog(QDialog):
         layout.addLayout(run)
         layout.addWidget(caption)
         layout.addWidget(self.error)
+        layout.addWidget(self.legend)
         layout.addLayout(plots)
         layout.addLayout(results, 1)
 
@@ -466,14 +470,16 @@ class CompareDialog(QDialog):
 
     def _new_curves(self, plot: pg.PlotWidget,
                     old: list[pg.PlotDataItem]) -> list[pg.PlotDataItem]:
-        for item in old:
-            plot.removeItem(item)  # also takes it out of the legend
-        if plot.getPlotItem().legend is None:
-            # See-through, so the curves under it still show.
-            plot.addLegend(offset=(8, 4), labelTextColor=style.TEXT,
-                           brush=style.brush(style.CARD, 150))
-        return [plot.plot([], [], name=side.label, pen=style.pen(color))
-                for side, color in zip(self.sides, SIDE_COLORS, strict=True)]
+        """The plot's two curves, emptied and named for this run's sides. Made once and
+        reused; the key is a Qt label above the plots (pyqtgraph's in-plot LegendItem was
+        freed by Python's garbage collector while its scene still painted it: a crash)."""
+        curves = old or [plot.plot([], [], pen=style.pen(color)) for color in SIDE_COLORS]
+        for curve, side in zip(curves, self.sides, strict=False):
+            curve.setData([], [], name=side.label)
+        self.legend.setText("&nbsp;&nbsp;&nbsp;".join(
+            f'<span style="color:{color}">■</span> {html.escape(side.label)}'
+            for side, color in zip(self.sides, SIDE_COLORS, strict=False)))
+        return curves
 
     def refresh(self) -> None:
         """Redraw plots, table, replies and statuses from each side's state."""
