@@ -5,8 +5,9 @@ tokens are buffered and flushed in one insert per live reply at most 20 times a 
 single-shot timer armed only while text waits. Each insert re-lays out and repaints the
 reply (about 1 ms here) and each idle tick of a free-running timer still costs a wake-up on
 the GUI thread, which shares the CPU with decoding: at 25 tok/s this halves the chat view's
-GUI time per token against one insert per token. 20 Hz still reads as smooth streaming. Several replies can stream at once (N alternatives),
-each into its own block. When a reply ends the view is re-rendered as Markdown.
+GUI time per token against one insert per token. 20 Hz still reads as smooth streaming.
+Several replies can stream at once (N alternatives), each into its own block. When a reply
+ends the view is re-rendered as Markdown.
 """
 
 from __future__ import annotations
