@@ -101,6 +101,9 @@ class BackendRouter(EventSource):
     def drop_conversation(self, conversation_id: str) -> None:
         self.local.drop_conversation(conversation_id)
 
+    def keep_alternative(self, conversation_id: str, index: int, count: int) -> None:
+        self.local.keep_alternative(conversation_id, index, count)
+
     # ----- events (backend threads) --------------------------------------------------------
     def _forward(self, backend: Engine | RemoteEngine, event: EngineEvent) -> None:
         if isinstance(event, ModelLoaded):

@@ -45,6 +45,12 @@ from engine.sampling import make_generator, sample_token, sampler_view
 MAX_BATCH = 8  # rows decoding at once; later requests wait in the queue
 ALT_CACHE_SUFFIX = "~alt"  # prefix-cache key of alternative i >= 1: f"{conversation}~alt{i}"
 
+
+def alternative_cache_key(conversation_id: str | None, index: int) -> str:
+    """Where alternative `index` (>= 1) of a conversation's reply keeps its cached prefix;
+    alternative 0 uses the conversation's own entry."""
+    return f"{conversation_id}{ALT_CACHE_SUFFIX}{index}"
+
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values (1, H, T, D)
 
 
@@ -184,7 +190,7 @@ class Batcher:
         timeline.prefill_start_ns, timeline.first_logits_ns = src.prefill_start_ns, \
             src.first_logits_ns
         ids = list(source.prompt_ids)
-        conversation = f"{source.lease.conversation_id}{ALT_CACHE_SUFFIX}{index}"
+        conversation = alternative_cache_key(source.lease.conversation_id, index)
         lease = CacheLease(conversation, list(ids), None, len(ids), "none")
         self._emit(job, PrefillStarted(job.request.request_id, timeline.prefill_start_ns,
                                        len(ids), len(ids), "none"))

@@ -120,6 +120,17 @@ class PrefixCache:
     def drop(self, conversation_id: str) -> None:
         self._entries.pop(conversation_id, None)
 
+    def adopt(self, source: str, target: str) -> None:
+        """Make source's entry target's own (a kept alternative becomes its chat's cache, so
+        the next turn is that chat's own hit, not a donor borrowed under a wrong reason)."""
+        entry = self._entries.pop(source, None)
+        if entry is None:
+            return
+        self._entries[target] = entry
+        self._entries.move_to_end(target)
+        self._evicted.discard(target)
+        self._model_changed.discard(target)
+
     def acquire(
         self,
         conversation_id: str | None,

@@ -403,6 +403,9 @@ class RemoteEngine(EventSource):
     def drop_conversation(self, conversation_id: str) -> None:
         """The server owns its cache; there is nothing to drop here."""
 
+    def keep_alternative(self, conversation_id: str, index: int, count: int) -> None:
+        """The server owns its cache; there is nothing to adopt here."""
+
     # ----- the loop thread ---------------------------------------------------------------
     def _spawn(self, coro: Any) -> asyncio.Task:
         task = self._loop.create_task(coro)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from engine.batching import Batcher, batchable, cache_supports_batching
+from engine.batching import Batcher, alternative_cache_key, batchable, cache_supports_batching
 from engine.draft import DraftModel, load_draft
 from engine.errors import ModelLoadError, PhasewiseError
 from engine.events import (
@@ -245,6 +245,16 @@ class Engine(EventSource):
         """Forget a conversation's cached prefix (e.g. the chat was deleted)."""
         self._inbox.put(("drop", conversation_id))
 
+    def keep_alternative(self, conversation_id: str, index: int, count: int) -> None:
+        """The user kept alternative `index` of `count`: its cached prefix becomes the
+        conversation's own and the other alternatives' entries are dropped."""
+        siblings = [alternative_cache_key(conversation_id, i) for i in range(1, count)]
+        if index:
+            self._inbox.put(("adopt", alternative_cache_key(conversation_id, index),
+                             conversation_id))
+        for key in siblings:
+            self._inbox.put(("drop", key))
+
     # ----- engine thread ---------------------------------------------------------------
     def _run(self) -> None:
         item: Any = None  # an item the batch loop took from the inbox but could not serve
@@ -274,6 +284,8 @@ class Engine(EventSource):
             self._load(item)
         elif isinstance(item, tuple) and item[0] == "drop" and self._prefix_cache:
             self._prefix_cache.drop(item[1])
+        elif isinstance(item, tuple) and item[0] == "adopt" and self._prefix_cache:
+            self._prefix_cache.adopt(item[1], item[2])
 
     def _joins_batch(self, item: Any) -> bool:
         if not self._batching or self._loaded is None:
@@ -316,7 +328,7 @@ class Engine(EventSource):
                 return None
             if self._joins_batch(item):
                 waiting.append(item)
-            elif isinstance(item, tuple) and item[0] == "drop":
+            elif isinstance(item, tuple) and item[0] in ("drop", "adopt"):
                 self._handle_command(item)
             else:
                 return item

@@ -52,7 +52,10 @@ def test_alternatives_stream_at_once_and_one_is_kept(qtbot, make_window,
     with qtbot.waitSignal(window.sig_reply_finished, timeout=WAIT_MS) as finished:
         window.composer.alternatives.setValue(1)
         assert window.send("Next")
-    assert finished.args[0].metrics.cached_tokens > 0  # the next turn builds on it
+    metrics = finished.args[0].metrics
+    assert metrics.cached_tokens > 0  # the next turn builds on it,
+    assert metrics.cache_miss_reason == "none"  # as the chat's own cache (it was adopted)
+    assert not [key for key in tiny_engine.prefix_cache.conversations() if "~alt" in key]
     assert [m.role for m in window.store.messages(conv)] == ["user", "assistant"] * 2
 
 

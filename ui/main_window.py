@@ -422,6 +422,7 @@ class MainWindow(QMainWindow):
                 self.engine.cancel(request_id)
                 self.chat.end_stream(request_id)
         del self.alternative_sets[conv_id]
+        self.engine.keep_alternative(conv_id, index, len(alts.request_ids))
         status = FINISH_STATUS.get(result.finish_reason, DONE)
         try:
             message_id = self.store.add_message(conv_id, "assistant", result.text,
