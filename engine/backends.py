@@ -110,8 +110,7 @@ class BackendRouter(EventSource):
             self._switch_to(backend)
         if isinstance(event, TERMINAL_EVENTS):
             self._handles.pop(event.request_id, None)
-        for listener in list(self._listeners):
-            listener(event)
+        self._broadcast(event)
 
     def _switch_to(self, backend: Engine | RemoteEngine) -> None:
         """A load succeeded: it becomes the active backend; a replaced remote is closed."""

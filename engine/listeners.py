@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from engine.events import EngineEvent
 
 Listener = Callable[[EngineEvent], None]
+log = logging.getLogger(__name__)
 
 
 class EventSource:
@@ -30,6 +32,14 @@ class EventSource:
         """Stop calling listener (its owner is going away); unknown listeners are ignored."""
         with contextlib.suppress(ValueError):
             self._listeners.remove(listener)
+
+    def _broadcast(self, event: EngineEvent) -> None:
+        """Give event to every listener; one that raises is logged, the rest still run."""
+        for listener in list(self._listeners):
+            try:
+                listener(event)
+            except Exception:
+                log.exception("%s listener failed", type(self).__name__)
 
     def start(self) -> Any:
         raise NotImplementedError

@@ -573,13 +573,6 @@ class RemoteEngine(EventSource):
         job.handle._deliver(event)
         self._broadcast(event)
 
-    def _broadcast(self, event: EngineEvent) -> None:
-        for listener in list(self._listeners):
-            try:
-                listener(event)
-            except Exception:
-                log.exception("remote listener failed")
-
 
 def model_info(config: RemoteConfig, cards: list[dict[str, Any]]) -> ModelInfo:
     """Our ModelInfo for the configured (or first) model in a /v1/models list."""

@@ -442,13 +442,6 @@ class Engine(EventSource):
         job.handle._deliver(event)
         self._broadcast(event)
 
-    def _broadcast(self, event: EngineEvent) -> None:
-        for listener in list(self._listeners):
-            try:
-                listener(event)
-            except Exception:
-                log.exception("engine listener failed")
-
 
 def _jobs(item: _Job | _Group) -> list[_Job]:
     return item.jobs if isinstance(item, _Group) else [item]
