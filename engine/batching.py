@@ -31,16 +31,22 @@ from engine.events import (
     FinishReason,
     GenerationResult,
     PrefillStarted,
-    SamplerSnapshot,
     TextFlushed,
-    TokenEmitted,
 )
-from engine.generate import SNAPSHOT_INTERVAL_NS, eos_token_ids, now_ns, prepare_prompt
+from engine.generate import (
+    SNAPSHOT_INTERVAL_NS,
+    eos_token_ids,
+    now_ns,
+    prepare_prompt,
+    sampler_snapshot,
+    token_event,
+    token_text,
+)
 from engine.loader import LoadedModel
 from engine.metrics import RequestTimeline, compute_metrics
 from engine.params import GenerationRequest
 from engine.prefix_cache import CacheLease, PrefixCache, crop_to
-from engine.sampling import make_generator, sample_token, sampler_view
+from engine.sampling import make_generator, sample_token
 
 MAX_BATCH = 8  # rows decoding at once; later requests wait in the queue
 ALT_CACHE_SUFFIX = "~alt"  # prefix-cache key of alternative i >= 1: f"{conversation}~alt{i}"
@@ -264,19 +270,10 @@ class Batcher:
             row.finish = "cancelled"
 
     def _emit_text(self, row: Row, token: int) -> FinishReason | None:
-        if token in self.eos_ids and not row.request.params.ignore_eos:
-            text = row.stopper.feed(row.detok.flush()) + row.stopper.flush()
-            self._emit_token(row, token, text)
-            return "stop"
-        text = row.stopper.feed(row.detok.push(token))
-        self._emit_token(row, token, text)
-        return "stop" if row.stopper.stopped else None
-
-    def _emit_token(self, row: Row, token: int, text: str) -> None:
-        t = now_ns()
-        row.job.timeline.token_ns.append(t)
-        index = len(row.job.timeline.token_ns) - 1
-        self._emit(row.job, TokenEmitted(row.request.request_id, t, index, token, text))
+        text, ends = token_text(token, self.eos_ids, row.request.params.ignore_eos, row.detok,
+                                row.stopper)
+        self._emit(row.job, token_event(row.request.request_id, row.job.timeline, token, text))
+        return "stop" if ends else None
 
     def _maybe_snapshot(self, row: Row, logits: torch.Tensor, token: int) -> None:
         """The sampler's view of this token, throttled per row to ~10 per second."""
@@ -284,13 +281,8 @@ class Batcher:
         if row.generated and t - row.last_snapshot_ns < SNAPSHOT_INTERVAL_NS:
             return
         row.last_snapshot_ns = t
-        params = row.request.params
-        top, kept = sampler_view(logits, params)
-        decode = self.loaded.tokenizer.decode
-        candidates = tuple((tid, decode([tid]), p) for tid, p in top)
-        self._emit(row.job, SamplerSnapshot(row.request.request_id, t, len(row.generated),
-                                            params.temperature, params.top_p, candidates, kept,
-                                            token))
+        self._emit(row.job, sampler_snapshot(self.loaded.tokenizer, row.request, logits, token,
+                                             len(row.generated), t))
 
     # ----- leaving ---------------------------------------------------------------------------
     def _leave(self, leaving: list[Row], reason: FinishReason | None) -> None:

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -310,13 +311,9 @@ class DecodeSession:
         ignore_eos: bool,
     ) -> FinishReason | None:
         """Emit one token's text; return "stop" if it ends the reply (EOS or a stop string)."""
-        if token in self.eos_ids and not ignore_eos:
-            text = stopper.feed(detok.flush()) + stopper.flush()
-            self._emit_token(emit, request, timeline, token, text)
-            return "stop"
-        text = stopper.feed(detok.push(token))
-        self._emit_token(emit, request, timeline, token, text)
-        return "stop" if stopper.stopped else None
+        text, ends = token_text(token, self.eos_ids, ignore_eos, detok, stopper)
+        emit(token_event(request.request_id, timeline, token, text))
+        return "stop" if ends else None
 
     def _maybe_snapshot(
         self, emit: Emit, request: GenerationRequest, logits: torch.Tensor, token: int, index: int
@@ -326,16 +323,31 @@ class DecodeSession:
         if index and t - self._last_snapshot_ns < SNAPSHOT_INTERVAL_NS:
             return
         self._last_snapshot_ns = t
-        top, kept = sampler_view(logits, request.params)
-        decode = self.loaded.tokenizer.decode
-        candidates = tuple((tid, decode([tid]), p) for tid, p in top)
-        emit(SamplerSnapshot(request.request_id, t, index, request.params.temperature,
-                             request.params.top_p, candidates, kept, token))
+        emit(sampler_snapshot(self.loaded.tokenizer, request, logits, token, index, t))
 
-    @staticmethod
-    def _emit_token(
-        emit: Emit, request: GenerationRequest, timeline: RequestTimeline, token: int, text: str
-    ) -> None:
-        t = now_ns()
-        timeline.token_ns.append(t)
-        emit(TokenEmitted(request.request_id, t, len(timeline.token_ns) - 1, token, text))
+
+# ----- per-token pieces shared with the batcher (engine/batching.py) ---------------------------
+def token_text(token: int, eos_ids: set[int], ignore_eos: bool,
+               detok: IncrementalDetokenizer, stopper: StopMatcher) -> tuple[str, bool]:
+    """The text one token adds to the reply, and whether it ends it (EOS or a stop string)."""
+    if token in eos_ids and not ignore_eos:
+        return stopper.feed(detok.flush()) + stopper.flush(), True
+    return stopper.feed(detok.push(token)), stopper.stopped
+
+
+def token_event(request_id: str, timeline: RequestTimeline, token: int,
+                text: str) -> TokenEmitted:
+    """Stamp a token on the engine's clock (the timeline's ITL source) and make its event."""
+    t = now_ns()
+    timeline.token_ns.append(t)
+    return TokenEmitted(request_id, t, len(timeline.token_ns) - 1, token, text)
+
+
+def sampler_snapshot(tokenizer: Any, request: GenerationRequest, logits: torch.Tensor,
+                     token: int, index: int, t: int) -> SamplerSnapshot:
+    """The sampler's view of one token: the top candidates after temperature, the top-p cut."""
+    params = request.params
+    top, kept = sampler_view(logits, params)
+    candidates = tuple((tid, tokenizer.decode([tid]), p) for tid, p in top)
+    return SamplerSnapshot(request.request_id, t, index, params.temperature, params.top_p,
+                           candidates, kept, token)
