@@ -1,6 +1,6 @@
 """How long is the GUI thread ever blocked while a reply streams, and what does the GUI cost?
 
-Runs the same greedy reply (up to 256 tokens) headless on the engine and through the real
+Runs the same greedy reply (up to --max-tokens, 256) headless on the engine and through the real
 window (offscreen, HUD visible), alternating in ABBA order over --rounds pairs so that a load
 that drifts over the run (a shared machine) weighs on both sides alike; then once more through
 the window with a 5 ms precise timer on the GUI thread: the largest lateness of its ticks is
@@ -64,7 +64,8 @@ class TickProbe:
         self._last = now
 
 
-def gui_reply(app: QApplication, engine: Engine, scratch: Path, probe: TickProbe | None):
+def gui_reply(app: QApplication, engine: Engine, scratch: Path, probe: TickProbe | None,
+              max_tokens: int = MAX_TOKENS):
     """One reply through the real window; returns (result, finished_ns, inserts).
 
     Also records the GUI thread's CPU seconds from send to finish in GUI_CPU_S: unlike a
@@ -75,7 +76,7 @@ def gui_reply(app: QApplication, engine: Engine, scratch: Path, probe: TickProbe
     window = MainWindow(engine, store, settings, hud_calibrate=False)
     window.show()
     window.controls.temperature.setValue(0)
-    window.controls.max_tokens.setValue(MAX_TOKENS)
+    window.controls.max_tokens.setValue(max_tokens)
     results = []
     finished_ns: list[int] = []
     cpu_at_send: list[float] = []
@@ -102,8 +103,8 @@ def gui_reply(app: QApplication, engine: Engine, scratch: Path, probe: TickProbe
     return results[0], finished_ns[0], inserts
 
 
-def headless_reply(engine: Engine) -> RequestMetrics:
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+def headless_reply(engine: Engine, max_tokens: int = MAX_TOKENS) -> RequestMetrics:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
     request = GenerationRequest([ChatMessage("user", PROMPT)], params, "headless")
     return engine.submit(request).wait().metrics
 
@@ -113,6 +114,8 @@ def main() -> int:
     parser.add_argument("--model", default="default")
     parser.add_argument("--rounds", type=int, default=2,
                         help="headless/GUI pairs, alternated ABBA (default 2)")
+    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS,
+                        help=f"tokens per reply (default {MAX_TOKENS})")
     args = parser.parse_args()
     app = QApplication([])
     apply_theme(app)
@@ -123,17 +126,18 @@ def main() -> int:
         for round_ in range(args.rounds):
             for side in ("headless", "gui") if round_ % 2 == 0 else ("gui", "headless"):
                 if side == "headless":
-                    headless_runs.append(headless_reply(engine))
+                    headless_runs.append(headless_reply(engine, args.max_tokens))
                 else:  # throughput without the probe (its ticks cost CPU themselves)
                     with tempfile.TemporaryDirectory() as scratch:
-                        plain, _, inserts = gui_reply(app, engine, Path(scratch), None)
+                        plain, _, inserts = gui_reply(app, engine, Path(scratch), None,
+                                                      args.max_tokens)
                     gui_runs.append(plain.metrics)
                 runs = headless_runs if side == "headless" else gui_runs
                 print(f"round {round_ + 1} {side}: {runs[-1].decode_tok_s:.1f} tok/s, load "
                       f"average {os.getloadavg()[0]:.2f}", flush=True)
         probe = TickProbe()
         with tempfile.TemporaryDirectory() as scratch:
-            _, finished_ns, _ = gui_reply(app, engine, Path(scratch), probe)
+            _, finished_ns, _ = gui_reply(app, engine, Path(scratch), probe, args.max_tokens)
     finally:
         engine.shutdown()
     headless, gui = headless_runs[0], gui_runs[0]
@@ -156,6 +160,12 @@ def main() -> int:
     g_mean = statistics.fmean(m.decode_tok_s for m in gui_runs)
     print(f"decode tok/s over {args.rounds} rounds: headless {h_mean:.1f}, GUI {g_mean:.1f} "
           f"(GUI/headless = {g_mean / h_mean:.2f}); load average {os.getloadavg()[0]:.2f}")
+    # A shared machine's speed drifts by 10% or more within a minute: the median of the
+    # rounds' own ratios (each from neighbouring runs) is the steadier figure.
+    ratios = [g.decode_tok_s / h.decode_tok_s for h, g in zip(headless_runs, gui_runs,
+                                                                 strict=True)]
+    print(f"median of per-round GUI/headless ratios: {statistics.median(ratios):.3f} "
+          f"(min {min(ratios):.2f}, max {max(ratios):.2f}, {len(ratios)} rounds)")
     print(f"TTFT s: headless {headless.ttft_s:.3f}, GUI {gui.ttft_s:.3f}")
     print(f"chat view inserts: {inserts} for {gui.output_tokens} tokens")
     return 0

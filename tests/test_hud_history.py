@@ -150,8 +150,8 @@ def test_a_live_reply_after_the_long_history_still_moves_the_panels(long_hud: Hu
 
 # ----- range snapping ------------------------------------------------------------------------
 @pytest.mark.parametrize(("value", "ceiling"), [
-    (0.0, 1.0), (-3.0, 1.0), (math.nan, 1.0), (1.0, 1.0), (1.2, 1.5), (7.0, 8.0), (8.5, 10.0),
-    (250.0, 300.0), (0.034, 0.04), (10_001.0, 15_000.0),
+    (0.0, 1.0), (-3.0, 1.0), (math.nan, 1.0), (1.0, 1.0), (1.2, 2.0), (7.0, 10.0), (2.5, 3.0),
+    (250.0, 300.0), (0.034, 0.05), (10_001.0, 20_000.0), (4.2e-5, 5e-5),
 ])
 def test_nice_ceiling_snaps_up_to_round_numbers(value: float, ceiling: float) -> None:
     assert nice_ceiling(value) == pytest.approx(ceiling)

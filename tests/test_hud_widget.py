@@ -118,6 +118,17 @@ def test_render_lag_compares_painted_with_emitted(hud: HudWidget) -> None:
     assert "p50 7.0 ms" in panel.caption.text() and "the UI keeps up" in panel.caption.text()
 
 
+def test_render_lag_is_judged_against_the_text_batching(hud: HudWidget) -> None:
+    """60 ms of lag is behind a 34 ms token gap, unless text is painted in 100 ms batches."""
+    feed(hud, reply_events(ReplySpec("r", 0, 10, 0, 12), jitter=False), paint_lag_ms=60)
+    hud.flush()
+    caption = hud.panels["render"].caption.text
+    assert "the UI is slower than the engine" in caption()
+    hud.set_text_interval(0.1)
+    hud.flush()
+    assert "(text painted every 100.0 ms): the UI keeps up" in caption()
+
+
 def test_setting_changes_drop_markers_on_time_plots(hud: HudWidget) -> None:
     feed_conversation(hud)
     hud.mark_setting_change("temperature", 1.1, 30_000 * MS)

@@ -3,16 +3,19 @@
 The engine thread only appends events to a thread-safe queue and, if the GUI is not already
 due to drain it, emits one argument-free wake-up signal (queued to the GUI thread). The GUI
 thread drains the queue and emits the typed signals there. No Python object crosses threads
-through Qt's queued-connection machinery, and a burst of tokens costs one wake-up.
-Nothing here ever waits on the engine.
+through Qt's queued-connection machinery, and a burst of tokens costs one wake-up. Drains are
+at most min_drain_interval_s apart (the window matches it to the chat view's paint rate): a
+fast decode is handled in batches instead of one GUI wake-up per token, while the first event
+after a pause is handled at once. Nothing here ever waits on the engine.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 
-from PySide6.QtCore import QObject, Signal
+from PySide6.QtCore import QObject, QTimer, Signal
 
 from engine import (
     Engine,
@@ -26,6 +29,8 @@ from engine import (
     TextFlushed,
     TokenEmitted,
 )
+
+MIN_DRAIN_INTERVAL_S = 0.05  # 20 Hz, the chat view's paint rate (the window may lower both)
 
 
 class EngineBridge(QObject):
@@ -60,6 +65,11 @@ class EngineBridge(QObject):
         self._lock = threading.Lock()
         self._wake_due = False
         self._detached = False
+        self._last_drain = 0.0
+        self.min_drain_interval_s = MIN_DRAIN_INTERVAL_S
+        self._later = QTimer(self)  # a deferred drain (the last one was too recent)
+        self._later.setSingleShot(True)
+        self._later.timeout.connect(self.drain)
         self._sig_wake.connect(self.drain)
         engine.add_listener(self._on_engine_event)
         # If Qt deletes the bridge with its parent, the engine must stop calling into it.
@@ -83,7 +93,14 @@ class EngineBridge(QObject):
         self._sig_wake.emit()
 
     def drain(self) -> None:
-        """GUI thread: emit every queued event's signals, in order."""
+        """GUI thread: emit every queued event's signals, in order (or soon, if it just did:
+        the wake-up flag stays set meanwhile, so the engine thread sends no more wake-ups)."""
+        wait_s = self._last_drain + self.min_drain_interval_s - time.monotonic()
+        if wait_s > 0:
+            if not self._later.isActive():
+                self._later.start(max(1, round(wait_s * 1000)))
+            return
+        self._last_drain = time.monotonic()
         with self._lock:
             self._wake_due = False
         while not self._detached:

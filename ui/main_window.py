@@ -44,7 +44,7 @@ from engine import (
     TokenEmitted,
 )
 from ui.bridge import EngineBridge
-from ui.chat_view import Alternative, ChatView
+from ui.chat_view import CPU_FLUSH_INTERVAL_MS, FLUSH_INTERVAL_MS, Alternative, ChatView
 from ui.composer import Composer
 from ui.controls import ControlsPanel
 from ui.hud import HudWidget
@@ -733,6 +733,14 @@ class MainWindow(QMainWindow):
                         "'User: / Assistant:' format, so replies may be weaker.")
         self.controls.set_context_length(info.context_length)
         self._show_context_fill(self._visible_messages())
+        self._set_text_rate(CPU_FLUSH_INTERVAL_MS if info.device == "cpu" else FLUSH_INTERVAL_MS)
+
+    def _set_text_rate(self, interval_ms: int) -> None:
+        """Streaming text is handed over and painted at one rate; the HUD judges render lag
+        against it."""
+        self.chat.set_flush_interval(interval_ms)
+        self.bridge.min_drain_interval_s = interval_ms / 1000
+        self.hud.set_text_interval(interval_ms / 1000)
 
     def _show_context_fill(self, messages: list[Message] | None) -> None:
         ctx = self.model_info.context_length if self.model_info else 0

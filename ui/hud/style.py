@@ -35,12 +35,12 @@ HudWidget, #hudScrollBody {{ background: {BG}; }}
 QScrollArea {{ border: none; background: {BG}; }}
 QFrame#hudCard {{ background: {CARD}; border: 1px solid {BORDER}; border-radius: 8px; }}
 QFrame#hudAdvisor {{ background: #20262f; border: 1px solid #33506b; border-radius: 8px; }}
-QLabel {{ color: {TEXT}; background: transparent; border: none; }}
+QLabel, LiveLabel {{ color: {TEXT}; background: transparent; border: none; }}
 QLabel#hudTitle {{ font-weight: 600; font-size: 10.5pt; }}
-QLabel#hudCaption, QLabel#hudReadout {{ color: {MUTED}; font-size: 8.5pt; }}
-QLabel#hudKpiValue {{ font-size: 13pt; font-weight: 600; }}
+#hudCaption, #hudReadout {{ color: {MUTED}; font-size: 8.5pt; }}
+#hudKpiValue {{ font-size: 13pt; font-weight: 600; }}
 QLabel#hudKpiName {{ color: {MUTED}; font-size: 8pt; }}
-QLabel#hudAdvice {{ font-size: 9.5pt; }}
+#hudAdvice {{ font-size: 9.5pt; }}
 QToolButton, QComboBox {{
     color: {TEXT}; background: {CARD}; border: 1px solid {BORDER}; border-radius: 5px;
     padding: 3px 8px;

@@ -5,7 +5,7 @@
 - mark_setting_change(name, value, t_ns): a slider changed (marker on time plots).
 
 Events only update the session model (cheap appends) and mark panels dirty; a single-shot
-QTimer redraws the dirty, visible panels at most 5 times a second while a reply streams, and
+QTimer redraws the dirty, visible panels at most 4 times a second while a reply streams, and
 once more right after it ends, so the final numbers land at once.
 """
 
@@ -45,17 +45,18 @@ from engine.events import (
 )
 from engine.hud_model import ReplyRecord, SessionModel, advise, fmt_ms, fmt_seconds
 from ui.hud import style
+from ui.hud.live_label import LiveLabel
 from ui.hud.panels import PANEL_TYPES, HudContext, Panel
 
-# 5 Hz while tokens stream: plots still move live, and pyqtgraph's painting (the HUD's main
+# 4 Hz while tokens stream: plots still move live, and pyqtgraph's painting (the HUD's main
 # cost) stays off the decode loop's back on small machines, where every millisecond of GUI
-# thread is taken from decode.
-REDRAW_INTERVAL_MS = 200
+# thread is taken from decode (the GUI's Python holds the GIL the engine's ops need).
+REDRAW_INTERVAL_MS = 250
 # The redraw after a reply ends (or fails): prompt, and still under 30 Hz.
 FINAL_REDRAW_MS = 34
 # Redraw plus paint may use at most this share of the GUI thread: when it gets expensive (a
 # slow or busy machine), the next redraw waits longer, but never more than the cap.
-REDRAW_DUTY = 0.05
+REDRAW_DUTY = 0.03
 MAX_REDRAW_INTERVAL_MS = 1000
 
 # Which panels each event can change (the rest keep their last drawing).
@@ -84,6 +85,7 @@ class HudWidget(QWidget):
         self._calibrated_device: str | None = None
         self._selected_id: str | None = None  # None follows the live (latest) reply
         self._dirty: set[str] = set()
+        self._text_interval_s = 0.0
         self._timer = QTimer(self)
         self._timer.setSingleShot(True)
         self._timer.setInterval(REDRAW_INTERVAL_MS)
@@ -160,7 +162,7 @@ class HudWidget(QWidget):
         grid.setHorizontalSpacing(12)
         self._kpis: dict[str, QLabel] = {}
         for col, name in enumerate(("TTFT", "decode", "ITL p50", "total")):
-            value = QLabel("–")
+            value = LiveLabel("–")
             value.setObjectName("hudKpiValue")
             caption = QLabel(name)
             caption.setObjectName("hudKpiName")
@@ -168,9 +170,9 @@ class HudWidget(QWidget):
             grid.addWidget(caption, 1, col)
             self._kpis[name] = value
         layout.addLayout(grid)
-        self.advice_label = QLabel("Send a message to see where the time goes.")
+        self.advice_label = LiveLabel("Send a message to see where the time goes.",
+                                      word_wrap=True)
         self.advice_label.setObjectName("hudAdvice")
-        self.advice_label.setWordWrap(True)
         layout.addWidget(self.advice_label)
         return card
 
@@ -198,6 +200,11 @@ class HudWidget(QWidget):
             self.panels[key].set_marker(name, value, self.model.session_s(marker.t_ns), 1.0)
         for key in _TURN_MARKER_PANELS:
             self.panels[key].set_marker(name, value, self.model.turn_position(marker.t_ns), 0.0)
+
+    def set_text_interval(self, seconds: float) -> None:
+        """The chat view paints streaming text this often: render lag is judged against it."""
+        self._text_interval_s = seconds
+        self._mark_dirty({"render"})
 
     def set_device_peaks(self, peaks: DevicePeaks) -> None:
         """Peaks for the roofline (from the calibration thread, the table or a test)."""
@@ -253,7 +260,7 @@ class HudWidget(QWidget):
         self._timer.stop()
         dirty, self._dirty = self._dirty, set()
         everything = "all" in dirty
-        ctx = HudContext(self.model, self.selected_reply(), self.peaks)
+        ctx = HudContext(self.model, self.selected_reply(), self.peaks, self._text_interval_s)
         if everything or "header" in dirty:
             self._refresh_combo()
         self._refresh_summary(ctx.reply)
@@ -334,7 +341,8 @@ class HudWidget(QWidget):
         from pyqtgraph.exporters import ImageExporter
 
         panel = self.panels[key]
-        panel.refresh(HudContext(self.model, self.selected_reply(), self.peaks))
+        panel.refresh(HudContext(self.model, self.selected_reply(), self.peaks,
+                                 self._text_interval_s))
         exporter = ImageExporter(panel.plot.getPlotItem())
         exporter.parameters()["width"] = width
         path = Path(path)
