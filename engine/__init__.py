@@ -10,6 +10,7 @@ from engine.errors import (
     SamplingError,
 )
 from engine.events import (
+    DraftModelChanged,
     EngineEvent,
     GenerationResult,
     ModelInfo,
@@ -32,6 +33,7 @@ __all__ = [
     "ChatMessage",
     "ContextOverflowError",
     "DownloadNotAllowedError",
+    "DraftModelChanged",
     "Engine",
     "EngineEvent",
     "GenerationRequest",

@@ -98,6 +98,10 @@ class BackendRouter(EventSource):
             if backend is not None:
                 backend.cancel_all()
 
+    def load_draft(self, spec: str | None, **options: Any) -> threading.Event:
+        """A draft model for the local engine's speculative decoding (None drops it)."""
+        return self.local.load_draft(spec, **options)
+
     def drop_conversation(self, conversation_id: str) -> None:
         self.local.drop_conversation(conversation_id)
 

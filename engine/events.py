@@ -41,6 +41,17 @@ class ModelLoaded:
 class ModelLoadFailed:
     t_ns: int
     message: str
+    draft: bool = False  # the draft model failed to load (the model itself is unchanged)
+
+
+@dataclass(frozen=True)
+class DraftModelChanged:
+    """The draft model for speculative="draft" requests was loaded, or dropped (name None:
+    dropped on request, or because a new model was loaded)."""
+
+    t_ns: int
+    name: str | None
+    kernel: str | None = None
 
 
 @dataclass(frozen=True)
@@ -158,6 +169,7 @@ EngineEvent = (
     ModelLoading
     | ModelLoaded
     | ModelLoadFailed
+    | DraftModelChanged
     | RequestQueued
     | PrefillStarted
     | TokenEmitted

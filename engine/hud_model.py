@@ -174,6 +174,10 @@ class ReplyRecord:
     finish_reason: str = ""
     error: str = ""
     done_ns: int = 0
+    kernel: str = ""  # the decode path that ran (from the result's model info)
+    speculative: str | None = None  # the draft method, None for plain decoding
+    spec_proposed: int = 0
+    spec_accepted: int = 0
 
     @property
     def done(self) -> bool:
@@ -199,6 +203,15 @@ class ReplyRecord:
     def render_lags_s(self) -> tuple[list[int], list[float]]:
         """(token indices, painted - emitted seconds) for tokens the view reported painting."""
         return self.lag_indices, self.lags_s
+
+    def path_text(self) -> str:
+        """Which decode path ran, and how speculation did: "" until the reply finishes."""
+        parts = [f"kernel {self.kernel}"] if self.kernel else []
+        if self.speculative:
+            rate = self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0
+            parts.append(f"speculative ({self.speculative}): {self.spec_accepted:,} of "
+                         f"{self.spec_proposed:,} drafted tokens accepted ({rate:.0%})")
+        return " · ".join(parts)
 
     def breakdown(self) -> Breakdown | None:
         if self.metrics is not None:
@@ -373,6 +386,9 @@ class SessionModel:
         reply.metrics = result.metrics
         reply.finish_reason = result.finish_reason
         reply.done_ns = event.t_ns
+        reply.kernel = result.model.kernel if result.model else ""
+        reply.speculative = result.speculative
+        reply.spec_proposed, reply.spec_accepted = result.spec_proposed, result.spec_accepted
         # The engine's numbers are authoritative; fill what PrefillStarted may have missed.
         reply.prompt_tokens = result.metrics.prompt_tokens
         reply.cached_tokens = result.metrics.cached_tokens
@@ -484,6 +500,10 @@ class SessionModel:
             row.update(prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
                        output_tokens=r.output_tokens, cache_miss_reason=r.miss_reason)
         row.update(self._device_fields())
+        if r.kernel:  # the path this reply ran on (the model may have been reloaded since)
+            row["kernel"] = r.kernel
+        row.update(speculative=r.speculative or "", spec_proposed=r.spec_proposed,
+                   spec_accepted=r.spec_accepted)
         row.update({f"setting_{k}": v for k, v in r.settings.items()})
         return row
 

@@ -22,6 +22,7 @@ from engine.batching import Batcher, alternative_cache_key, batchable, cache_sup
 from engine.draft import DraftModel, load_draft
 from engine.errors import ModelLoadError, PhasewiseError
 from engine.events import (
+    DraftModelChanged,
     EngineEvent,
     GenerationResult,
     ModelInfo,
@@ -203,11 +204,16 @@ class Engine(EventSource):
         load_model's keywords and kernel. Raise ModelLoadError with the reason on failure
         (the previous draft, if any, stays)."""
         self.last_load_error = None
-        done = threading.Event()
-        self._inbox.put(_LoadCommand(spec or "", {**options, _DRAFT: spec is not None}, done))
-        done.wait(timeout)
+        self.load_draft(spec, **options).wait(timeout)
         if self.last_load_error is not None:
             raise ModelLoadError(self.last_load_error)
+
+    def load_draft(self, spec: str | None, **options: Any) -> threading.Event:
+        """Queue a draft model load (None drops it); the outcome arrives as DraftModelChanged
+        or ModelLoadFailed(draft=True). Returns an event set when done."""
+        done = threading.Event()
+        self._inbox.put(_LoadCommand(spec or "", {**options, _DRAFT: spec is not None}, done))
+        return done
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         job = self._new_job(request)
@@ -368,7 +374,9 @@ class Engine(EventSource):
         had_model = self._loaded is not None
         self._loaded = loaded
         self._batching = cache_supports_batching(loaded)
-        self._draft = None  # it was checked against the old model's vocabulary
+        if self._draft is not None:  # it was checked against the old model's vocabulary
+            self._draft = None
+            self._broadcast(DraftModelChanged(now_ns(), None))
         budget = self._cache_budget or default_cache_budget(loaded.device.type)
         if self._prefix_cache is None:
             self._prefix_cache = PrefixCache(loaded.model.config, budget)
@@ -381,27 +389,31 @@ class Engine(EventSource):
     def _load_draft(self, spec: str | None, options: dict[str, Any], cmd: _LoadCommand) -> None:
         if spec is None:
             self._draft = None
+            self._broadcast(DraftModelChanged(now_ns(), None))
         elif self._loaded is None:
-            self._fail_load("load a model before its draft model", cmd)
+            self._fail_load("load a model before its draft model", cmd, draft=True)
             return
         else:
             try:
                 self._draft = load_draft(spec, self._loaded, progress=self._load_progress,
                                          **options)
             except PhasewiseError as exc:
-                self._fail_load(str(exc), cmd)
+                self._fail_load(str(exc), cmd, draft=True)
                 return
             except Exception as exc:
-                self._fail_load(f"cannot load draft model {spec}: {exc}".splitlines()[0], cmd)
+                self._fail_load(f"cannot load draft model {spec}: {exc}".splitlines()[0], cmd,
+                                draft=True)
                 return
+            info = self._draft.loaded.info
+            self._broadcast(DraftModelChanged(now_ns(), info.name, info.kernel))
         cmd.done.set()
 
     def _load_progress(self, stage: str) -> None:
         self._broadcast(ModelLoading(now_ns(), stage))
 
-    def _fail_load(self, message: str, cmd: _LoadCommand) -> None:
+    def _fail_load(self, message: str, cmd: _LoadCommand, *, draft: bool = False) -> None:
         self.last_load_error = message
-        self._broadcast(ModelLoadFailed(now_ns(), message))
+        self._broadcast(ModelLoadFailed(now_ns(), message, draft))
         cmd.done.set()
 
     def _serve(self, job: _Job) -> None:

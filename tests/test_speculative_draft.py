@@ -19,9 +19,11 @@ import torch
 from app.cli import main as cli_main
 from engine import (
     ChatMessage,
+    DraftModelChanged,
     Engine,
     GenerationRequest,
     ModelLoadError,
+    ModelLoadFailed,
     PhasewiseError,
     SamplingParams,
     TokenEmitted,
@@ -288,7 +290,10 @@ def test_vocabulary_mismatch_is_a_clear_error(model_dirs: dict[str, Path], tmp_p
     swapped = tmp_path / "swapped"
     shutil.copytree(model_dirs["small"], swapped)
     swap_two_tokens(swapped)
+    failures: list[ModelLoadFailed] = []
     with Engine(cache_budget_bytes=64 << 20) as engine:
+        engine.add_listener(lambda e: failures.append(e) if isinstance(e, ModelLoadFailed)
+                            else None)
         with pytest.raises(ModelLoadError, match="before its draft"):
             engine.load_draft_sync(str(model_dirs["small"]))
         engine.load_model_sync(str(model_dirs["self"]), kernel="fp32-eager")
@@ -301,12 +306,17 @@ def test_vocabulary_mismatch_is_a_clear_error(model_dirs: dict[str, Path], tmp_p
         # the engine still serves, with the draft it had
         result = engine.submit(GenerationRequest(CHAT, greedy(8), speculative="draft")).wait(60)
         assert result.speculative == "draft" and len(result.token_ids) > 0
+    # each failure reached listeners marked as the draft's, so the window can say so
+    assert len(failures) == 3 and all(f.draft for f in failures)
 
 
 def test_draft_requests_need_a_draft_which_a_new_model_drops(model_dirs: dict[str, Path]
                                                              ) -> None:
     request = GenerationRequest(CHAT, greedy(4), speculative="draft")
+    changes: list[DraftModelChanged] = []
     with Engine(cache_budget_bytes=64 << 20) as engine:
+        engine.add_listener(lambda e: changes.append(e) if isinstance(e, DraftModelChanged)
+                            else None)
         engine.load_model_sync(str(model_dirs["self"]), kernel="fp32-eager")
         with pytest.raises(PhasewiseError, match="needs one: load it first"):
             engine.submit(request).wait(60)
@@ -319,6 +329,9 @@ def test_draft_requests_need_a_draft_which_a_new_model_drops(model_dirs: dict[st
         engine.load_draft_sync(None)  # dropped on request too
         with pytest.raises(PhasewiseError, match="needs one"):
             engine.submit(GenerationRequest(CHAT, greedy(4), speculative="draft")).wait(60)
+    # Listeners (the window) hear each change: loaded, dropped by the new model, loaded, dropped.
+    assert [(c.name is not None, c.kernel) for c in changes] == [
+        (True, "fp32-eager"), (False, None), (True, "fp32-eager"), (False, None)]
 
 
 def test_cancel_mid_run_then_decode_exactly_again(model_dirs: dict[str, Path],

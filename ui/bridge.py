@@ -18,6 +18,7 @@ import time
 from PySide6.QtCore import QObject, QTimer, Signal
 
 from engine import (
+    DraftModelChanged,
     Engine,
     EngineEvent,
     ModelLoaded,
@@ -54,6 +55,10 @@ class EngineBridge(QObject):
     """A model finished loading; the argument is its ModelInfo."""
     sig_model_load_failed = Signal(str)
     """A model load failed (the old model stays); the argument is the one-line reason."""
+    sig_draft_changed = Signal(object)
+    """A DraftModelChanged: a draft model for speculative decoding loaded (or was dropped)."""
+    sig_draft_load_failed = Signal(str)
+    """A draft model failed to load (the model and any previous draft stay); the reason."""
 
     _sig_wake = Signal()
     """Internal: events are waiting in the queue (emitted on the engine thread)."""
@@ -127,7 +132,10 @@ class EngineBridge(QObject):
         elif isinstance(event, ModelLoaded):
             self.sig_model_loaded.emit(event.info)
         elif isinstance(event, ModelLoadFailed):
-            self.sig_model_load_failed.emit(event.message)
+            failed = self.sig_draft_load_failed if event.draft else self.sig_model_load_failed
+            failed.emit(event.message)
+        elif isinstance(event, DraftModelChanged):
+            self.sig_draft_changed.emit(event)
 
 
 def _remove_listener(engine: object, listener: object) -> None:

@@ -2,13 +2,15 @@
 
 Sliders hold integers, so each maps to its real value here: temperature in hundredths (0-2,
 0 = greedy), top-p in hundredths (0.05-1), max tokens 1..context length. Advanced: top-k
-(0 = off), min-p (0 = off), seed (blank = random).
+(0 = off), min-p (0 = off), seed (blank = random), and speculative decoding: prompt lookup, or
+a draft model the user picks (the window loads it; this panel shows which one is loaded).
 """
 
 from __future__ import annotations
 
 from PySide6.QtCore import QSettings, Qt, Signal
 from PySide6.QtWidgets import (
+    QComboBox,
     QDoubleSpinBox,
     QFormLayout,
     QGridLayout,
@@ -16,6 +18,7 @@ from PySide6.QtWidgets import (
     QLabel,
     QLineEdit,
     QPlainTextEdit,
+    QPushButton,
     QSlider,
     QSpinBox,
     QToolButton,
@@ -27,6 +30,12 @@ from engine import SamplingParams
 
 DEFAULT_CONTEXT = 2048
 SETTINGS_GROUP = "sampling"
+# (label, GenerationRequest.speculative); greedy output is identical with any of them.
+SPECULATIVE_MODES = (
+    ("Off", None),
+    ("Prompt lookup (greedy replies)", "ngram"),
+    ("Draft model", "draft"),
+)
 
 
 def _slider(lo: int, hi: int, value: int) -> QSlider:
@@ -43,6 +52,8 @@ class ControlsPanel(QWidget):
     """A sampling setting changed: (name, new value); marks the HUD's time plots."""
     sig_system_prompt_changed = Signal(str)
     """The system prompt was edited (applies to the current conversation)."""
+    sig_draft_requested = Signal()
+    """The user wants to choose a draft model (Choose…, or Draft model with none loaded)."""
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -59,6 +70,18 @@ class ControlsPanel(QWidget):
         self.min_p.setSpecialValueText("off")
         self.seed = QLineEdit()
         self.seed.setPlaceholderText("random")
+        self.speculative = QComboBox()
+        for label, mode in SPECULATIVE_MODES:
+            self.speculative.addItem(label, mode)
+        self.speculative.setToolTip(
+            "Decode several tokens per step from cheap guesses the model then checks: the "
+            "reply is the same, only faster when the guesses are right.")
+        self.draft_label = QLabel("none")
+        self.draft_label.setObjectName("valueLabel")
+        self.draft_button = QPushButton("Choose…")
+        self.draft_button.setToolTip("Pick a small model with the same vocabulary to draft for "
+                                     "this one (e.g. a smaller model of the same family).")
+        self.draft_name: str | None = None
         self.system_prompt = QPlainTextEdit()
         self.system_prompt.setObjectName("systemPrompt")
         self.system_prompt.setPlaceholderText("System prompt for this chat (optional)")
@@ -97,6 +120,12 @@ class ControlsPanel(QWidget):
         form.addRow("Top-k", self.top_k)
         form.addRow("Min-p", self.min_p)
         form.addRow("Seed", self.seed)
+        form.addRow("Speculative", self.speculative)
+        draft_row = QGridLayout()
+        draft_row.setColumnStretch(0, 1)
+        draft_row.addWidget(self.draft_label, 0, 0)
+        draft_row.addWidget(self.draft_button, 0, 1)
+        form.addRow("Draft model", draft_row)
         self.advanced.hide()
 
         layout = QVBoxLayout(self)
@@ -117,6 +146,8 @@ class ControlsPanel(QWidget):
         self.top_k.valueChanged.connect(lambda _v: self._changed("top_k"))
         self.min_p.valueChanged.connect(lambda _v: self._changed("min_p"))
         self.seed.editingFinished.connect(lambda: self._changed("seed"))
+        self.speculative.currentIndexChanged.connect(self._speculative_changed)
+        self.draft_button.clicked.connect(self.sig_draft_requested)
         self.advanced_toggle.toggled.connect(self._toggle_advanced)
         self.system_prompt.textChanged.connect(
             lambda: self.sig_system_prompt_changed.emit(self.system_prompt.toPlainText())
@@ -149,6 +180,29 @@ class ControlsPanel(QWidget):
             seed=self._seed(),
         )
 
+    def speculative_mode(self) -> str | None:
+        """GenerationRequest.speculative for the next request."""
+        return self.speculative.currentData()
+
+    def set_draft_model(self, name: str | None) -> None:
+        """Show the loaded draft model (None: none; Draft model mode falls back to Off)."""
+        self.draft_name = name
+        self.draft_label.setText(name or "none")
+        if name is None and self.speculative_mode() == "draft":
+            self.speculative.setCurrentIndex(0)
+
+    def set_speculative_available(self, available: bool) -> None:
+        """Speculative decoding needs the local engine (a remote server decodes its own way)."""
+        for widget in (self.speculative, self.draft_button):
+            widget.setEnabled(available)
+        if not available:
+            self.speculative.setCurrentIndex(0)
+
+    def _speculative_changed(self, _index: int) -> None:
+        if self.speculative_mode() == "draft" and self.draft_name is None:
+            self.sig_draft_requested.emit()
+        self.sig_setting_changed.emit("speculative", self.speculative_mode() or "off")
+
     def _seed(self) -> int | None:
         text = self.seed.text().strip()
         return int(text) if text.lstrip("-").isdigit() else None
@@ -175,6 +229,9 @@ class ControlsPanel(QWidget):
         settings.setValue("top_k", self.top_k.value())
         settings.setValue("min_p", self.min_p.value())
         settings.setValue("seed", self.seed.text())
+        # A draft model is not reloaded at start, so only prompt lookup is remembered.
+        mode = self.speculative_mode()
+        settings.setValue("speculative", mode if mode == "ngram" else "off")
         settings.endGroup()
 
     def restore(self, settings: QSettings) -> None:
@@ -190,5 +247,7 @@ class ControlsPanel(QWidget):
         if min_p is not None:
             self.min_p.setValue(float(min_p))
         self.seed.setText(str(settings.value("seed", "") or ""))
+        if settings.value("speculative") == "ngram":
+            self.speculative.setCurrentIndex(self.speculative.findData("ngram"))
         settings.endGroup()
         self._refresh_labels()

@@ -34,6 +34,7 @@ from PySide6.QtWidgets import (
 
 from engine import (
     ChatMessage,
+    DraftModelChanged,
     Engine,
     GenerationRequest,
     GenerationResult,
@@ -43,6 +44,7 @@ from engine import (
     TextFlushed,
     TokenEmitted,
 )
+from engine.remote import REMOTE_SPEC
 from ui.bridge import EngineBridge
 from ui.chat_view import CPU_FLUSH_INTERVAL_MS, FLUSH_INTERVAL_MS, Alternative, ChatView
 from ui.composer import Composer
@@ -264,6 +266,8 @@ class MainWindow(QMainWindow):
         b.sig_model_loading.connect(self._on_model_loading)
         b.sig_model_loaded.connect(self._on_model_loaded)
         b.sig_model_load_failed.connect(self._on_model_load_failed)
+        b.sig_draft_changed.connect(self._on_draft_changed)
+        b.sig_draft_load_failed.connect(self._on_draft_load_failed)
         self.chat.sig_tokens_painted.connect(self._on_tokens_painted)
         self.chat.sig_action.connect(self._on_message_action)
         self.composer.sig_send.connect(self.send)
@@ -277,6 +281,7 @@ class MainWindow(QMainWindow):
             lambda name, value: self.hud.mark_setting_change(name, value, time.perf_counter_ns())
         )
         self.controls.sig_system_prompt_changed.connect(self._on_system_prompt)
+        self.controls.sig_draft_requested.connect(self.choose_draft_model)
         self.plain_toggle.toggled.connect(self.chat.set_plain_text)
         self.model_button.clicked.connect(self.choose_model)
 
@@ -376,6 +381,9 @@ class MainWindow(QMainWindow):
         if self.model_info is None:
             return self._refuse("No model is loaded yet: wait for loading to finish, "
                                 "or choose one with Model….")
+        if self.controls.speculative_mode() == "draft" and self.controls.draft_name is None:
+            return self._refuse("No draft model is loaded yet: wait for it, or set "
+                                "Speculative to Off (Generation → Advanced).")
         self.notice.hide()
         try:  # nothing is sent unless the message is saved; the composer keeps the text
             conv_id = self._ensure_conversation(text)
@@ -458,7 +466,8 @@ class MainWindow(QMainWindow):
     def _start_reply(self, conv_id: str, user_id: int | None, user_text: str,
                      alternatives: int | None = None) -> bool:
         params = self.controls.params()
-        request = GenerationRequest(self._history(conv_id), params, conversation_id=conv_id)
+        request = GenerationRequest(self._history(conv_id), params, conversation_id=conv_id,
+                                    speculative=self.controls.speculative_mode())
         settings = asdict(params) | {"model": self.model_info.name if self.model_info else ""}
         count = alternatives or self.composer.alternative_count()
         if count > 1:
@@ -690,6 +699,22 @@ class MainWindow(QMainWindow):
             choice = dialog.choice()
             self.load_model(choice.spec, **choice.options)
 
+    def choose_draft_model(self) -> None:
+        """Pick a draft model for speculative decoding; the engine loads it in its thread."""
+        dialog = ModelPickerDialog(self)
+        dialog.setWindowTitle("Choose a draft model")
+        if not dialog.exec():
+            self.controls.set_draft_model(self.controls.draft_name)  # unchanged, or Off
+            return
+        choice = dialog.choice()
+        if choice.spec == REMOTE_SPEC:
+            self.notify("A draft model runs locally: choose a folder, a .gguf file or a hub id.")
+            self.controls.set_draft_model(self.controls.draft_name)
+            return
+        self.progress.show()
+        self.load_label.setText(f"Loading draft model {choice.spec}…")
+        self.engine.load_draft(choice.spec, **(self.load_options | choice.options))
+
     def compare_backends(self) -> Any:
         """Open Compare mode: the composer's prompt on two backends, overlaid (the chat's
         backend is not disturbed). Returns the dialog."""
@@ -715,6 +740,24 @@ class MainWindow(QMainWindow):
         self.progress.hide()
         self.load_label.setText(f"Loaded {info.name}")
         self._show_model(info)
+        local = hasattr(self.engine, "load_draft") and not getattr(self.engine, "is_remote", False)
+        self.controls.set_speculative_available(local)
+
+    def _on_draft_changed(self, event: DraftModelChanged) -> None:
+        self.progress.hide()
+        if event.name is not None:
+            self.load_label.setText(f"Draft model {event.name} ({event.kernel})")
+        elif self.controls.draft_name is not None:
+            self.load_label.setText("Draft model dropped (it was for the previous model)")
+        self.controls.set_draft_model(event.name)
+
+    def _on_draft_load_failed(self, message: str) -> None:
+        self.progress.hide()
+        self.load_label.clear()
+        kept = (f" Still drafting with {self.controls.draft_name}."
+                if self.controls.draft_name else "")
+        self.notify(f"Draft model not loaded: {message.rstrip('.')}.{kept}")
+        self.controls.set_draft_model(self.controls.draft_name)
 
     def _on_model_load_failed(self, message: str) -> None:
         self.progress.hide()

@@ -393,8 +393,9 @@ class BreakdownPanel(Panel):
         self.plot.setYRange(-0.5, 0.5, padding=0)
         self.table.setText(self._table_html(b))
         state = "e2e" if b.final else "so far (live)"
+        path = ctx.reply.path_text()
         self.caption.setText(f"Reply #{ctx.reply.number}: {fmt_seconds(b.e2e_s)} {state}; "
-                             f"TTFT {fmt_seconds(b.ttft_s)}.")
+                             f"TTFT {fmt_seconds(b.ttft_s)}." + (f" {path}." if path else ""))
 
     @staticmethod
     def _table_html(b: Breakdown) -> str:
