@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from engine.chat_template import FALLBACK_STOPS
 from engine.detok import IncrementalDetokenizer, StopMatcher
 from engine.events import (
     EngineEvent,
@@ -39,6 +38,7 @@ from engine.generate import (
     now_ns,
     prepare_prompt,
     sampler_snapshot,
+    template_stops,
     token_event,
     token_text,
 )
@@ -129,7 +129,7 @@ class Batcher:
         self._emit = emit
         self._done = done
         self.eos_ids = eos_token_ids(loaded)
-        self.stops = FALLBACK_STOPS if loaded.info.template_fallback else ()
+        self.stops = template_stops(loaded)
         self.rows: list[Row] = []
         self._cache: DynamicCache | None = None
         self._pads: list[int] = []  # left padding of each row in the batched KV

@@ -53,6 +53,11 @@ def eos_token_ids(loaded: LoadedModel) -> set[int]:
     return ids
 
 
+def template_stops(loaded: LoadedModel) -> tuple[str, ...]:
+    """Stop strings the chat template implies (the plain fallback template has no EOS turn)."""
+    return FALLBACK_STOPS if loaded.info.template_fallback else ()
+
+
 @torch.inference_mode()
 def warm_up(loaded: LoadedModel) -> None:
     """One short forward pass, so the first reply does not pay one-time kernel set-up
@@ -143,7 +148,7 @@ class DecodeSession:
         self.prefix_cache = prefix_cache
         self.draft = draft  # proposes tokens for speculative="draft" requests
         self.eos_ids = eos_token_ids(loaded)
-        self.stops = FALLBACK_STOPS if loaded.info.template_fallback else ()
+        self.stops = template_stops(loaded)
 
     @torch.inference_mode()
     def run(

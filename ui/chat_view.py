@@ -75,8 +75,7 @@ class ChatView(QTextBrowser):
         self._last_stream_text = ""  # its text once it ended
         self._timer = QTimer(self)
         self._timer.setSingleShot(True)  # armed by push_token, only while text waits
-        self._timer.setInterval(FLUSH_INTERVAL_MS)
-        self.flush_interval_ms = FLUSH_INTERVAL_MS
+        self.flush_interval_ms = FLUSH_INTERVAL_MS  # push_token arms the timer to this
         self._timer.timeout.connect(self.flush)
         self._last_flush = 0.0
         self.show_messages([])
@@ -204,7 +203,6 @@ class ChatView(QTextBrowser):
     def set_flush_interval(self, ms: int) -> None:
         """How often streaming text is painted (at most; the first token is painted at once)."""
         self.flush_interval_ms = ms
-        self._timer.setInterval(ms)
 
     def flush(self) -> None:
         """Insert every live reply's buffered text, one insert each (the timer's tick)."""

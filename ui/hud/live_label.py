@@ -34,8 +34,7 @@ class LiveLabel(QWidget):
         self._word_wrap = word_wrap
         self._doc = QTextDocument(self)
         self._doc.setDocumentMargin(0)
-        policy = QSizePolicy.Policy.Preferred
-        self.setSizePolicy(QSizePolicy(policy, QSizePolicy.Policy.Minimum))
+        self.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Minimum)
         self.setText(text)
 
     # ----- QLabel's interface, as far as the HUD uses it ---------------------------------
@@ -65,10 +64,6 @@ class LiveLabel(QWidget):
             return False
         self._doc.setTextWidth(-1)
         return math.ceil(self._doc.idealWidth()) > self.width()
-
-    def setWordWrap(self, on: bool) -> None:
-        self._word_wrap = on
-        self.updateGeometry()
 
     # ----- geometry ----------------------------------------------------------------------
     def hasHeightForWidth(self) -> bool:

@@ -50,7 +50,7 @@ from ui.hud.panels import PANEL_TYPES, HudContext, Panel
 
 # 4 Hz while tokens stream: plots still move live, and pyqtgraph's painting (the HUD's main
 # cost) stays off the decode loop's back on small machines, where every millisecond of GUI
-# thread is taken from decode (the GUI's Python holds the GIL the engine's ops need).
+# thread is taken from decode (a paint pre-empts one of torch's threads; the other waits).
 REDRAW_INTERVAL_MS = 250
 # The redraw after a reply ends (or fails): prompt, and still under 30 Hz.
 FINAL_REDRAW_MS = 34
@@ -160,7 +160,7 @@ class HudWidget(QWidget):
         layout.setContentsMargins(10, 8, 10, 8)
         grid = QGridLayout()
         grid.setHorizontalSpacing(12)
-        self._kpis: dict[str, QLabel] = {}
+        self._kpis: dict[str, LiveLabel] = {}
         for col, name in enumerate(("TTFT", "decode", "ITL p50", "total")):
             value = LiveLabel("–")
             value.setObjectName("hudKpiValue")
@@ -260,7 +260,7 @@ class HudWidget(QWidget):
         self._timer.stop()
         dirty, self._dirty = self._dirty, set()
         everything = "all" in dirty
-        ctx = HudContext(self.model, self.selected_reply(), self.peaks, self._text_interval_s)
+        ctx = self._context()
         if everything or "header" in dirty:
             self._refresh_combo()
         self._refresh_summary(ctx.reply)
@@ -276,6 +276,9 @@ class HudWidget(QWidget):
         cost_ms = (time.perf_counter() - started + painted_s) * 1000
         self._timer.setInterval(
             min(max(REDRAW_INTERVAL_MS, round(cost_ms / REDRAW_DUTY)), MAX_REDRAW_INTERVAL_MS))
+
+    def _context(self) -> HudContext:
+        return HudContext(self.model, self.selected_reply(), self.peaks, self._text_interval_s)
 
     def _scrolled_out(self, panel: Panel) -> bool:
         return self.isVisible() and panel.visibleRegion().isEmpty()
@@ -341,8 +344,7 @@ class HudWidget(QWidget):
         from pyqtgraph.exporters import ImageExporter
 
         panel = self.panels[key]
-        panel.refresh(HudContext(self.model, self.selected_reply(), self.peaks,
-                                 self._text_interval_s))
+        panel.refresh(self._context())
         exporter = ImageExporter(panel.plot.getPlotItem())
         exporter.parameters()["width"] = width
         path = Path(path)
