@@ -19,6 +19,7 @@ import numpy as np
 
 from engine.events import (
     EngineEvent,
+    GenerationResult,
     ModelInfo,
     ModelLoaded,
     PrefillStarted,
@@ -174,10 +175,7 @@ class ReplyRecord:
     finish_reason: str = ""
     error: str = ""
     done_ns: int = 0
-    kernel: str = ""  # the decode path that ran (from the result's model info)
-    speculative: str | None = None  # the draft method, None for plain decoding
-    spec_proposed: int = 0
-    spec_accepted: int = 0
+    result: GenerationResult | None = None  # the engine's own, once finished
 
     @property
     def done(self) -> bool:
@@ -206,11 +204,14 @@ class ReplyRecord:
 
     def path_text(self) -> str:
         """Which decode path ran, and how speculation did: "" until the reply finishes."""
-        parts = [f"kernel {self.kernel}"] if self.kernel else []
-        if self.speculative:
-            rate = self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0
-            parts.append(f"speculative ({self.speculative}): {self.spec_accepted:,} of "
-                         f"{self.spec_proposed:,} drafted tokens accepted ({rate:.0%})")
+        r = self.result
+        if r is None:
+            return ""
+        parts = [f"kernel {r.model.kernel}"] if r.model else []
+        if r.speculative:
+            parts.append(f"speculative ({r.speculative}): {r.spec_accepted:,} of "
+                         f"{r.spec_proposed:,} drafted tokens accepted "
+                         f"({r.spec_accept_rate:.0%})")
         return " · ".join(parts)
 
     def breakdown(self) -> Breakdown | None:
@@ -386,9 +387,7 @@ class SessionModel:
         reply.metrics = result.metrics
         reply.finish_reason = result.finish_reason
         reply.done_ns = event.t_ns
-        reply.kernel = result.model.kernel if result.model else ""
-        reply.speculative = result.speculative
-        reply.spec_proposed, reply.spec_accepted = result.spec_proposed, result.spec_accepted
+        reply.result = result
         # The engine's numbers are authoritative; fill what PrefillStarted may have missed.
         reply.prompt_tokens = result.metrics.prompt_tokens
         reply.cached_tokens = result.metrics.cached_tokens
@@ -500,10 +499,11 @@ class SessionModel:
             row.update(prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
                        output_tokens=r.output_tokens, cache_miss_reason=r.miss_reason)
         row.update(self._device_fields())
-        if r.kernel:  # the path this reply ran on (the model may have been reloaded since)
-            row["kernel"] = r.kernel
-        row.update(speculative=r.speculative or "", spec_proposed=r.spec_proposed,
-                   spec_accepted=r.spec_accepted)
+        if (result := r.result) is not None:  # finished: the path it ran on, and drafting
+            if result.model:  # (the model may have been reloaded since)
+                row["kernel"] = result.model.kernel
+            row.update(speculative=result.speculative or "",
+                       spec_proposed=result.spec_proposed, spec_accepted=result.spec_accepted)
         row.update({f"setting_{k}": v for k, v in r.settings.items()})
         return row
 
