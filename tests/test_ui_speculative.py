@@ -134,6 +134,19 @@ def test_sending_while_the_draft_still_loads_is_refused_with_a_reason(make_windo
     assert "No draft model is loaded yet" in window.notice_label.text()
 
 
+def test_regenerate_while_the_draft_still_loads_keeps_the_old_reply(qtbot, make_window
+                                                                      ) -> None:
+    window = make_window()
+    old = greedy_reply(qtbot, window, 8)
+    window.controls.speculative.blockSignals(True)
+    set_mode(window, "draft")
+    window.controls.speculative.blockSignals(False)
+    reply_id = window.store.messages(window.conversation_id)[-1].id
+    window.regenerate(reply_id)
+    assert "No draft model is loaded yet" in window.notice_label.text()
+    assert window.store.messages(window.conversation_id)[-1].content == old.text
+
+
 def test_prompt_lookup_is_remembered_and_a_draft_is_not(make_window) -> None:
     window = make_window()
     set_mode(window, "ngram")

@@ -191,6 +191,11 @@ class ControlsPanel(QWidget):
         if name is None and self.speculative_mode() == "draft":
             self.speculative.setCurrentIndex(0)
 
+    def keep_loaded_draft(self) -> None:
+        """A draft choice came to nothing (cancelled, refused, failed): show the draft that is
+        still loaded, or fall back to Off if there is none."""
+        self.set_draft_model(self.draft_name)
+
     def set_speculative_available(self, available: bool) -> None:
         """Speculative decoding needs the local engine (a remote server decodes its own way)."""
         for widget in (self.speculative, self.draft_button):

@@ -381,9 +381,8 @@ class MainWindow(QMainWindow):
         if self.model_info is None:
             return self._refuse("No model is loaded yet: wait for loading to finish, "
                                 "or choose one with Model….")
-        if self.controls.speculative_mode() == "draft" and self.controls.draft_name is None:
-            return self._refuse("No draft model is loaded yet: wait for it, or set "
-                                "Speculative to Off (Generation → Advanced).")
+        if self._draft_refusal(self.composer.alternative_count()):
+            return False
         self.notice.hide()
         try:  # nothing is sent unless the message is saved; the composer keeps the text
             conv_id = self._ensure_conversation(text)
@@ -404,6 +403,8 @@ class MainWindow(QMainWindow):
         message = self.store.message(message_id)
         if message is None or message.role != "assistant":
             return
+        if self._draft_refusal(alternatives or self.composer.alternative_count()):
+            return  # before the old reply is deleted
         try:
             self.store.delete_from(message.conversation_id, message_id)
         except StoreError as exc:
@@ -673,6 +674,16 @@ class MainWindow(QMainWindow):
         elif action == "keep":
             self.keep_alternative(message_id)
 
+    def _draft_refusal(self, count: int) -> bool:
+        """Refuse a single reply in Draft model mode while no draft is loaded (alternatives
+        decode plainly, in one batch)."""
+        waiting = self.controls.speculative_mode() == "draft" and self.controls.draft_name is None
+        if count == 1 and waiting:
+            self._refuse("No draft model is loaded yet: wait for it, or set Speculative to Off "
+                         "(Generation → Advanced).")
+            return True
+        return False
+
     def _busy_refusal(self) -> bool:
         """Refuse to start in the chat on screen while it is writing or awaiting a pick
         (other chats may be writing: their replies run alongside)."""
@@ -704,12 +715,12 @@ class MainWindow(QMainWindow):
         dialog = ModelPickerDialog(self)
         dialog.setWindowTitle("Choose a draft model")
         if not dialog.exec():
-            self.controls.set_draft_model(self.controls.draft_name)  # unchanged, or Off
+            self.controls.keep_loaded_draft()
             return
         choice = dialog.choice()
         if choice.spec == REMOTE_SPEC:
             self.notify("A draft model runs locally: choose a folder, a .gguf file or a hub id.")
-            self.controls.set_draft_model(self.controls.draft_name)
+            self.controls.keep_loaded_draft()
             return
         self.progress.show()
         self.load_label.setText(f"Loading draft model {choice.spec}…")
@@ -757,7 +768,7 @@ class MainWindow(QMainWindow):
         kept = (f" Still drafting with {self.controls.draft_name}."
                 if self.controls.draft_name else "")
         self.notify(f"Draft model not loaded: {message.rstrip('.')}.{kept}")
-        self.controls.set_draft_model(self.controls.draft_name)
+        self.controls.keep_loaded_draft()
 
     def _on_model_load_failed(self, message: str) -> None:
         self.progress.hide()
