@@ -70,6 +70,24 @@ class PrefillStarted:
 
 
 @dataclass(frozen=True)
+class PrefillProgress:
+    """One prefill chunk finished. done_tokens / total_tokens count the prompt tokens being
+    computed (cached ones excluded); tok_s is the prefill rate so far, eta_s the time left at
+    that rate."""
+
+    request_id: str
+    t_ns: int
+    done_tokens: int
+    total_tokens: int
+    tok_s: float
+    eta_s: float
+
+    @property
+    def fraction(self) -> float:
+        return self.done_tokens / self.total_tokens if self.total_tokens else 1.0
+
+
+@dataclass(frozen=True)
 class TokenEmitted:
     """One sampled token. text is the printable delta (may be empty while a UTF-8 char is split)."""
 
@@ -172,6 +190,7 @@ EngineEvent = (
     | DraftModelChanged
     | RequestQueued
     | PrefillStarted
+    | PrefillProgress
     | TokenEmitted
     | SamplerSnapshot
     | TextFlushed
