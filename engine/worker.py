@@ -13,7 +13,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -40,11 +40,17 @@ from engine.loader import LoadedModel, load_model
 from engine.metrics import RequestTimeline
 from engine.params import GenerationRequest
 from engine.prefix_cache import PrefixCache
+from engine.protocol import SPECULATIVE_METHODS, Backend, Capabilities
 
 log = logging.getLogger(__name__)
 _STOP = object()
 _DRAFT = "_draft"  # a _LoadCommand option: load a draft model (True) or drop it (False)
 
+
+LOCAL_CAPABILITIES = Capabilities(
+    shared_prefill_alternatives=True, speculative=SPECULATIVE_METHODS, draft_model=True,
+    sampler_view=True, prefix_cache_ledger=True, conversation_cache=True,
+)
 
 OUT_OF_MEMORY_MESSAGE = (
     "out of memory while generating; cached prompts were freed. Try again, or use a shorter "
@@ -139,7 +145,7 @@ class _LoadCommand:
     done: threading.Event
 
 
-class Engine(EventSource):
+class Engine(EventSource, Backend):
     """One long-lived worker thread that owns the model; everything else talks to it here."""
 
     def __init__(self, cache_budget_bytes: int | None = None) -> None:
@@ -171,6 +177,16 @@ class Engine(EventSource):
     @property
     def model_info(self) -> ModelInfo | None:
         return self._loaded.info if self._loaded else None
+
+    @property
+    def is_remote(self) -> bool:
+        return False
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Alternatives share one prefill where the model's cache batches row-wise (plain
+        full-attention layers); otherwise they run one after another."""
+        return replace(LOCAL_CAPABILITIES, shared_prefill_alternatives=self._batching)
 
     @property
     def prefix_cache(self) -> PrefixCache | None:

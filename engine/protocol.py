@@ -1,0 +1,137 @@
+"""The one contract above every engine: what the window, the CLI, `serve` and compare mode
+may call on a backend, and what a backend says it can do.
+
+Implementations: the local `Engine` (engine/worker.py; a torch model or, later, a GGUF on
+llama.cpp), `RemoteEngine` (engine/remote.py, an OpenAI-compatible server) and
+`BackendRouter` (engine/backends.py, whichever of those is active). Callers hold a `Backend`
+and ask `capabilities`; they never probe a backend with getattr/hasattr. Each implementation
+subclasses `Backend` explicitly, so the type checker reports a missing or mismatched method
+where the class is defined.
+
+Nothing here imports torch: a backend need not run one.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from engine.events import ModelInfo
+from engine.listeners import Listener
+from engine.params import GenerationRequest
+
+if TYPE_CHECKING:
+    from engine.worker import RequestHandle
+
+SPECULATIVE_METHODS = ("ngram", "draft")  # GenerationRequest.speculative's values
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do beyond submit/cancel (every backend can do those)."""
+
+    shared_prefill_alternatives: bool = False
+    """submit_alternatives prefills the prompt once for all N (else: N plain requests)."""
+    speculative: tuple[str, ...] = ()
+    """Speculative methods it runs ("ngram": prompt lookup, "draft": a draft model)."""
+    draft_model: bool = False
+    """load_draft can load a draft model (for speculative="draft")."""
+    sampler_view: bool = False
+    """TokenEmitted events carry SamplerSnapshot views of the sampler (the HUD's panel)."""
+    prefix_cache_ledger: bool = False
+    """PrefillStarted and the metrics report cached tokens and why a miss happened."""
+    conversation_cache: bool = False
+    """It keeps a prefix cache per conversation: drop_conversation / keep_alternative act."""
+
+    def runs(self, speculative: str | None) -> bool:
+        """True if a request with this speculative method (None: plain) can run here."""
+        return speculative is None or speculative in self.speculative
+
+
+class Backend(Protocol):
+    """Everything above the engine talks to this, never to a concrete class."""
+
+    # ----- lifecycle -------------------------------------------------------------------------
+    def start(self) -> Backend:
+        """Start its threads (or loop tasks); returns itself."""
+        ...
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Cancel everything and stop; a second call does nothing."""
+        ...
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+    # ----- what it is ------------------------------------------------------------------------
+    @property
+    def model_info(self) -> ModelInfo | None:
+        """The model requests run on now; None before the first load succeeds."""
+        ...
+
+    @property
+    def is_remote(self) -> bool:
+        """True when another process (a server) runs the model and owns its cache."""
+        ...
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What it can do now (a router answers for its active backend)."""
+        ...
+
+    # ----- models ------------------------------------------------------------------------------
+    def load_model(self, spec: str = "default", **options: Any) -> threading.Event:
+        """Queue a load; the outcome arrives as ModelLoaded or ModelLoadFailed (the old model
+        stays). Returns an event set when it is over."""
+        ...
+
+    def load_model_sync(self, spec: str = "default", timeout: float | None = None,
+                        **options: Any) -> ModelInfo:
+        """Load and wait; raise ModelLoadError with the one-line reason on failure."""
+        ...
+
+    def load_draft(self, spec: str | None, **options: Any) -> threading.Event:
+        """Queue a draft model load (None drops it): DraftModelChanged, or
+        ModelLoadFailed(draft=True) (always, where capabilities.draft_model is False)."""
+        ...
+
+    def load_draft_sync(self, spec: str | None, timeout: float | None = None,
+                        **options: Any) -> None:
+        """Load a draft model and wait; raise ModelLoadError on failure."""
+        ...
+
+    # ----- requests ----------------------------------------------------------------------------
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Queue a request (never blocks on the model); its events reach the listeners."""
+        ...
+
+    def submit_alternatives(self, request: GenerationRequest, n: int) -> list[RequestHandle]:
+        """N sampled replies to one prompt, ids `{request_id}.{i}` (see
+        GenerationRequest.alternatives); capabilities.shared_prefill_alternatives says whether
+        they share one prefill."""
+        ...
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request (within one decode step); unknown ids are ignored."""
+        ...
+
+    def cancel_all(self) -> None: ...
+
+    # ----- conversations' caches -------------------------------------------------------------
+    def keep_alternative(self, conversation_id: str, index: int, count: int) -> None:
+        """The user kept alternative `index` of `count`: its cached prefix becomes the
+        conversation's own."""
+        ...
+
+    def drop_conversation(self, conversation_id: str) -> None:
+        """Forget a conversation's cached prefix (the chat was deleted)."""
+        ...
+
+    # ----- events ------------------------------------------------------------------------------
+    def add_listener(self, listener: Listener) -> None:
+        """Call listener with every event, on the backend's own thread (keep it quick)."""
+        ...
+
+    def remove_listener(self, listener: Listener) -> None: ...
