@@ -190,7 +190,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
         try:
             engine.load_model_sync(args.model, kernel=args.kernel, **model_options(args))
             if args.draft_model:
-                if not hasattr(engine, "load_draft_sync"):
+                if not engine.capabilities.draft_model:
                     raise CliError("--draft-model needs a local model (not --backend)")
                 engine.load_draft_sync(args.draft_model, kernel=args.draft_kernel,
                                        **model_options(args))

@@ -8,7 +8,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.protocol import Backend
 
 SERVE_TOKEN_ENV = "PHASEWISE_SERVE_TOKEN"
 
@@ -55,12 +58,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def open_engine(args: argparse.Namespace) -> Any:
+def open_engine(args: argparse.Namespace) -> Backend:
     """A started-on-enter Engine, or a RemoteEngine when --backend is given."""
     from app.cli import CliError
     from engine import Engine, PhasewiseError
 
-    if not getattr(args, "backend", None):
+    if not args.backend:
         return Engine()
     from engine.remote import RemoteConfig, RemoteEngine, resolve_api_key
 

@@ -43,7 +43,7 @@ from engine.events import (
     TokenEmitted,
 )
 from engine.params import ChatMessage, GenerationRequest, SamplingParams
-from engine.worker import Engine
+from engine.protocol import Backend
 
 T = TypeVar("T")
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -283,7 +283,7 @@ class _Route:
 class EventRouter:
     """One engine listener that forwards each request's events to its asyncio queue."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Backend) -> None:
         self._routes: dict[str, _Route] = {}
         engine.add_listener(self._on_event)
 
@@ -305,7 +305,7 @@ class EventRouter:
 class ChatServer:
     """The HTTP side: handlers, auth and metrics around one started, loaded Engine."""
 
-    def __init__(self, engine: Engine, *, token: str | None = None) -> None:
+    def __init__(self, engine: Backend, *, token: str | None = None) -> None:
         if engine.model_info is None:
             raise PhasewiseError("load a model before serving it")
         self.engine = engine
@@ -425,7 +425,7 @@ class ChatServer:
             self._end(gen)
 
 
-def create_app(engine: Engine, *, token: str | None = None) -> Starlette:
+def create_app(engine: Backend, *, token: str | None = None) -> Starlette:
     """The ASGI app for a started Engine with a model loaded."""
     return ChatServer(engine, token=token).app()
 

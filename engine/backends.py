@@ -1,4 +1,4 @@
-"""One Engine-shaped front for the local engine and a remote backend, so the window (or any
+"""One Backend in front of the local engine and a remote backend, so the window (or any
 other caller) can switch between them with a model load and never hold two references.
 
 load_model("remote", base_url=..., model=...) connects to an OpenAI-compatible server; any
@@ -16,12 +16,13 @@ from typing import Any
 from engine.events import TERMINAL_EVENTS, EngineEvent, ModelInfo, ModelLoaded
 from engine.listeners import EventSource
 from engine.params import GenerationRequest
+from engine.protocol import Backend, Capabilities
 from engine.remote import REMOTE_SPEC, RemoteConfig, RemoteEngine, resolve_api_key
 from engine.worker import Engine, RequestHandle
 
 
-class BackendRouter(EventSource):
-    """Engine's API; requests go to whichever backend loaded a model last."""
+class BackendRouter(EventSource, Backend):
+    """A Backend whose requests go to whichever backend loaded a model last."""
 
     def __init__(self, local: Engine, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.local = local
@@ -57,6 +58,10 @@ class BackendRouter(EventSource):
         return self._active is not self.local
 
     @property
+    def capabilities(self) -> Capabilities:
+        return self._active.capabilities
+
+    @property
     def prefix_cache(self) -> Any:
         return self._active.prefix_cache
 
@@ -65,12 +70,25 @@ class BackendRouter(EventSource):
         """A local model, or (spec "remote", base_url=..., model=...) a remote backend."""
         if spec != REMOTE_SPEC:
             return self.local.load_model(spec, **options)
+        return self._connect(options).load_model()
+
+    def load_model_sync(self, spec: str = "default", timeout: float | None = None,
+                        **options: Any) -> ModelInfo:
+        """load_model, waited for; ModelLoadError with the reason if it failed (the active
+        backend stays)."""
+        if spec != REMOTE_SPEC:
+            return self.local.load_model_sync(spec, timeout, **options)
+        return self._connect(options).load_model_sync(timeout=timeout)
+
+    def _connect(self, options: dict[str, Any]) -> RemoteEngine:
+        """A started remote backend for options' base_url and model; the active one once its
+        load succeeds."""
         config = RemoteConfig(options["base_url"], model=options.get("model") or None,
                               api_key=resolve_api_key(options["base_url"]))
         backend = RemoteEngine(config, loop=self.loop)
         backend.add_listener(lambda event: self._forward(backend, event))
         self._pending_remote = backend
-        return backend.start().load_model()
+        return backend.start()
 
     def new_remote(self, base_url: str, model: str | None = None,
                    api_key: str | None = None) -> RemoteEngine:
@@ -88,6 +106,13 @@ class BackendRouter(EventSource):
         self._handles[request.request_id] = backend
         return backend.submit(request)
 
+    def submit_alternatives(self, request: GenerationRequest, n: int) -> list[RequestHandle]:
+        """The active backend's alternatives (the local engine's share one prefill)."""
+        backend = self._active
+        for alternative in request.alternatives(n):  # known before their first event
+            self._handles[alternative.request_id] = backend
+        return backend.submit_alternatives(request, n)
+
     def cancel(self, request_id: str) -> None:
         backend = self._handles.get(request_id)
         if backend is not None:
@@ -99,8 +124,13 @@ class BackendRouter(EventSource):
                 backend.cancel_all()
 
     def load_draft(self, spec: str | None, **options: Any) -> threading.Event:
-        """A draft model for the local engine's speculative decoding (None drops it)."""
-        return self.local.load_draft(spec, **options)
+        """A draft model for the active backend's speculative decoding (None drops it); a
+        remote backend refuses (capabilities.draft_model)."""
+        return self._active.load_draft(spec, **options)
+
+    def load_draft_sync(self, spec: str | None, timeout: float | None = None,
+                        **options: Any) -> None:
+        self._active.load_draft_sync(spec, timeout, **options)
 
     def drop_conversation(self, conversation_id: str) -> None:
         self.local.drop_conversation(conversation_id)

@@ -48,6 +48,7 @@ from engine.events import (
 from engine.listeners import EventSource
 from engine.metrics import RequestMetrics, RequestTimeline, compute_metrics
 from engine.params import GenerationRequest, SamplingParams
+from engine.protocol import Backend, Capabilities
 from engine.worker import RequestHandle
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,9 @@ REMOTE_SPEC = "remote"  # the model spec that selects a remote backend in Backen
 # Servers that do not say their context (Ollama) still cap max_tokens themselves.
 UNKNOWN_CONTEXT = 32768
 NO_USAGE_NOTICE = "the server sent no usage: prompt and cached token counts are unknown"
+NO_DRAFT_MESSAGE = "a draft model runs on the local engine, not on a remote backend"
+# The server decodes its own way and owns its cache: alternatives are N plain requests.
+REMOTE_CAPABILITIES = Capabilities()
 
 
 class RemoteError(PhasewiseError):
@@ -270,7 +274,7 @@ class _RemoteHandle(RequestHandle):
         self._on_cancel(self.request_id)
 
 
-class RemoteEngine(EventSource):
+class RemoteEngine(EventSource, Backend):
     """Engine's API over an OpenAI-compatible server; requests may run concurrently.
 
     loop: run the HTTP streams on this asyncio loop (the GUI's qasync loop) instead of a
@@ -355,6 +359,14 @@ class RemoteEngine(EventSource):
         """The server keeps its own cache; nothing to inspect here."""
         return None
 
+    @property
+    def is_remote(self) -> bool:
+        return True
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return REMOTE_CAPABILITIES
+
     # ----- commands (any thread) ---------------------------------------------------------
     def load_model(self, spec: str = REMOTE_SPEC, **_options: Any) -> threading.Event:
         """Ask the server which models it has and pick ours; events report the outcome.
@@ -383,6 +395,25 @@ class RemoteEngine(EventSource):
         self._deliver(job, RequestQueued(request.request_id, job.reply.timeline.submitted_ns))
         self._loop.call_soon_threadsafe(self._start_job, job)
         return handle
+
+    def submit_alternatives(self, request: GenerationRequest, n: int) -> list[RequestHandle]:
+        """N plain requests (the server prefills each; it may cache the shared prompt)."""
+        return [self.submit(r) for r in request.alternatives(n)]
+
+    def load_draft(self, spec: str | None, **_options: Any) -> threading.Event:
+        """Refused (capabilities.draft_model is False): ModelLoadFailed(draft=True) reports
+        it; dropping (None) has nothing to drop."""
+        done = threading.Event()
+        if spec is None:
+            done.set()
+        else:
+            self._loop.call_soon_threadsafe(self._refuse_draft, done)
+        return done
+
+    def load_draft_sync(self, spec: str | None, timeout: float | None = None,
+                        **_options: Any) -> None:
+        if spec is not None:
+            raise ModelLoadError(NO_DRAFT_MESSAGE)
 
     def cancel(self, request_id: str) -> None:
         """Stop a request now: its task is cancelled, which closes the stream. One that has
@@ -418,6 +449,10 @@ class RemoteEngine(EventSource):
             done.set()
             return
         self._spawn(self._load(done))
+
+    def _refuse_draft(self, done: threading.Event) -> None:
+        self._broadcast(ModelLoadFailed(now_ns(), NO_DRAFT_MESSAGE, True))
+        done.set()
 
     def _start_job(self, job: _Job) -> None:
         if self._closing:  # submitted while shutting down: it ends before it began

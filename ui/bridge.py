@@ -19,7 +19,6 @@ from PySide6.QtCore import QObject, QTimer, Signal
 
 from engine import (
     DraftModelChanged,
-    Engine,
     EngineEvent,
     ModelLoaded,
     ModelLoadFailed,
@@ -30,12 +29,13 @@ from engine import (
     TextFlushed,
     TokenEmitted,
 )
+from engine.protocol import Backend
 
 MIN_DRAIN_INTERVAL_S = 0.05  # 20 Hz, the chat view's paint rate (the window may lower both)
 
 
 class EngineBridge(QObject):
-    """Re-emits an Engine's events as Qt signals on the GUI thread."""
+    """Re-emits a Backend's events as Qt signals on the GUI thread."""
 
     sig_event = Signal(object)
     """Every engine event, in order (feeds the HUD)."""
@@ -63,7 +63,7 @@ class EngineBridge(QObject):
     _sig_wake = Signal()
     """Internal: events are waiting in the queue (emitted on the engine thread)."""
 
-    def __init__(self, engine: Engine, parent: QObject | None = None) -> None:
+    def __init__(self, engine: Backend, parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.engine = engine
         self._pending: queue.SimpleQueue[EngineEvent] = queue.SimpleQueue()
@@ -79,12 +79,12 @@ class EngineBridge(QObject):
         engine.add_listener(self._on_engine_event)
         # If Qt deletes the bridge with its parent, the engine must stop calling into it.
         listener = self._on_engine_event
-        self.destroyed.connect(lambda *_: _remove_listener(engine, listener))
+        self.destroyed.connect(lambda *_: engine.remove_listener(listener))
 
     def detach(self) -> None:
         """Stop forwarding (the window is closing; late events have nowhere to go)."""
         self._detached = True
-        _remove_listener(self.engine, self._on_engine_event)
+        self.engine.remove_listener(self._on_engine_event)
 
     def _on_engine_event(self, event: EngineEvent) -> None:
         """Runs on the engine thread: queue the event, wake the GUI thread at most once."""
@@ -136,9 +136,3 @@ class EngineBridge(QObject):
             failed.emit(event.message)
         elif isinstance(event, DraftModelChanged):
             self.sig_draft_changed.emit(event)
-
-
-def _remove_listener(engine: object, listener: object) -> None:
-    remove = getattr(engine, "remove_listener", None)
-    if remove is not None:
-        remove(listener)

@@ -35,7 +35,6 @@ from PySide6.QtWidgets import (
 from engine import (
     ChatMessage,
     DraftModelChanged,
-    Engine,
     GenerationRequest,
     GenerationResult,
     ModelInfo,
@@ -44,6 +43,7 @@ from engine import (
     TextFlushed,
     TokenEmitted,
 )
+from engine.protocol import Backend
 from engine.remote import REMOTE_SPEC
 from ui.bridge import EngineBridge
 from ui.chat_view import CPU_FLUSH_INTERVAL_MS, FLUSH_INTERVAL_MS, Alternative, ChatView
@@ -98,7 +98,7 @@ class MainWindow(QMainWindow):
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Backend,
         store: ChatStore,
         settings: QSettings,
         *,
@@ -505,12 +505,8 @@ class MainWindow(QMainWindow):
                             user_text: str, settings: dict[str, Any]) -> bool:
         """N replies to one prompt, streaming at once; nothing is saved until one is kept."""
         conv_id = request.conversation_id or ""
-        submit_all = getattr(self.engine, "submit_alternatives", None)
-        if submit_all is not None:  # the local engine: one shared prefill
-            handles = submit_all(request, count)
-        else:  # a remote backend: N plain requests
-            handles = [self.engine.submit(r) for r in request.alternatives(count)]
-        ids = [h.request_id for h in handles]
+        # the local engine prefills once for all; a remote backend sends N requests
+        ids = [h.request_id for h in self.engine.submit_alternatives(request, count)]
         for i, request_id in enumerate(ids):
             # each knows the user message: if the whole set fails, the last one takes it back
             self.replies[request_id] = ActiveReply(
@@ -751,8 +747,7 @@ class MainWindow(QMainWindow):
         self.progress.hide()
         self.load_label.setText(f"Loaded {info.name}")
         self._show_model(info)
-        local = hasattr(self.engine, "load_draft") and not getattr(self.engine, "is_remote", False)
-        self.controls.set_speculative_available(local)
+        self.controls.set_speculative_available(bool(self.engine.capabilities.speculative))
 
     def _on_draft_changed(self, event: DraftModelChanged) -> None:
         self.progress.hide()
