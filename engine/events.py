@@ -22,6 +22,7 @@ class ModelInfo:
     weight_bytes_per_step: int
     kernel: str
     template_fallback: bool = False
+    engine: str = "torch"  # the runtime that runs it: "torch" or "llama.cpp"
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,7 @@ class GenerationResult:
                 dtype=self.model.dtype,
                 kernel=self.model.kernel,
                 context_length=self.model.context_length,
+                engine=self.model.engine,
             )
         if self.error:
             out["error"] = self.error
