@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from engine.batching import Batcher, alternative_cache_key, batchable, cache_supports_batching
+from engine import runtimes
+from engine.batching import alternative_cache_key, batchable
 from engine.draft import DraftModel, load_draft
 from engine.errors import ModelLoadError, PhasewiseError
 from engine.events import (
@@ -33,18 +34,14 @@ from engine.events import (
     RequestFinished,
     RequestQueued,
 )
-from engine.generate import DecodeSession, now_ns, warm_up
-from engine.kernels import AUTO, select_kernel
+from engine.generate import now_ns
 from engine.listeners import EventSource
-from engine.loader import LoadedModel, load_model
 from engine.metrics import RequestTimeline
 from engine.params import GenerationRequest
 from engine.prefix_cache import PrefixCache
 from engine.protocol import SPECULATIVE_METHODS, Backend, Capabilities
 
 log = logging.getLogger(__name__)
-_STOP = object()
-_DRAFT = "_draft"  # a _LoadCommand option: load a draft model (True) or drop it (False)
 
 
 LOCAL_CAPABILITIES = Capabilities(
@@ -138,11 +135,46 @@ class _Group:
     jobs: list[_Job]
 
 
-@dataclass
-class _LoadCommand:
+# ----- the inbox's commands (requests travel as _Job / _Group) ---------------------------------
+@dataclass(frozen=True)
+class LoadModel:
+    """Load a model (options: runtimes.load's keywords: engine, kernel, device, ...)."""
+
     spec: str
     options: dict[str, Any]
     done: threading.Event
+
+
+@dataclass(frozen=True)
+class LoadDraft:
+    """Load a draft model for speculative="draft" requests; spec None drops it."""
+
+    spec: str | None
+    options: dict[str, Any]
+    done: threading.Event
+
+
+@dataclass(frozen=True)
+class DropConversation:
+    """Forget a conversation's cached prefix."""
+
+    conversation_id: str
+
+
+@dataclass(frozen=True)
+class AdoptCache:
+    """Make source's cached prefix target's own (a kept alternative)."""
+
+    source: str
+    target: str
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Stop the engine thread after what is queued before it."""
+
+
+CacheCommand = DropConversation | AdoptCache
 
 
 class Engine(EventSource, Backend):
@@ -152,7 +184,7 @@ class Engine(EventSource, Backend):
         self._inbox: queue.Queue[Any] = queue.Queue()
         self._init_listeners()
         self._thread = threading.Thread(target=self._run, name="phasewise-engine", daemon=True)
-        self._loaded: LoadedModel | None = None
+        self._loaded: runtimes.Model | None = None  # a torch LoadedModel or a LlamaCppModel
         self._prefix_cache: PrefixCache | None = None
         self._draft: DraftModel | None = None  # for speculative="draft"; dropped on model change
         self._cache_budget = cache_budget_bytes
@@ -169,7 +201,7 @@ class Engine(EventSource, Backend):
     def shutdown(self, timeout: float = 10.0) -> None:
         """Cancel everything, stop the thread, free the model."""
         self.cancel_all()
-        self._inbox.put(_STOP)
+        self._inbox.put(Shutdown())
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -185,8 +217,12 @@ class Engine(EventSource, Backend):
     @property
     def capabilities(self) -> Capabilities:
         """Alternatives share one prefill where the model's cache batches row-wise (plain
-        full-attention layers); otherwise they run one after another."""
-        return replace(LOCAL_CAPABILITIES, shared_prefill_alternatives=self._batching)
+        full-attention layers); otherwise they run one after another. The llama.cpp
+        engine speculates by prompt lookup only."""
+        caps = replace(LOCAL_CAPABILITIES, shared_prefill_alternatives=self._batching)
+        if self._loaded is not None and runtimes.is_llama_cpp(self._loaded):
+            caps = replace(caps, speculative=("ngram",), draft_model=False)
+        return caps
 
     @property
     def prefix_cache(self) -> PrefixCache | None:
@@ -198,9 +234,10 @@ class Engine(EventSource, Backend):
         """Queue a model load; on failure the old model stays. Returns an event set when done.
 
         options: load_model's keywords, plus kernel="auto" (measure and pick the fastest
-        decode path) or a name from engine.kernels.KERNELS."""
+        decode path) or a name from engine.kernels.KERNELS, and engine="auto" | "torch" |
+        "llama.cpp" (engine.runtimes: auto runs a GGUF on llama.cpp when there is no GPU)."""
         done = threading.Event()
-        self._inbox.put(_LoadCommand(spec, options, done))
+        self._inbox.put(LoadModel(spec, options, done))
         return done
 
     def load_model_sync(self, spec: str = "default", timeout: float | None = None,
@@ -228,7 +265,7 @@ class Engine(EventSource, Backend):
         """Queue a draft model load (None drops it); the outcome arrives as DraftModelChanged
         or ModelLoadFailed(draft=True). Returns an event set when done."""
         done = threading.Event()
-        self._inbox.put(_LoadCommand(spec or "", {**options, _DRAFT: spec is not None}, done))
+        self._inbox.put(LoadDraft(spec, options, done))
         return done
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
@@ -265,24 +302,24 @@ class Engine(EventSource, Backend):
 
     def drop_conversation(self, conversation_id: str) -> None:
         """Forget a conversation's cached prefix (e.g. the chat was deleted)."""
-        self._inbox.put(("drop", conversation_id))
+        self._inbox.put(DropConversation(conversation_id))
 
     def keep_alternative(self, conversation_id: str, index: int, count: int) -> None:
         """The user kept alternative `index` of `count`: its cached prefix becomes the
         conversation's own and the other alternatives' entries are dropped."""
         siblings = [alternative_cache_key(conversation_id, i) for i in range(1, count)]
         if index:
-            self._inbox.put(("adopt", alternative_cache_key(conversation_id, index),
-                             conversation_id))
+            self._inbox.put(AdoptCache(alternative_cache_key(conversation_id, index),
+                                       conversation_id))
         for key in siblings:
-            self._inbox.put(("drop", key))
+            self._inbox.put(DropConversation(key))
 
     # ----- engine thread ---------------------------------------------------------------
     def _run(self) -> None:
         item: Any = None  # an item the batch loop took from the inbox but could not serve
         while True:
             item = self._inbox.get() if item is None else item
-            if item is _STOP:
+            if isinstance(item, Shutdown):
                 break
             current, item = item, None
             try:
@@ -297,17 +334,20 @@ class Engine(EventSource, Backend):
                     self._handle_command(current)
             except Exception:  # never let the engine thread die
                 log.exception("engine thread error")
-        self._loaded = None
         self._prefix_cache = None
         self._draft = None
+        runtimes.close(self._loaded)
+        self._loaded = None
 
     def _handle_command(self, item: Any) -> None:
-        if isinstance(item, _LoadCommand):
+        if isinstance(item, LoadModel):
             self._load(item)
-        elif isinstance(item, tuple) and item[0] == "drop" and self._prefix_cache:
-            self._prefix_cache.drop(item[1])
-        elif isinstance(item, tuple) and item[0] == "adopt" and self._prefix_cache:
-            self._prefix_cache.adopt(item[1], item[2])
+        elif isinstance(item, LoadDraft):
+            self._load_draft(item)
+        elif isinstance(item, DropConversation) and self._prefix_cache:
+            self._prefix_cache.drop(item.conversation_id)
+        elif isinstance(item, AdoptCache) and self._prefix_cache:
+            self._prefix_cache.adopt(item.source, item.target)
 
     def _joins_batch(self, item: Any) -> bool:
         if not self._batching or self._loaded is None:
@@ -321,7 +361,8 @@ class Engine(EventSource, Backend):
         leave, until the batch is empty. Returns the first inbox item that cannot join (a
         load, a speculative request, stop): nothing queued after it joins, keeping order."""
         assert self._loaded is not None and self._prefix_cache is not None
-        batcher = Batcher(self._loaded, self._prefix_cache, self._deliver, self._end_job)
+        batcher = runtimes.new_batcher(self._loaded, self._prefix_cache, self._deliver,
+                                       self._end_job)
         waiting: deque[_Job | _Group] = deque([first])
         blocked: Any = None
         try:
@@ -350,7 +391,7 @@ class Engine(EventSource, Backend):
                 return None
             if self._joins_batch(item):
                 waiting.append(item)
-            elif isinstance(item, tuple) and item[0] in ("drop", "adopt"):
+            elif isinstance(item, CacheCommand):
                 self._handle_command(item)
             else:
                 return item
@@ -369,45 +410,40 @@ class Engine(EventSource, Backend):
             with self._lock:
                 self._active.pop(request_id, None)
 
-    def _load(self, cmd: _LoadCommand) -> None:
+    def _load(self, cmd: LoadModel) -> None:
         start = time.perf_counter()
-        options = dict(cmd.options)
-        if _DRAFT in options:
-            self._load_draft(cmd.spec if options.pop(_DRAFT) else None, options, cmd)
-            return
-        kernel = options.pop("kernel", AUTO)
         try:
-            loaded = load_model(cmd.spec, progress=self._load_progress, **options)
-            loaded = select_kernel(loaded, kernel, progress=self._load_progress)
-            self._broadcast(ModelLoading(now_ns(), "warming up"))
-            warm_up(loaded)
+            loaded = runtimes.load(cmd.spec, progress=self._load_progress, **cmd.options)
         except PhasewiseError as exc:
             self._fail_load(str(exc), cmd)
             return
         except Exception as exc:
             self._fail_load(f"cannot load {cmd.spec}: {exc}".splitlines()[0], cmd)
             return
-        had_model = self._loaded is not None
-        self._loaded = loaded
-        self._batching = cache_supports_batching(loaded)
+        old, self._loaded = self._loaded, loaded
+        self._batching = runtimes.supports_batching(loaded)
         if self._draft is not None:  # it was checked against the old model's vocabulary
             self._draft = None
             self._broadcast(DraftModelChanged(now_ns(), None))
         budget = self._cache_budget or default_cache_budget(loaded.device.type)
-        if self._prefix_cache is None:
-            self._prefix_cache = PrefixCache(loaded.model.config, budget)
-        else:
-            self._prefix_cache.reset(model_changed=had_model, config=loaded.model.config)
-            self._prefix_cache.budget_bytes = budget
+        self._prefix_cache = runtimes.switch_prefix_cache(self._prefix_cache, old, loaded,
+                                                          budget)
+        if old is not loaded:
+            runtimes.close(old)
         self._broadcast(ModelLoaded(now_ns(), loaded.info, time.perf_counter() - start))
         cmd.done.set()
 
-    def _load_draft(self, spec: str | None, options: dict[str, Any], cmd: _LoadCommand) -> None:
+    def _load_draft(self, cmd: LoadDraft) -> None:
+        spec, options = cmd.spec, cmd.options
         if spec is None:
             self._draft = None
             self._broadcast(DraftModelChanged(now_ns(), None))
         elif self._loaded is None:
             self._fail_load("load a model before its draft model", cmd, draft=True)
+            return
+        elif runtimes.is_llama_cpp(self._loaded):
+            self._fail_load("draft models run on the torch engine (--engine torch); the "
+                            "llama.cpp engine speculates by prompt lookup", cmd, draft=True)
             return
         else:
             try:
@@ -427,7 +463,8 @@ class Engine(EventSource, Backend):
     def _load_progress(self, stage: str) -> None:
         self._broadcast(ModelLoading(now_ns(), stage))
 
-    def _fail_load(self, message: str, cmd: _LoadCommand, *, draft: bool = False) -> None:
+    def _fail_load(self, message: str, cmd: LoadModel | LoadDraft, *,
+                   draft: bool = False) -> None:
         self.last_load_error = message
         self._broadcast(ModelLoadFailed(now_ns(), message, draft))
         cmd.done.set()
@@ -437,7 +474,7 @@ class Engine(EventSource, Backend):
         try:
             if self._loaded is None or self._prefix_cache is None:
                 raise PhasewiseError("no model is loaded")
-            session = DecodeSession(self._loaded, self._prefix_cache, draft=self._draft)
+            session = runtimes.new_session(self._loaded, self._prefix_cache, self._draft)
             result = session.run(job.handle.request, job.timeline, job.cancel,
                                  lambda ev: self._deliver(job, ev))
             self._deliver(job, RequestFinished(request_id, now_ns(), result))

@@ -1,0 +1,216 @@
+"""Continuous batching on llama.cpp: each row is a KV sequence, one llama_batch per step.
+
+A joining request is prefilled on its own lease's sequence (as when it runs alone); then each
+step puts every row's last token, at its own position on its own sequence, into one
+llama_decode. Nothing is re-packed when rows join or leave: a leaving row's sequence goes
+back to the prefix cache as it is. N alternatives of one prompt share one prefill: the
+others' sequences are seq_cp copies of the first (cells shared), each samples with its own
+generator. Runs only on the engine thread; the worker drives it like engine/batching.py's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.batching import MAX_BATCH, BatchJob, Done, Emit, Row, alternative_cache_key
+from engine.detok import IncrementalDetokenizer, StopMatcher
+from engine.events import FinishReason, GenerationResult, PrefillStarted, TextFlushed
+from engine.generate import (
+    SNAPSHOT_INTERVAL_NS,
+    now_ns,
+    prepare_prompt,
+    sampler_snapshot,
+    template_stops,
+    token_event,
+    token_text,
+)
+from engine.llamacpp.decode import decode, feed
+from engine.llamacpp.model import LlamaCppModel
+from engine.llamacpp.prefix_pool import SeqPrefixCache
+from engine.llamacpp.session import eos_ids
+from engine.metrics import compute_metrics
+from engine.sampling import make_generator, sample_token
+
+
+class LlamaBatcher:
+    """admit (prefill + join), step (one llama_decode for all rows), leave."""
+
+    def __init__(self, loaded: LlamaCppModel, prefix_cache: SeqPrefixCache, emit: Emit,
+                 done: Done) -> None:
+        self.loaded = loaded
+        self.prefix_cache = prefix_cache
+        self._emit = emit
+        self._done = done
+        self.eos_ids = eos_ids(loaded)
+        self.stops = template_stops(loaded)  # type: ignore[arg-type]  # reads .info only
+        self.rows: list[Row] = []
+        self.steps = 0
+
+    @property
+    def room(self) -> int:
+        return MAX_BATCH - len(self.rows)
+
+    # ----- joining ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def admit(self, jobs: Sequence[BatchJob]) -> None:
+        """Prefill one request (or one prompt shared by N alternatives) and join the batch.
+        A request that ends at its first token (or fails) never joins."""
+        try:
+            row, logits = self._prefill(jobs[0])
+        except Exception as exc:
+            for job in jobs:
+                self._done(job, None, exc)
+            return
+        rows = [row]
+        for i, job in enumerate(jobs[1:], 1):
+            try:
+                rows.append(self._sibling(job, row, i))
+            except Exception as exc:
+                self._done(job, None, exc)
+        for r in rows:
+            try:
+                self._take_token(r, logits)
+            except Exception as exc:
+                self.prefix_cache.discard(r.lease)
+                self._done(r.job, None, exc)
+                continue
+            if r.finish is None:
+                self.rows.append(r)
+            else:
+                self._finish(r)
+
+    def _prefill(self, job: BatchJob) -> tuple[Row, torch.Tensor]:
+        request, timeline = job.request, job.timeline
+        timeline.prefill_start_ns = now_ns()
+        prompt = prepare_prompt(self.loaded, request)  # type: ignore[arg-type]
+        pool = self.prefix_cache
+        if request.reuse_cache:
+            lease = pool.acquire(request.conversation_id, prompt.ids, prompt.layout)
+        else:
+            lease = pool.cold_lease(request.conversation_id)
+        self._emit(job, PrefillStarted(request.request_id, timeline.prefill_start_ns,
+                                       len(prompt.ids), lease.cached_tokens, lease.miss_reason))
+        row = self._new_row(job, prompt.ids, lease)
+        try:
+            if job.cancel.is_set() or not feed(self.loaded, pool, lease,
+                                               prompt.ids[lease.cached_tokens :], 1, job.cancel):
+                return row, torch.empty(0)
+        except BaseException:
+            pool.discard(lease)
+            raise
+        timeline.first_logits_ns = now_ns()
+        return row, self.loaded.logits(1)[0]
+
+    def _sibling(self, job: BatchJob, source: Row, index: int) -> Row:
+        """An alternative of source's prompt: its sequence is a copy of source's prefill."""
+        timeline, src = job.timeline, source.job.timeline
+        timeline.prefill_start_ns = src.prefill_start_ns
+        timeline.first_logits_ns = src.first_logits_ns
+        ids = list(source.lease.ids)
+        key = alternative_cache_key(source.lease.conversation_id, index)
+        lease = self.prefix_cache.lease_for(key, ids)
+        self.loaded.llama_cpp.llama_memory_seq_cp(self.loaded.memory, source.lease.cache,
+                                                  lease.cache, -1, -1)
+        self._emit(job, PrefillStarted(job.request.request_id, timeline.prefill_start_ns,
+                                       len(ids), len(ids), "none"))
+        return self._new_row(job, list(source.prompt_ids), lease)
+
+    def _new_row(self, job: BatchJob, prompt_ids: list[int], lease: object) -> Row:
+        params = job.request.params
+        budget = min(params.max_tokens, self.loaded.info.context_length - len(prompt_ids))
+        generator = None if params.greedy else make_generator(params.seed, "cpu")
+        return Row(job, prompt_ids, lease, budget, generator,  # type: ignore[arg-type]
+                   IncrementalDetokenizer(self.loaded.tokenizer),
+                   StopMatcher(tuple(params.stop) + self.stops))
+
+    # ----- decoding --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> None:
+        """Rows cancelled since the last step leave; then one llama_decode over all rows, one
+        token each. A decode error fails every row (their sequences are cleared)."""
+        self._leave([r for r in self.rows if r.job.cancel.is_set()], "cancelled")
+        if not self.rows:
+            return
+        rows = self.rows
+        try:
+            decode(self.loaded, self.prefix_cache, [r.generated[-1] for r in rows],
+                   [r.kv_len for r in rows], [r.lease.cache for r in rows], [True] * len(rows))
+        except Exception as exc:
+            self.rows = []
+            for row in rows:
+                self.prefix_cache.discard(row.lease)
+                self._done(row.job, None, exc)
+            return
+        self.steps += 1
+        logits = self.loaded.logits(len(rows))
+        failed = []
+        for i, row in enumerate(rows):
+            row.lease.ids.append(row.generated[-1])
+            try:
+                self._take_token(row, logits[i])
+            except Exception as exc:
+                failed.append((row, exc))
+        for row, exc in failed:
+            self.rows.remove(row)
+            self.prefix_cache.discard(row.lease)
+            self._done(row.job, None, exc)
+        self._leave([r for r in self.rows if r.finish is not None], None)
+
+    def _take_token(self, row: Row, logits: torch.Tensor) -> None:
+        """Sample and emit one token for row; set row.finish if the reply ends here."""
+        if not row.generated and (row.job.cancel.is_set() or not logits.numel()):
+            row.finish = "cancelled"  # stopped before its prefill ran
+            return
+        params = row.request.params
+        seen = row.prompt_ids + row.generated if params.repetition_penalty != 1.0 else ()
+        token = sample_token(logits, params, row.generator, seen)
+        t = now_ns()
+        if not row.generated or t - row.last_snapshot_ns >= SNAPSHOT_INTERVAL_NS:
+            row.last_snapshot_ns = t
+            self._emit(row.job, sampler_snapshot(self.loaded.tokenizer, row.request, logits,
+                                                 token, len(row.generated), t))
+        row.generated.append(token)
+        text, ends = token_text(token, self.eos_ids, params.ignore_eos, row.detok, row.stopper)
+        self._emit(row.job, token_event(row.request.request_id, row.job.timeline, token, text))
+        row.finish = "stop" if ends else None
+        if row.finish is None and len(row.generated) >= row.budget:
+            row.finish = "length"
+        if row.finish is None and row.job.cancel.is_set():
+            row.finish = "cancelled"
+
+    # ----- leaving ---------------------------------------------------------------------------
+    def _leave(self, leaving: list[Row], reason: FinishReason | None) -> None:
+        for row in leaving:
+            self.rows.remove(row)
+            row.finish = row.finish or reason
+            self._finish(row)
+
+    def _finish(self, row: Row) -> None:
+        """Hand the row's sequence (prompt + fed tokens) to the prefix cache, report."""
+        lease = row.lease
+        length = min(row.kv_len, len(lease.ids))
+        if len(lease.ids) > length:
+            self.prefix_cache.crop(lease.cache, length)
+            del lease.ids[length:]
+        self.prefix_cache.release(lease)
+        self._done(row.job, self._result(row), None)
+
+    def _result(self, row: Row) -> GenerationResult:
+        request, timeline = row.request, row.job.timeline
+        finish: FinishReason = row.finish or "length"
+        if finish != "stop":
+            tail = row.stopper.feed(row.detok.flush()) + row.stopper.flush()
+            if tail:
+                self._emit(row.job, TextFlushed(request.request_id, now_ns(), tail))
+        timeline.done_ns = now_ns()
+        info = self.loaded.info
+        metrics = compute_metrics(
+            timeline, prompt_tokens=len(row.prompt_ids), cached_tokens=row.lease.cached_tokens,
+            parameters=info.parameters, weight_bytes_per_step=info.weight_bytes_per_step,
+            cache_miss_reason=row.lease.miss_reason)
+        return GenerationResult(
+            request_id=request.request_id, text=row.stopper.emitted, finish_reason=finish,
+            token_ids=list(row.generated), prompt_token_ids=row.prompt_ids, metrics=metrics,
+            model=info)

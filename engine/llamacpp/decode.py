@@ -1,0 +1,100 @@
+"""One llama_decode over a batch of (token, position, sequence) rows, with KV-full recovery.
+
+The batch is allocated once per model (llama_batch_init) and written through numpy views of
+its arrays. When llama.cpp finds no free KV cell (return code 1; the memory is left as it
+was) the least recently used cached prefix is evicted and the decode retried.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from engine.errors import PhasewiseError
+from engine.llamacpp.model import LlamaCppModel
+from engine.llamacpp.prefix_pool import KvFullError, SeqPrefixCache
+from engine.prefix_cache import CacheLease
+
+NO_KV_SLOT = 1
+
+
+class BatchWriter:
+    """Numpy views over a llama_batch's arrays (no per-token ctypes calls except seq ids)."""
+
+    def __init__(self, loaded: LlamaCppModel) -> None:
+        batch, n = loaded.batch, loaded.n_batch
+        self.batch = batch
+        self.capacity = n
+        self.token = np.ctypeslib.as_array(batch.token, shape=(n,))
+        self.pos = np.ctypeslib.as_array(batch.pos, shape=(n,))
+        self.n_seq_id = np.ctypeslib.as_array(batch.n_seq_id, shape=(n,))
+        self.logits = np.ctypeslib.as_array(batch.logits, shape=(n,))
+        self._seq_rows = [batch.seq_id[i] for i in range(n)]
+
+    def fill(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int],
+             outputs: Sequence[bool]) -> None:
+        n = len(tokens)
+        if n > self.capacity:
+            raise ValueError(f"{n} tokens exceed the batch of {self.capacity}")
+        self.token[:n] = tokens
+        self.pos[:n] = positions
+        self.n_seq_id[:n] = 1
+        self.logits[:n] = outputs
+        rows = self._seq_rows
+        for i, seq in enumerate(seqs):
+            rows[i][0] = seq
+        self.batch.n_tokens = n
+
+
+_writers: dict[int, BatchWriter] = {}
+
+
+def writer_for(loaded: LlamaCppModel) -> BatchWriter:
+    writer = _writers.get(id(loaded.batch))
+    if writer is None or writer.batch is not loaded.batch:
+        writer = _writers[id(loaded.batch)] = BatchWriter(loaded)
+    return writer
+
+
+def decode(loaded: LlamaCppModel, pool: SeqPrefixCache, tokens: Sequence[int],
+           positions: Sequence[int], seqs: Sequence[int], outputs: Sequence[bool]) -> None:
+    """Run one batch (at most loaded.n_batch tokens) through the model."""
+    writer_for(loaded).fill(tokens, positions, seqs, outputs)
+    lib = loaded.llama_cpp
+    while True:
+        code = lib.llama_decode(loaded.ctx, loaded.batch)
+        if code == 0:
+            return
+        if code == NO_KV_SLOT and pool.evict_oldest():
+            continue
+        if code == NO_KV_SLOT:
+            raise KvFullError(
+                f"the KV cache is full ({loaded.info.context_length} tokens shared by the "
+                "running replies): wait for one to finish, or load a larger context")
+        raise PhasewiseError(f"llama.cpp failed to decode a batch (code {code})")
+
+
+def feed(loaded: LlamaCppModel, pool: SeqPrefixCache, lease: CacheLease, ids: Sequence[int],
+         rows: int = 1, cancel: threading.Event | None = None) -> bool:
+    """Append ids to the lease's sequence, in batches from the first token (as
+    llama-cpp-python's Llama.eval splits them), with logits for the last `rows` tokens; the
+    lease's ids follow each batch. False if cancel was set between two batches."""
+    n = len(ids)
+    if not 1 <= rows <= n:
+        raise ValueError(f"need 1 <= rows <= {n}")
+    step = loaded.n_batch
+    for begin in range(0, n, step):
+        if begin and cancel is not None and cancel.is_set():
+            return False
+        chunk = list(ids[begin : begin + step])
+        end = begin + len(chunk)
+        if end == n and len(chunk) < rows:
+            raise ValueError("the logits rows straddle two batches")
+        start = len(lease.ids)
+        outputs = [i >= n - rows for i in range(begin, end)]
+        decode(loaded, pool, chunk, range(start, start + len(chunk)),
+               [lease.cache] * len(chunk), outputs)
+        lease.ids.extend(chunk)
+    return True

@@ -1,0 +1,284 @@
+"""Load a GGUF file into llama.cpp through llama-cpp-python's low-level API.
+
+One model, one context whose KV memory is unified across `n_seq_max` sequences: the prefix
+pool and the batch rows are sequences in it, so sharing a prefix is `seq_cp` (cells shared,
+nothing copied) and rolling back is `seq_rm`. Only the engine thread touches a LlamaCppModel.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.errors import ModelLoadError
+from engine.events import ModelInfo
+from engine.llamacpp.tokenizer import LlamaCppTokenizer
+
+LLAMA_CPP = "llama.cpp"
+DEFAULT_CONTEXT = 8192  # tokens, shared by every cached and running sequence
+BATCH_TOKENS = 512  # tokens per llama_decode (llama-cpp-python's Llama default n_batch)
+N_SEQ_MAX = 32  # sequences: the prefix pool's entries plus the running rows
+LOG_LINES = 20  # llama.cpp log lines kept to explain a failure
+
+Progress = Callable[[str], None]
+log = logging.getLogger(__name__)
+_log_tail: collections.deque[str] = collections.deque(maxlen=LOG_LINES)
+_log_callback: Any = None  # keeps the ctypes callback alive while llama.cpp may call it
+_backend_ready = False
+
+
+def import_llama_cpp() -> Any:
+    """The llama_cpp module, or ModelLoadError saying how to get it."""
+    try:
+        import llama_cpp
+    except ImportError:
+        raise ModelLoadError(
+            "the llama.cpp engine needs llama-cpp-python: run `make llama-cpp`, or use "
+            "--engine torch") from None
+    return llama_cpp
+
+
+def _init_backend(llama_cpp: Any) -> None:
+    """Once per process: route llama.cpp's log into ours (kept for error messages)."""
+    global _backend_ready, _log_callback
+    if _backend_ready:
+        return
+
+    @llama_cpp.llama_log_callback
+    def on_log(level: int, text: bytes, _user: Any) -> None:
+        line = text.decode("utf-8", "replace").strip()
+        if line:
+            _log_tail.append(line)
+            log.debug("llama.cpp: %s", line)
+
+    _log_callback = on_log
+    llama_cpp.llama_log_set(on_log, ctypes.c_void_p(0))
+    llama_cpp.llama_backend_init()
+    _backend_ready = True
+
+
+def physical_cores() -> int:
+    """Threads for llama.cpp: one per physical core (hyper-threads only contend for the
+    same memory bandwidth)."""
+    try:
+        import psutil
+
+        cores = psutil.cpu_count(logical=False)
+    except ImportError:
+        cores = None
+    return max(1, cores or os.cpu_count() or 1)
+
+
+@dataclass
+class LlamaCppModel:
+    """A GGUF loaded into llama.cpp: model, context (KV memory), a reusable batch, and the
+    tokenizer adapter. Looks like engine.loader.LoadedModel to the engine (info, tokenizer,
+    device)."""
+
+    llama_cpp: Any
+    model: Any
+    ctx: Any
+    memory: Any
+    vocab: Any
+    tokenizer: LlamaCppTokenizer
+    info: ModelInfo
+    n_vocab: int
+    n_batch: int
+    n_seq_max: int
+    n_threads: int
+    kv_bytes_per_token: int
+    batch: Any = None
+    eog_ids: set[int] | None = None  # end-of-generation tokens, filled on first use
+    _views: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def logits(self, rows: int) -> torch.Tensor:
+        """The last decode's output logits, shape (rows, vocab), a view of llama.cpp's buffer
+        (no copy): valid until the next decode."""
+        pointer = self.llama_cpp.llama_get_logits(self.ctx)
+        address = ctypes.addressof(pointer.contents)
+        view = self._views.get((address, rows))
+        if view is None:
+            array = np.ctypeslib.as_array(pointer, shape=(rows, self.n_vocab))
+            view = self._views[(address, rows)] = torch.from_numpy(array)
+        return view
+
+    def close(self) -> None:
+        """Free the batch, context and model (the engine drops the object afterwards)."""
+        lib = self.llama_cpp
+        if self.batch is not None:
+            lib.llama_batch_free(self.batch)
+            self.batch = None
+        if self.ctx is not None:
+            lib.llama_free(self.ctx)
+            self.ctx = None
+        if self.model is not None:
+            lib.llama_model_free(self.model)
+            self.model = None
+        self._views.clear()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at shutdown the library may be gone already
+            self.close()
+
+
+def load_gguf(
+    path: Path,
+    *,
+    name: str,
+    source: str,
+    context_length: int | None = None,
+    n_threads: int | None = None,
+    progress: Progress | None = None,
+) -> LlamaCppModel:
+    """Load a GGUF into llama.cpp; ModelLoadError with one actionable line on failure."""
+    notify = progress or (lambda _m: None)
+    llama_cpp = import_llama_cpp()
+    _init_backend(llama_cpp)
+    _check_readable(path)
+    notify("loading GGUF into llama.cpp")
+    _log_tail.clear()
+    params = llama_cpp.llama_model_default_params()
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+    if not model:
+        raise ModelLoadError(_load_failure(path))
+    try:
+        return _with_context(llama_cpp, model, path, name, source, context_length, n_threads)
+    except BaseException:
+        llama_cpp.llama_model_free(model)
+        raise
+
+
+def _with_context(llama_cpp: Any, model: Any, path: Path, name: str, source: str,
+                  context_length: int | None, n_threads: int | None) -> LlamaCppModel:
+    trained = llama_cpp.llama_model_n_ctx_train(model)
+    n_ctx = min(trained, context_length or DEFAULT_CONTEXT)
+    threads = n_threads or physical_cores()
+    cparams = llama_cpp.llama_context_default_params()
+    cparams.n_ctx = n_ctx
+    cparams.n_batch = cparams.n_ubatch = min(BATCH_TOKENS, n_ctx)
+    cparams.n_seq_max = min(N_SEQ_MAX, llama_cpp.llama_max_parallel_sequences())
+    cparams.n_threads = cparams.n_threads_batch = threads
+    # As llama-cpp-python's Llama (the parity peer) runs it: same kernels, same numbers.
+    cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    cparams.kv_unified = True  # one cell pool: seq_cp shares cells, sequences vary in length
+    cparams.swa_full = True  # sliding-window layers keep what a rollback to a prefix needs
+    cparams.no_perf = True
+    kv_per_token = _kv_bytes_per_token(llama_cpp, model)
+    _log_tail.clear()
+    ctx = llama_cpp.llama_init_from_model(model, cparams)
+    if not ctx:
+        need = kv_per_token * n_ctx / 2**20
+        raise ModelLoadError(
+            f"llama.cpp could not allocate a {n_ctx}-token context for {path.name} (about "
+            f"{need:.0f} MiB of KV cache; {_last_error() or 'out of memory'}): try a smaller "
+            "context (context_length)")
+    vocab = llama_cpp.llama_model_get_vocab(model)
+    tokenizer = LlamaCppTokenizer(llama_cpp, model, vocab)
+    info = ModelInfo(
+        name=name,
+        source=source,
+        path=str(path),
+        device="cpu",
+        dtype=_file_type(llama_cpp, model),
+        context_length=n_ctx,
+        parameters=int(llama_cpp.llama_model_n_params(model)),
+        weight_bytes_per_step=weight_bytes_per_step(path, int(llama_cpp.llama_model_size(model))),
+        kernel=f"llama.cpp-{threads}t",
+        template_fallback=tokenizer.chat_template is None,
+        engine=LLAMA_CPP,
+    )
+    loaded = LlamaCppModel(
+        llama_cpp=llama_cpp, model=model, ctx=ctx, memory=llama_cpp.llama_get_memory(ctx),
+        vocab=vocab, tokenizer=tokenizer, info=info,
+        n_vocab=int(llama_cpp.llama_vocab_n_tokens(vocab)), n_batch=int(cparams.n_batch),
+        n_seq_max=int(cparams.n_seq_max), n_threads=threads, kv_bytes_per_token=kv_per_token,
+    )
+    loaded.batch = llama_cpp.llama_batch_init(loaded.n_batch, 0, loaded.n_seq_max)
+    return loaded
+
+
+def _check_readable(path: Path) -> None:
+    try:
+        with path.open("rb") as fh:
+            magic = fh.read(4)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path} is not a GGUF file (bad magic bytes)")
+
+
+def _last_error() -> str:
+    for line in reversed(_log_tail):
+        if "error" in line.lower() or "failed" in line.lower():
+            return line
+    return _log_tail[-1] if _log_tail else ""
+
+
+def _load_failure(path: Path) -> str:
+    """One line for a file llama.cpp refused, from what its log said."""
+    text = "\n".join(_log_tail)
+    marker = "unknown model architecture:"
+    if marker in text:
+        arch = text.split(marker, 1)[1].split("\n", 1)[0].strip().strip("'\"")
+        return (f"llama.cpp does not support the architecture {arch!r} of {path.name}: "
+                "try --engine torch")
+    detail = _last_error()
+    return f"llama.cpp cannot read {path.name} (corrupt or unsupported GGUF)" + (
+        f": {detail}" if detail else "")
+
+
+def _file_type(llama_cpp: Any, model: Any) -> str:
+    """The model's description, e.g. 'llama ?B Q4_1' -> 'Q4_1'."""
+    buf = ctypes.create_string_buffer(256)
+    llama_cpp.llama_model_desc(model, buf, len(buf))
+    words = buf.value.decode("utf-8", "replace").split()
+    return words[-1] if words else "gguf"
+
+
+def _kv_bytes_per_token(llama_cpp: Any, model: Any) -> int:
+    """f16 keys and values of every layer for one position."""
+    n_head = max(1, llama_cpp.llama_model_n_head(model))
+    head_dim = llama_cpp.llama_model_n_embd(model) // n_head
+    kv_heads = llama_cpp.llama_model_n_head_kv(model)
+    return int(llama_cpp.llama_model_n_layer(model)) * 2 * kv_heads * head_dim * 2
+
+
+def weight_bytes_per_step(path: Path, total: int) -> int:
+    """Quantized bytes one decode step reads: every tensor in the file once, except an input
+    embedding table separate from the output head, of which a step reads a single row."""
+    try:
+        from gguf import GGUFReader
+
+        tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    except Exception:  # gguf absent or unreadable: the whole file's tensors
+        return total
+    embed = tensors.get("token_embd.weight")
+    if embed is None or "output.weight" not in tensors:
+        return total  # tied: the table is also the output head and is read in full
+    rows = int(embed.shape[-1]) if len(embed.shape) > 1 else 1
+    return total - int(embed.n_bytes) + int(embed.n_bytes) // max(rows, 1)
+
+
+def warm_up_llama(loaded: LlamaCppModel) -> None:
+    """Decode a few tokens on a scratch sequence, then clear the memory, so the first reply
+    does not pay llama.cpp's one-time graph and buffer set-up inside its measured prefill."""
+    lib = loaded.llama_cpp
+    tokens = lib.llama_token * 4
+    token = loaded.tokenizer.bos_token_id or loaded.tokenizer.eos_token_id or 0
+    batch = lib.llama_batch_get_one(tokens(*([token] * 4)), 4)
+    lib.llama_decode(loaded.ctx, batch)
+    lib.llama_memory_clear(loaded.memory, True)

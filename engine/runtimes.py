@@ -1,0 +1,177 @@
+"""Which runtime runs a model, and the few things that differ between them.
+
+Two local runtimes share the engine thread, the events and the metrics: torch (any Hugging
+Face folder, GPU first) and llama.cpp (GGUF files, quantized, on CPU). `auto` runs a .gguf
+(and the bundled default GGUF) on llama.cpp when no CUDA device is present and
+llama-cpp-python is installed, torch otherwise; a folder or hub id always runs on torch.
+The engine thread and the benchmarks ask this module for a model's session, batcher and
+prefix cache instead of building the torch ones directly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from engine.errors import ModelLoadError
+from engine.loader import (
+    DEFAULT_MODEL_NAME,
+    bundled_model_dir,
+    classify,
+    default_gguf_path,
+    load_model,
+)
+from engine.prefix_cache import PrefixCache
+
+AUTO = "auto"
+TORCH = "torch"
+LLAMA_CPP = "llama.cpp"
+ENGINES = (AUTO, TORCH, LLAMA_CPP)
+
+Progress = Callable[[str], None]
+Model = Any  # LoadedModel (torch) or engine.llamacpp.model.LlamaCppModel
+
+
+def llama_cpp_installed() -> bool:
+    """llama-cpp-python is importable (found without loading its native library)."""
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def cuda_present() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def resolve_engine(spec: str, engine: str = AUTO, device: str = AUTO) -> str:
+    """TORCH or LLAMA_CPP for this model spec; ModelLoadError for an impossible choice."""
+    if engine not in ENGINES:
+        raise ModelLoadError(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
+    kind = classify(spec)
+    if engine == TORCH:
+        return TORCH
+    if engine == LLAMA_CPP:
+        if kind not in ("default", "gguf"):
+            raise ModelLoadError(f"the llama.cpp engine runs .gguf files; {spec} is not one "
+                                 "(use --engine torch)")
+        if device not in (AUTO, "cpu"):
+            raise ModelLoadError(f"the llama.cpp engine runs on the CPU here (got --device "
+                                 f"{device}; use --engine torch)")
+        return LLAMA_CPP
+    gguf_like = kind == "gguf" or (kind == "default" and bundled_model_dir() is None)
+    if gguf_like and device in (AUTO, "cpu") and llama_cpp_installed() and not cuda_present():
+        return LLAMA_CPP
+    return TORCH
+
+
+def gguf_path(spec: str) -> tuple[Path, str, str]:
+    """(file, display name, source) for a spec the llama.cpp engine can run."""
+    if classify(spec) == "default":
+        return default_gguf_path(), DEFAULT_MODEL_NAME, "default"
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise ModelLoadError(f"model not found: {spec} (no such file)")
+    return path, path.stem, "gguf"
+
+
+def load(spec: str, engine: str = AUTO, *, kernel: str = AUTO, device: str = AUTO,
+         progress: Progress | None = None, context_length: int | None = None,
+         **torch_options: Any) -> Model:
+    """Load a model on the runtime `engine` resolves to, with its decode path chosen and
+    warmed up; ModelLoadError with one line on failure."""
+    if resolve_engine(spec, engine, device) == TORCH:
+        from engine.generate import warm_up
+        from engine.kernels import select_kernel
+
+        loaded = load_model(spec, device=device, progress=progress, **torch_options)
+        loaded = select_kernel(loaded, kernel, progress=progress)
+        if progress:
+            progress("warming up")
+        warm_up(loaded)
+        return loaded
+    if kernel != AUTO:
+        raise ModelLoadError("--kernel chooses a torch decode path; the llama.cpp engine runs "
+                             "the GGUF's own quantization (or use --engine torch)")
+    from engine.llamacpp.model import load_gguf, warm_up_llama
+
+    path, name, source = gguf_path(spec)
+    loaded = load_gguf(path, name=name, source=source, context_length=context_length,
+                       progress=progress)
+    if progress:
+        progress("warming up")
+    warm_up_llama(loaded)
+    return loaded
+
+
+def is_llama_cpp(loaded: Model) -> bool:
+    return loaded.info.engine == LLAMA_CPP
+
+
+def new_prefix_cache(loaded: Model, budget_bytes: int) -> PrefixCache:
+    """The prefix cache for this model: KV tensors (torch) or KV sequences (llama.cpp)."""
+    if is_llama_cpp(loaded):
+        from engine.llamacpp.prefix_pool import SeqPrefixCache
+
+        return SeqPrefixCache(loaded, budget_bytes)
+    return PrefixCache(loaded.model.config, budget_bytes)
+
+
+def new_session(loaded: Model, prefix_cache: PrefixCache, draft: Any = None) -> Any:
+    """The decode loop for one request (DecodeSession or LlamaSession: run(request,
+    timeline, cancel, emit) -> GenerationResult)."""
+    if is_llama_cpp(loaded):
+        from engine.llamacpp.session import LlamaSession
+
+        if draft is not None:
+            raise ModelLoadError("draft models run on the torch engine")
+        return LlamaSession(loaded, prefix_cache)
+    from engine.generate import DecodeSession
+
+    return DecodeSession(loaded, prefix_cache, draft=draft)
+
+
+def supports_batching(loaded: Model) -> bool:
+    if is_llama_cpp(loaded):
+        return True
+    from engine.batching import cache_supports_batching
+
+    return cache_supports_batching(loaded)
+
+
+def new_batcher(loaded: Model, prefix_cache: PrefixCache, emit: Any, done: Any) -> Any:
+    """The continuous batcher for this model (admit / step / rows / room)."""
+    if is_llama_cpp(loaded):
+        from engine.llamacpp.batcher import LlamaBatcher
+
+        return LlamaBatcher(loaded, prefix_cache, emit, done)
+    from engine.batching import Batcher
+
+    return Batcher(loaded, prefix_cache, emit, done)
+
+
+def close(loaded: Model | None) -> None:
+    """Free a model's native memory now (llama.cpp); torch models are freed by the GC."""
+    if loaded is not None and is_llama_cpp(loaded):
+        loaded.close()
+
+
+def switch_prefix_cache(pool: PrefixCache | None, old: Model | None, loaded: Model,
+                        budget_bytes: int) -> PrefixCache:
+    """The prefix cache for a newly loaded model. Every old entry goes (each chat's next turn
+    says "model_changed"); a torch pool is reused for a torch model, any other switch gets a
+    new pool that keeps the old one's ledger."""
+    if pool is None:
+        return new_prefix_cache(loaded, budget_bytes)
+    if old is not None and not is_llama_cpp(old) and not is_llama_cpp(loaded):
+        pool.reset(model_changed=True, config=loaded.model.config)
+        pool.budget_bytes = budget_bytes
+        return pool
+    pool.reset(model_changed=old is not None)  # frees an old llama.cpp pool's sequences
+    fresh = new_prefix_cache(loaded, budget_bytes)
+    # The ledger's memory of which chats lost their cache, so their next turn says why.
+    # (PrefixCache has no public way to hand it over; both classes are the same ledger.)
+    fresh._model_changed |= pool._model_changed
+    fresh._evicted |= pool._evicted
+    return fresh
