@@ -104,6 +104,10 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="'default' (bundled SmolLM2-135M), a model folder, a .gguf file, "
                              "or a hub id")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | mps")
+    parser.add_argument("--engine", default="auto", choices=["auto", "torch", "llama.cpp"],
+                        help="runtime: llama.cpp runs a .gguf quantized on the CPU (needs "
+                             "`make llama-cpp`), torch any model; auto = llama.cpp for a .gguf "
+                             "or the default model when there is no CUDA GPU, else torch")
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     parser.add_argument("--allow-download", action="store_true",
                         help="allow fetching a hub model (offline otherwise)")
@@ -148,11 +152,17 @@ def model_options(args: argparse.Namespace) -> dict[str, Any]:
             "allow_download": args.allow_download, "allow_pickle": args.allow_pickle}
 
 
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """model_options plus the runtime choice (for the model itself, not a draft)."""
+    return {**model_options(args), "engine": args.engine}
+
+
 # ----- phasewise (the window) --------------------------------------------------------------
 def cmd_gui(args: argparse.Namespace) -> int:
     from app.gui import run_gui
 
     return run_gui(args.model, device=args.device, dtype=args.dtype, kernel=args.kernel,
+                   engine=args.engine,
                    allow_download=args.allow_download, smoke_test=args.smoke_test,
                    backend=args.backend, backend_model=args.backend_model)
 
@@ -188,7 +198,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
         if sys.stderr.isatty():  # first start converts the model: say what is happening
             engine.add_listener(show_loading_stage)
         try:
-            engine.load_model_sync(args.model, kernel=args.kernel, **model_options(args))
+            engine.load_model_sync(args.model, kernel=args.kernel, **engine_options(args))
             if args.draft_model:
                 if not engine.capabilities.draft_model:
                     raise CliError("--draft-model needs a local model (not --backend)")

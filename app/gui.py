@@ -37,6 +37,7 @@ def run_gui(
     device: str = "auto",
     dtype: str = "auto",
     kernel: str = "auto",
+    engine: str = "auto",
     allow_download: bool = False,
     smoke_test: bool = False,
     backend: str | None = None,
@@ -63,7 +64,7 @@ def run_gui(
     close_async_generators_on(loop)  # qasync leaves this to the garbage collector
     with loop:
         return _run_window(loop, model, backend, backend_model, smoke_test,
-                           {"device": device, "dtype": dtype, "kernel": kernel,
+                           {"device": device, "dtype": dtype, "kernel": kernel, "engine": engine,
                             "allow_download": allow_download})
 
 

@@ -47,7 +47,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     with Engine() as engine:
         try:
             info = engine.load_model_sync(
-                args.model, kernel=args.kernel, device=args.device, dtype=args.dtype,
+                args.model, kernel=args.kernel, engine=args.engine, device=args.device,
+                dtype=args.dtype,
                 allow_download=args.allow_download, allow_pickle=args.allow_pickle)
         except ModelLoadError as exc:
             raise CliError(str(exc)) from None

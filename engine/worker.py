@@ -434,7 +434,10 @@ class Engine(EventSource, Backend):
         cmd.done.set()
 
     def _load_draft(self, cmd: LoadDraft) -> None:
-        spec, options = cmd.spec, cmd.options
+        spec = cmd.spec
+        # A draft always runs on torch: the model's engine choice (the window passes its
+        # load options to both) does not apply to it.
+        options = {k: v for k, v in cmd.options.items() if k != "engine"}
         if spec is None:
             self._draft = None
             self._broadcast(DraftModelChanged(now_ns(), None))
