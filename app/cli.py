@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import multiprocessing
 import signal
 import sys
 from collections.abc import Sequence
@@ -31,6 +32,8 @@ class CliError(Exception):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # A frozen bundle's child processes (engine.native) start as this program: run theirs.
+    multiprocessing.freeze_support()
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="phasewise: %(levelname)s: %(message)s")
@@ -238,9 +241,6 @@ def show_loading_stage(event: object) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from engine import ModelLoadError, PhasewiseError
     from engine.bench import bench_batch, bench_decode, bench_turns
-    from engine.draft import load_draft
-    from engine.kernels import select_kernel
-    from engine.loader import load_model
 
     if args.max_tokens < 2:
         raise CliError(f"--max-tokens must be >= 2 to measure decode (got {args.max_tokens})")
@@ -251,10 +251,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.backend:
         return bench_remote(args)
     if "llama.cpp" in args.vs:
-        from engine.peers import import_llama_cpp
+        from engine.peers import require_llama_cpp
 
         try:
-            import_llama_cpp()  # say so before the model loads, not after
+            require_llama_cpp()  # say so before the model loads, not after
         except PhasewiseError as exc:
             raise CliError(str(exc)) from None
 
@@ -262,10 +262,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"  {stage}", file=sys.stderr, flush=True)
 
     try:
-        reference = load_model(args.model, progress=progress, **model_options(args))
-        loaded = select_kernel(reference, args.kernel, progress=progress)
-        draft = load_draft(args.draft_model, loaded, kernel=args.draft_kernel,
-                           progress=progress, **model_options(args)) if args.draft_model else None
+        reference, loaded, draft = load_for_bench(args, progress)
     except ModelLoadError as exc:
         raise CliError(str(exc)) from None
     if args.prompt_tokens + args.max_tokens > loaded.info.context_length:
@@ -294,6 +291,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
     return 0
+
+
+def load_for_bench(args: argparse.Namespace, progress: Any) -> tuple[Any, Any, Any]:
+    """(the model as loaded, the model with its decode path, the draft model or None).
+    On the llama.cpp engine the first is None: there is no torch model for --vs hf."""
+    from engine.draft import load_draft
+    from engine.kernels import select_kernel
+    from engine.loader import load_model
+    from engine.runtimes import LLAMA_CPP, load, resolve_engine
+
+    if resolve_engine(args.model, args.engine, args.device) == LLAMA_CPP:
+        if "hf" in args.vs:
+            raise CliError("--vs hf compares the torch engine with generate(); use --engine "
+                           "torch, or --vs llama.cpp for the llama.cpp engine")
+        if args.draft_model:
+            raise CliError("--draft-model needs the torch engine (--engine torch)")
+        return None, load(args.model, LLAMA_CPP, kernel=args.kernel, progress=progress), None
+    reference = load_model(args.model, progress=progress, **model_options(args))
+    loaded = select_kernel(reference, args.kernel, progress=progress)
+    draft = load_draft(args.draft_model, loaded, kernel=args.draft_kernel,
+                       progress=progress, **model_options(args)) if args.draft_model else None
+    return reference, loaded, draft
 
 
 def print_decode_table(r: dict[str, Any]) -> None:
@@ -334,6 +353,8 @@ def peer_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
     """Each peer's decode, TTFT and ITL, and our ratios against it (above 1: ours is better)."""
     rows = []
     for key, (label, short) in PEER_NAMES.items():
+        if f"{key}_error" in r:  # its child process crashed: one line, no numbers
+            rows.append((label, r[f"{key}_error"]))
         if f"{key}_decode_tok_s" not in r:
             continue
         detail = f" ({r['hf_kernel']})" if key == "hf" else ""

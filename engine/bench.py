@@ -2,7 +2,8 @@
 
 Everything runs in the calling thread on one LoadedModel, so our decode loop and the
 transformers generate() baseline see the same weights, prompt, dtype and token count; the
-llama.cpp peer (engine/peers.py) sees the same prompt ids and token count on the GGUF weights.
+llama.cpp peer (engine/peers.py) sees the same prompt ids and token count on the GGUF weights,
+in a child process: if it crashes, the report says so in one line and keeps our numbers.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from typing import Any
 
 import torch
 
+from engine import runtimes
 from engine.draft import DraftModel
 from engine.errors import InvalidRequestError
 from engine.events import GenerationResult
-from engine.generate import DecodeSession, now_ns, prepare_prompt
+from engine.generate import now_ns, prepare_prompt
 from engine.loader import LoadedModel
 from engine.metrics import RequestTimeline, percentiles
+from engine.native import NativeCrashError
 from engine.params import ChatMessage, GenerationRequest, SamplingParams
 from engine.peers import LlamaCppPeer, PeerResult, gguf_for, result_from_stamps
 from engine.prefix_cache import PrefixCache
@@ -60,7 +63,7 @@ def run_ours(
     draft: DraftModel | None = None,
 ) -> GenerationResult:
     """One greedy request of exactly max_tokens tokens through the engine's decode loop."""
-    pool = cache or PrefixCache(loaded.model.config, budget_bytes=1 << 40)
+    pool = cache or runtimes.new_prefix_cache(loaded, budget_bytes=1 << 40)
     request = GenerationRequest(
         messages=[],
         params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
@@ -70,7 +73,7 @@ def run_ours(
         speculative=speculative,
     )
     timeline = RequestTimeline(submitted_ns=now_ns())
-    session = DecodeSession(loaded, pool, draft=draft)
+    session = runtimes.new_session(loaded, pool, draft)
     return session.run(request, timeline, threading.Event(), lambda _e: None)
 
 
@@ -119,7 +122,8 @@ def peer_key(peer: str) -> str:
 
 
 def _peer_runners(peers: Sequence[str], hf_model: LoadedModel, loaded: LoadedModel,
-                  n_ctx: int, stack: ExitStack, about: dict[str, Any]) -> dict[str, PeerRunner]:
+                  n_ctx: int, stack: ExitStack, about: dict[str, Any],
+                  progress: Callable[[str], None]) -> dict[str, PeerRunner]:
     """A run(prompt_ids, max_tokens) callable per requested peer, in PEERS order; what each
     peer ran on goes into `about` for the report."""
     runners: dict[str, PeerRunner] = {}
@@ -127,14 +131,46 @@ def _peer_runners(peers: Sequence[str], hf_model: LoadedModel, loaded: LoadedMod
         if peer == "hf":
             runners[peer] = partial(run_hf, hf_model)
             about["hf_kernel"] = hf_model.info.kernel
-        else:
-            gguf = gguf_for(loaded.info)
+            continue
+        gguf = gguf_for(loaded.info)
+        about.update(llama_cpp_threads=torch.get_num_threads(), llama_cpp_gguf=gguf.name)
+        try:
             llama = stack.enter_context(LlamaCppPeer(
                 gguf, n_threads=torch.get_num_threads(), n_ctx=n_ctx))
-            runners[peer] = llama.run
-            about.update(llama_cpp_version=llama.version, llama_cpp_threads=llama.n_threads,
-                         llama_cpp_gguf=gguf.name)
+        except NativeCrashError as exc:
+            _peer_crashed(peer, exc, about, progress)
+            continue
+        runners[peer] = llama.run
+        about.update(llama_cpp_version=llama.version, llama_cpp_build=llama.system_info)
     return runners
+
+
+def _peer_crashed(peer: str, crash: NativeCrashError, about: dict[str, Any],
+                  progress: Callable[[str], None]) -> None:
+    """A peer's child process died: one line in the report (<peer>_error) and on progress."""
+    about[f"{peer_key(peer)}_error"] = str(crash)
+    progress(str(crash))
+
+
+def _run_peers(runners: dict[str, PeerRunner], prompt_ids: list[int], max_tokens: int,
+               about: dict[str, Any], progress: Callable[[str], None],
+               results: dict[str, list[PeerResult]] | None = None,
+               stage: str = "") -> None:
+    """One run of each peer, appended to results; a peer that crashes is reported, dropped
+    from runners and results (no partial numbers), and the others carry on."""
+    for peer, run in list(runners.items()):
+        if stage:
+            progress(f"{stage}: {PEER_LABELS[peer]}")
+        try:
+            result = run(prompt_ids, max_tokens)
+        except NativeCrashError as exc:
+            _peer_crashed(peer, exc, about, progress)
+            del runners[peer]
+            if results is not None:
+                results.pop(peer, None)
+            continue
+        if results is not None:
+            results[peer].append(result)
 
 
 def bench_decode(
@@ -164,11 +200,10 @@ def bench_decode(
     about: dict[str, Any] = {}
     with ExitStack() as stack:
         runners = _peer_runners(peers, hf_reference or loaded, loaded,
-                                prompt_tokens + max_tokens + 8, stack, about)
+                                prompt_tokens + max_tokens + 8, stack, about, progress)
         progress("warm-up")
         run_ours(loaded, prompt_ids[:16], 4)
-        for run in runners.values():
-            run(prompt_ids[:16], 4)
+        _run_peers(runners, prompt_ids[:16], 4, about, progress)
         ours: list[GenerationResult] = []
         theirs: dict[str, list[PeerResult]] = {peer: [] for peer in runners}
         spec: list[GenerationResult] = []
@@ -176,9 +211,8 @@ def bench_decode(
         for i in range(repeats):
             progress(f"run {i + 1}/{repeats}: phasewise")
             ours.append(run_ours(loaded, prompt_ids, max_tokens))
-            for peer, run in runners.items():
-                progress(f"run {i + 1}/{repeats}: {PEER_LABELS[peer]}")
-                theirs[peer].append(run(prompt_ids, max_tokens))
+            _run_peers(runners, prompt_ids, max_tokens, about, progress, theirs,
+                       stage=f"run {i + 1}/{repeats}")
             if speculative:
                 progress(f"run {i + 1}/{repeats}: phasewise, speculative (ngram)")
                 spec.append(run_ours(loaded, prompt_ids, max_tokens, speculative="ngram"))
@@ -209,6 +243,7 @@ def decode_summary(loaded: LoadedModel, ours: list[GenerationResult], prompt_tok
         "device": loaded.info.device,
         "dtype": loaded.info.dtype,
         "kernel": loaded.info.kernel,
+        "engine": loaded.info.engine,
         "prompt_tokens": prompt_tokens,
         "max_tokens": max_tokens,
         "repeats": repeats,
@@ -294,7 +329,7 @@ def bench_turns(
     """
     # Small test models have tiny contexts: keep the script inside a third of it.
     context = fixed_text(loaded, min(context_tokens, loaded.info.context_length // 3))
-    pool = PrefixCache(loaded.model.config, budget_bytes=1 << 40)
+    pool = runtimes.new_prefix_cache(loaded, budget_bytes=1 << 40)
     messages = [ChatMessage("system", "You are a concise assistant."),
                 ChatMessage("user", context + "\n\n" + TURN_QUESTIONS[0])]
 
@@ -310,7 +345,7 @@ def bench_turns(
         )
         last_prompt = prepare_prompt(loaded, request).ids
         timeline = RequestTimeline(submitted_ns=now_ns())
-        result = DecodeSession(loaded, pool).run(request, timeline, threading.Event(),
+        result = runtimes.new_session(loaded, pool).run(request, timeline, threading.Event(),
                                                   lambda _e: None)
         m = result.metrics
         rows.append({
@@ -366,7 +401,7 @@ def bench_batch(
     over all rows plus each row's sampling, detokenizing and events. Batch sizes alternate
     round by round; each step's time is the median over the rounds.
     """
-    from engine.batching import Batcher, DetachedJob
+    from engine.batching import DetachedJob
 
     stride = 7
     source = fixed_prompt_ids(loaded, prompt_tokens + stride * max(batch_sizes))
@@ -375,9 +410,9 @@ def bench_batch(
     for r in range(rounds):
         for b in batch_sizes:
             progress(f"round {r + 1}/{rounds}: batch {b}")
-            pool = PrefixCache(loaded.model.config, budget_bytes=1 << 40)
-            batcher = Batcher(loaded, pool, lambda _job, _event: None,
-                              lambda _job, _result, _error: None)
+            pool = runtimes.new_prefix_cache(loaded, budget_bytes=1 << 40)
+            batcher = runtimes.new_batcher(loaded, pool, lambda _job, _event: None,
+                                           lambda _job, _result, _error: None)
             for i in range(b):
                 ids = source[i * stride : i * stride + prompt_tokens]
                 batcher.admit([DetachedJob(GenerationRequest(
@@ -393,6 +428,7 @@ def bench_batch(
         rows.append({"batch": b, "per_token_latency_ms": step * 1e3,
                      "total_tok_s": b / step, "throughput_vs_first": base * b / step})
     return {"model": loaded.info.name, "device": loaded.info.device,
-            "kernel": loaded.info.kernel, "prompt_tokens": prompt_tokens,
+            "kernel": loaded.info.kernel, "engine": loaded.info.engine,
+            "prompt_tokens": prompt_tokens,
             "max_tokens": max_tokens, "rounds": rounds, "path": "engine batcher",
             "batches": rows}

@@ -5,6 +5,11 @@ fewer bytes per weight. Which kernel wins depends on the CPU (facts.md: int8pack
 bf16 lose on AVX2-only parts, fbgemm dynamic int8 wins), so `auto` measures: a short timed
 probe of each available path, guarded by perplexity on a fixed text, cached per model and CPU.
 
+Before that probe runs a path in this process, its native op runs once on a two-Linear model
+in a child process (engine.native), cached per CPU and torch version: a path whose kernel
+crashes here (SIGILL on an instruction set the CPU advertises but faults on) is skipped with
+the reason logged, instead of killing the app.
+
 A path never modifies the loaded model: it returns a new LoadedModel whose model shares the
 unchanged tensors (embedding, norms) with the original, so a caller may keep the fp32
 reference (benchmarks) or drop it (the engine).
@@ -23,6 +28,8 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +37,9 @@ import torch
 from torch import nn
 
 from engine.errors import ModelLoadError
+from engine.events import ModelInfo
 from engine.loader import LoadedModel, cache_root
+from engine.native import ChildError, NativeChild, NativeCrashError
 from engine.quality import perplexity, reference_ids, within_tolerance
 
 log = logging.getLogger(__name__)
@@ -41,6 +50,10 @@ PROBE_WARM_STEPS = 2
 PROBE_TIMED_STEPS = 6
 PROBE_FILE = "kernel-probe.json"
 PROBE_FILE_MAX_ENTRIES = 64
+SMOKE_FILE = "kernel-smoke.json"
+SMOKE_WIDTH = 256
+SMOKE_ROWS = (1, 16)  # a decode step's shape and a prefill's
+SMOKE_TIMEOUT_S = 120.0  # per path, from the child's start (it imports torch)
 
 
 class KernelUnavailableError(ModelLoadError):
@@ -50,12 +63,14 @@ class KernelUnavailableError(ModelLoadError):
 @dataclass(frozen=True)
 class KernelPath:
     """One way to run decode. unavailable() returns a one-line reason, or None if it can run;
-    build() returns the model object this path decodes with."""
+    build() returns the model object this path decodes with; smoke(), when given, runs the
+    path's native op on a tiny model (a module-level callable: it runs in a child process)."""
 
     name: str
     summary: str
     unavailable: Callable[[LoadedModel], str | None]
     build: Callable[[LoadedModel], Any]
+    smoke: Callable[[], None] | None = None
 
 
 # ----- eager (the model as loaded) ---------------------------------------------------------
@@ -68,7 +83,11 @@ def _eager_path(tag: str, dtype: torch.dtype) -> KernelPath:
         return None
 
     return KernelPath(f"{tag}-eager", f"the model as loaded, {tag}, no compilation",
-                      unavailable, lambda loaded: loaded.model)
+                      unavailable, _as_loaded, partial(smoke_linear, _as_loaded, tag))
+
+
+def _as_loaded(loaded: LoadedModel) -> Any:
+    return loaded.model
 
 
 # ----- fbgemm dynamic Linear (int8 or fp16 weights) ----------------------------------------------
@@ -126,6 +145,21 @@ def share_tensors_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
+def smoke_linear(build: Callable[[LoadedModel], Any], tag: str) -> None:
+    """Build a path on a two-Linear CPU model of dtype `tag` ("fp32", "bf16", "fp16") and run
+    a forward at a decode shape and a prefill shape: the path's native kernels, in ms."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[tag]
+    model = nn.Sequential(nn.Linear(SMOKE_WIDTH, 2 * SMOKE_WIDTH),
+                          nn.Linear(2 * SMOKE_WIDTH, SMOKE_WIDTH)).to(dtype)
+    info = ModelInfo(name="smoke", source="folder", path="", device="cpu", dtype=tag,
+                     context_length=max(SMOKE_ROWS), parameters=0, weight_bytes_per_step=0,
+                     kernel="")
+    built = build(LoadedModel(model=model, tokenizer=None, info=info))
+    with torch.inference_mode():
+        for rows in SMOKE_ROWS:
+            built(torch.randn(rows, SMOKE_WIDTH, dtype=dtype))
+
+
 KERNELS: dict[str, KernelPath] = {
     path.name: path
     for path in (
@@ -134,10 +168,12 @@ KERNELS: dict[str, KernelPath] = {
         _eager_path("fp16", torch.float16),
         KernelPath("int8-dynamic",
                    "int8 weights per output channel, fbgemm dynamic Linear (CPU)",
-                   _fbgemm_unavailable("int8-dynamic"), _int8_dynamic_model),
+                   _fbgemm_unavailable("int8-dynamic"), _int8_dynamic_model,
+                   partial(smoke_linear, _int8_dynamic_model, "fp32")),
         KernelPath("fp16-dynamic",
                    "fp16 weights, fp32 compute, fbgemm packed Linear (CPU)",
-                   _fbgemm_unavailable("fp16-dynamic"), _fp16_dynamic_model),
+                   _fbgemm_unavailable("fp16-dynamic"), _fp16_dynamic_model,
+                   partial(smoke_linear, _fp16_dynamic_model, "fp32")),
     )
 }
 KERNEL_CHOICES = (AUTO, *KERNELS)
@@ -168,7 +204,7 @@ def select_kernel(loaded: LoadedModel, requested: str = AUTO, *,
     if choice is None or choice not in candidates:
         if progress:
             progress("choosing a decode kernel (a few seconds, once per model and CPU)")
-        built = _build_all(loaded, candidates)
+        built = _build_all(loaded, smoke_tested(loaded, candidates))
         report = probe(built)
         choice = report["choice"]
         write_probe_cache(key, report)
@@ -256,6 +292,88 @@ def _alternating_step_times(built: dict[str, LoadedModel], prompt: list[int]
     return times
 
 
+# ----- smoke runs: each path's native op, once, in a child process -----------------------------
+def smoke_tested(loaded: LoadedModel, names: list[str]) -> list[str]:
+    """names less the paths whose smoke run fails or crashes here (each logged once). The
+    model's own eager path is not run: it is what remains, whatever happens."""
+    reference = eager_name(loaded)
+    failures = smoke_failures([n for n in names
+                               if n != reference and KERNELS[n].smoke is not None])
+    for name, reason in failures.items():
+        log.warning("kernel %s is skipped: its smoke run in a child process %s", name, reason)
+    return [n for n in names if n not in failures]
+
+
+def smoke_failures(names: list[str]) -> dict[str, str]:
+    """{name: reason} for the paths among names whose smoke run failed, from the cache (per
+    CPU and torch) or from a child process for the paths not in it yet."""
+    if not names:
+        return {}
+    key = smoke_key()
+    known = _read_json(smoke_cache_path()).get(key)
+    known = dict(known) if isinstance(known, dict) else {}
+    missing = [n for n in names if n not in known]
+    if missing:
+        known |= run_smoke([(n, KERNELS[n].smoke) for n in missing])
+        _write_json_entry(smoke_cache_path(), key, known)
+    return {n: known[n] for n in names if known.get(n)}
+
+
+def run_smoke(jobs: list[tuple[str, Any]]) -> dict[str, str | None]:
+    """{name: None if its smoke run passed, else why not} for each job, run in order in a
+    child process; after a crash a fresh child takes the rest. A child that dies before it
+    starts any path fails all remaining paths (uncached: that may pass another time)."""
+    results: dict[str, str | None] = {}
+    pending = list(jobs)
+    while pending:
+        child = NativeChild(_smoke_child, pending, what="kernel smoke run")
+        current: str | None = None
+        try:
+            while pending:
+                current = child.receive(SMOKE_TIMEOUT_S)
+                results[current] = child.receive(SMOKE_TIMEOUT_S)
+                pending.pop(0)
+                current = None
+        except (NativeCrashError, ChildError) as exc:
+            reason = (f"{exc.reason} ({torch_build()})" if isinstance(exc, NativeCrashError)
+                      else f"failed: {exc}")
+            if current is None:
+                log.warning("kernel smoke runs could not run (%s); skipping %s", reason,
+                            ", ".join(name for name, _ in pending))
+                return results | {name: reason for name, _ in pending if name not in results}
+            results[current] = reason
+            pending.pop(0)
+        finally:
+            child.close()
+    return results
+
+
+def _smoke_child(conn: Connection, jobs: list[tuple[str, Callable[[], None]]]) -> None:
+    """In the child: for each path, say its name, run its smoke, answer None or a reason."""
+    for name, smoke in jobs:
+        conn.send(("start", name))
+        try:
+            smoke()
+            conn.send(("done", None))
+        except Exception as exc:
+            conn.send(("done", f"failed: {_one_line(exc)}"))
+
+
+def torch_build() -> str:
+    """torch's version and the CPU capability its kernels dispatch to ('AVX512')."""
+    return f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}"
+
+
+def smoke_key() -> str:
+    """Identifies (CPU, architecture, torch build): smoke results hold for any model."""
+    parts = [cpu_name(), platform.machine(), torch_build()]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+
+def smoke_cache_path() -> Path:
+    return cache_root() / SMOKE_FILE
+
+
 # ----- probe cache -----------------------------------------------------------------------------
 def probe_key(loaded: LoadedModel, candidates: list[str]) -> str:
     """Identifies (model, CPU, threads, torch, candidate set): a new one re-probes."""
@@ -279,15 +397,23 @@ def read_probe_cache(key: str) -> str | None:
 
 def write_probe_cache(key: str, report: dict[str, Any]) -> None:
     """Best effort: an unwritable cache dir only means the next start probes again."""
-    path = probe_cache_path()
+    _write_json_entry(probe_cache_path(), key, report)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text()) if path.is_file() else {}
-        if not isinstance(data, dict):
-            data = {}
     except (OSError, ValueError):
-        data = {}
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_json_entry(path: Path, key: str, value: Any) -> None:
+    """Set one entry of a JSON cache file (newest last, at most PROBE_FILE_MAX_ENTRIES);
+    best effort: an unwritable cache dir only means measuring again next time."""
+    data = _read_json(path)
     data.pop(key, None)
-    data[key] = report
+    data[key] = value
     while len(data) > PROBE_FILE_MAX_ENTRIES:
         data.pop(next(iter(data)))
     try:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import signal
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -123,6 +126,58 @@ def test_auto_skips_a_path_that_fails_to_build(tiny: LoadedModel, cache_dir: Pat
     assert chosen.info.kernel == "fp32-eager"
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "broken" in lines[0] and "no such instruction set" in lines[0]
+
+
+def die_by(sig: int) -> None:
+    """A smoke run whose native op 'faults' (module level: it runs in a child process)."""
+    os.kill(os.getpid(), sig)
+
+
+def test_auto_skips_a_path_whose_smoke_run_dies_by_a_signal(
+        tiny: LoadedModel, cache_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    built: list[str] = []
+
+    def faulty_build(loaded: LoadedModel) -> object:
+        built.append("faulty")  # in this process: what a real faulting kernel would kill
+        return loaded.model
+
+    paths = {"fp32-eager": KERNELS["fp32-eager"], "int8-dynamic": KERNELS["int8-dynamic"],
+             "faulty": KernelPath("faulty", "dies", lambda _l: None, faulty_build,
+                                  partial(die_by, signal.SIGILL))}
+    monkeypatch.setattr(kernels_mod, "KERNELS", paths)
+    with caplog.at_level(logging.WARNING, logger="engine.kernels"):
+        chosen = select_kernel(tiny)
+    assert chosen.info.kernel in {"fp32-eager", "int8-dynamic"} and not built
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith(
+        "kernel faulty is skipped: its smoke run in a child process crashed: "
+        "SIGILL (illegal instruction) (torch ")
+    probed = next(iter(json.loads(probe_cache_path().read_text()).values()))
+    assert set(probed["decode_tok_s"]) == {"fp32-eager", "int8-dynamic"}
+    # The verdicts hold per CPU and torch build: the next probe reads them from the cache.
+    verdicts = next(iter(json.loads(kernels_mod.smoke_cache_path().read_text()).values()))
+    assert verdicts["int8-dynamic"] is None and "SIGILL" in verdicts["faulty"]
+
+    def no_child(_jobs: object) -> None:
+        raise AssertionError("the cached smoke verdicts should have been used")
+
+    monkeypatch.setattr(kernels_mod, "run_smoke", no_child)
+    assert kernels_mod.smoke_failures(["int8-dynamic", "faulty"]) == {
+        "faulty": verdicts["faulty"]}
+
+
+def test_a_smoke_run_that_raises_is_a_reason_and_the_next_path_still_runs() -> None:
+    results = kernels_mod.run_smoke([("bad", partial(kernels_mod.smoke_linear, _raise, "fp32")),
+                                     ("segv", partial(die_by, signal.SIGSEGV)),
+                                     ("int8-dynamic", KERNELS["int8-dynamic"].smoke)])
+    assert results["bad"] == "failed: no kernel for this CPU"
+    assert results["segv"].startswith("crashed: SIGSEGV (segmentation fault)")
+    assert results["int8-dynamic"] is None  # a fresh child took over after the crash
+
+
+def _raise(_loaded: LoadedModel) -> None:
+    raise RuntimeError("no kernel for this CPU")
 
 
 def test_auto_rejects_a_path_that_fails_the_quality_guard(
