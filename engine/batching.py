@@ -34,6 +34,8 @@ from engine.events import (
 )
 from engine.generate import (
     SNAPSHOT_INTERVAL_NS,
+    ChunkedPrefill,
+    default_prefill_chunk,
     eos_token_ids,
     now_ns,
     prepare_prompt,
@@ -45,10 +47,15 @@ from engine.generate import (
 from engine.loader import LoadedModel
 from engine.metrics import RequestTimeline, compute_metrics
 from engine.params import GenerationRequest
-from engine.prefix_cache import CacheLease, PrefixCache, crop_to
+from engine.prefix_cache import CacheLease, PrefixCache, crop_to, new_cache
 from engine.sampling import make_generator, sample_token
 
 MAX_BATCH = 8  # rows decoding at once; later requests wait in the queue
+# Tokens one engine step may spend while rows stream: a decode token per row plus a prefill
+# chunk. Chosen on the 2-core Xeon VM so a chunk costs about one decode step (see
+# `phasewise bench --interference`).
+STEP_TOKEN_BUDGET = 32
+MIN_INTERLEAVED_CHUNK = 8  # below this a chunk is mostly weight reads: the prompt would crawl
 ALT_CACHE_SUFFIX = "~alt"  # prefix-cache key of alternative i >= 1: f"{conversation}~alt{i}"
 
 
@@ -89,8 +96,9 @@ def batchable(request: GenerationRequest) -> bool:
 
 
 def cache_supports_batching(loaded: LoadedModel) -> bool:
-    """Only plain full-attention layers can be padded and concatenated row-wise."""
-    layers = DynamicCache(config=loaded.model.config).layers
+    """Only plain full-size attention layers (sliding-window ones included, see new_cache) can
+    be padded and concatenated row-wise."""
+    layers = new_cache(loaded.model.config).layers
     return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 
 
@@ -123,11 +131,18 @@ class Batcher:
     """The decode batch: admit (prefill + join), step (one forward for all rows), leave."""
 
     def __init__(self, loaded: LoadedModel, prefix_cache: PrefixCache, emit: Emit,
-                 done: Done) -> None:
+                 done: Done, *, prefill_chunk: int | None = None, interleave: bool = True,
+                 step_token_budget: int = STEP_TOKEN_BUDGET) -> None:
         self.loaded = loaded
         self.prefix_cache = prefix_cache
         self._emit = emit
         self._done = done
+        self.prefill_chunk = prefill_chunk or default_prefill_chunk(loaded.device)
+        # While rows stream, a joining prompt is prefilled in chunks of at most this many tokens
+        # minus one per streaming row, with a decode step between chunks (interleave=False:
+        # the whole prompt in prefill_chunk pieces first, the streams wait).
+        self.interleave = interleave
+        self.step_token_budget = step_token_budget
         self.eos_ids = eos_token_ids(loaded)
         self.stops = template_stops(loaded)
         self.rows: list[Row] = []
@@ -179,16 +194,24 @@ class Batcher:
         self._emit(job, PrefillStarted(request.request_id, timeline.prefill_start_ns,
                                        len(prompt.ids), lease.cached_tokens, lease.miss_reason))
         row = self._new_row(job, prompt.ids, lease)
-        if job.cancel.is_set():
-            return row, torch.empty(0)
-        new_ids = prompt.ids[lease.cached_tokens :]
-        out = self.loaded.model(input_ids=torch.tensor([new_ids], device=self.loaded.device),
-                                cache=lease.cache, use_cache=True, logits_to_keep=1)
-        lease.ids.extend(new_ids)
-        logits = out.logits[0, -1]
-        _sync(logits)
-        timeline.first_logits_ns = now_ns()
-        return row, logits
+        prefill = ChunkedPrefill(self.loaded, lease, prompt.ids[lease.cached_tokens :],
+                                 request.request_id, lambda event: self._emit(job, event))
+        while not job.cancel.is_set():  # Stop takes effect within one chunk
+            logits = prefill.step(self._chunk_tokens())
+            if logits is not None:
+                timeline.first_logits_ns = now_ns()
+                return row, logits[0]
+            if self.interleave and self.rows:
+                self.step()  # the streaming rows get their next token between two chunks
+        return row, torch.empty(0)
+
+    def _chunk_tokens(self) -> int:
+        """The next prefill chunk's size: the step's token budget less one token per streaming
+        row (Sarathi-Serve's stall-free batching), or a whole chunk when nothing streams."""
+        if not (self.interleave and self.rows):
+            return self.prefill_chunk
+        share = self.step_token_budget - len(self.rows)
+        return max(MIN_INTERLEAVED_CHUNK, min(self.prefill_chunk, share))
 
     def _sibling(self, job: BatchJob, source: Row, index: int) -> Row:
         """An alternative of source's prompt: its prefill is source's (all tokens cached)."""
@@ -392,7 +415,7 @@ def _layer_kv(cache: Any) -> LayerKV:
 
 
 def _build_cache(loaded: LoadedModel, layers: LayerKV) -> DynamicCache:
-    cache = DynamicCache(config=loaded.model.config)
+    cache = new_cache(loaded.model.config)
     for i, (keys, values) in enumerate(layers):
         cache.update(keys, values, i)
     return cache

@@ -20,7 +20,7 @@ import torch
 from engine.errors import ModelLoadError
 from engine.loader import LoadedModel, load_model
 from engine.params import SamplingParams
-from engine.prefix_cache import crop_to
+from engine.prefix_cache import RollbackError, crop_to, new_cache
 from engine.sampling import filtered_probs
 
 START_DRAFT = 4
@@ -89,9 +89,7 @@ class DraftModel:
         return self.loaded.info.name
 
     def reset(self) -> None:
-        from transformers import DynamicCache
-
-        self.cache = DynamicCache(config=self.loaded.model.config)
+        self.cache = new_cache(self.loaded.model.config)
         self.ids = []
 
     @torch.inference_mode()
@@ -130,8 +128,12 @@ class DraftModel:
         fresh logits), feed the rest, return the last position's logits."""
         keep = min(_common_prefix(self.ids, history), len(history) - 1)
         if len(self.ids) > keep:
-            crop_to(self.cache, keep)
-            del self.ids[keep:]
+            try:
+                crop_to(self.cache, keep)
+                del self.ids[keep:]
+            except RollbackError:  # a recurrent state cannot go back: start over
+                self.reset()
+                keep = 0
         if keep == 0 and len(history) > 1:
             # The first position's outsized activations (an attention sink) would set an
             # int8-dynamic draft's per-pass activation scale for the whole prompt: on

@@ -301,6 +301,7 @@ def _load_folder(
         )
     except Exception as exc:
         raise ModelLoadError(f"cannot load the tokenizer from {folder}: {_one_line(exc)}") from exc
+    check_architecture(folder)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             folder,
@@ -314,6 +315,37 @@ def _load_folder(
     model.to(device)
     model.eval()
     return model, tokenizer
+
+
+def check_architecture(folder: Path) -> None:
+    """Refuse, in one line, a model this engine cannot run: an architecture this transformers
+    does not know, or one that does not generate text (encoders, encoder-decoders)."""
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True,
+                                            trust_remote_code=False)
+    except Exception as exc:
+        model_type = _declared_model_type(folder)
+        if model_type:
+            raise ModelLoadError(
+                f"{folder.name}: transformers {transformers.__version__} does not know the "
+                f"{model_type!r} architecture (a newer transformers may)") from exc
+        raise ModelLoadError(f"cannot read {folder / 'config.json'}: {_one_line(exc)}") from exc
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ModelLoadError(
+            f"{folder.name} is a {config.model_type} model, not a text-generation (causal LM) "
+            "architecture: Phasewise runs decoder-only chat models")
+
+
+def _declared_model_type(folder: Path) -> str | None:
+    try:
+        value = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
 
 
 def _hub_snapshot(repo_id: str, allow_download: bool, notify: Progress) -> Path:

@@ -5,6 +5,11 @@ reuses the longest common prefix with its own conversation's entry, or, when ano
 shares a longer prefix (a new chat with the same system prompt), a cropped copy of that one.
 All entries form one pool, evicted least-recently-used under a byte budget.
 
+Every cache comes from new_cache(), whose layers can be cut back to any earlier length
+(sliding-window layers keep every position; short-convolution layers record their input).
+Layers with a recurrent state cannot be cut back: a prompt that shares only part of such an
+entry is computed cold, and the ledger says why ("recurrent_state").
+
 Only the engine thread touches this object.
 """
 
@@ -18,6 +23,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from transformers import DynamicCache
+from transformers.cache_utils import (
+    CacheLayerMixin,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionCacheLayerMixin,
+    get_layer_types_and_kwargs,
+)
 
 MISS_REASONS = (
     "none",
@@ -29,6 +41,8 @@ MISS_REASONS = (
     "template_mismatch",
     "dropped_old_turns",
     "disabled",
+    "sliding_window",  # a rolling sliding-window layer no longer holds the shared prefix
+    "recurrent_state",  # a recurrent (linear-attention) state cannot go back to the prefix
 )
 _anonymous = itertools.count(1)
 
@@ -41,20 +55,90 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+class RollbackError(RuntimeError):
+    """A cache cannot be cut back to an earlier length; reason is one of MISS_REASONS."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"the KV cache cannot be cut back ({reason})")
+        self.reason = reason
+
+
+def new_cache(config: Any) -> DynamicCache:
+    """An empty KV cache for this model that can be cut back to any earlier length.
+
+    transformers' sliding-window layers keep only the last window, so they cannot roll back
+    past it (a regenerate, an edit, a rejected draft): here they keep every position, as
+    full-attention layers do, and the attention mask still applies the window (the same
+    logits). Short-convolution layers ("conv", LFM2) record their whole input for the same
+    reason. Layers with a recurrent state stay as they are (rollback_blocker says so)."""
+    cache = DynamicCache(config=config)
+    if config is None:
+        return cache
+    types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    for i, (layer, kind) in enumerate(zip(cache.layers, types, strict=False)):
+        if type(layer) is DynamicSlidingWindowLayer:
+            cache.layers[i] = DynamicLayer()
+        elif kind == "conv" and isinstance(layer, LinearAttentionCacheLayerMixin):
+            layer.activate_past_recording()
+    return cache
+
+
+def rollback_blocker(cache: Any) -> str | None:
+    """Why this cache cannot be cut back to an earlier length (a MISS_REASONS entry), or None."""
+    for layer in cache.layers:
+        recurrent = isinstance(layer, LinearAttentionCacheLayerMixin) and (
+            any(layer.is_recurrent_states_initialized.values()) or not layer.record_past)
+        if recurrent:
+            return "recurrent_state"
+        rolled = isinstance(layer, DynamicSlidingWindowLayer) and (
+            not layer.record_past and layer.get_seq_length() >= layer.sliding_window)
+        if rolled:
+            return "sliding_window"
+    return None
+
+
+def model_rollback_blocker(config: Any) -> str | None:
+    """Why this model's caches cannot be cut back once used (speculation needs it), or None."""
+    for layer in new_cache(config).layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin) and not layer.record_past:
+            return "recurrent_state"
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            return "sliding_window"
+    return None
+
+
 def cache_nbytes(cache: Any) -> int:
     total = 0
     for layer in getattr(cache, "layers", []):
-        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+        tensors = [getattr(layer, "keys", None), getattr(layer, "values", None)]
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            tensors += [*layer.conv_states.values(), *layer.recurrent_states.values()]
+        for tensor in tensors:
             if tensor is not None and hasattr(tensor, "numel"):
                 total += tensor.numel() * tensor.element_size()
     return total
 
 
 def crop_to(cache: Any, length: int) -> None:
-    """Keep the first `length` positions (transformers' crop takes a negative count)."""
+    """Keep the first `length` positions; RollbackError if the cache cannot go back."""
     extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
+    if extra <= 0:
+        return
+    reason = rollback_blocker(cache)
+    if reason is not None:
+        raise RollbackError(reason)
+    if not any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers):
+        cache.crop(-extra)  # transformers' crop takes a negative count
+        return
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            # recorded conv input: one column per position (transformers' crop would also
+            # shrink it to the kernel size, losing the next rollback)
+            for i, state in layer.conv_states.items():
+                if state is not None:
+                    layer.conv_states[i] = state[..., :length]
+        if isinstance(layer, CacheLayerMixin):
+            DynamicLayer.crop(layer, -extra)
 
 
 @dataclass
@@ -146,8 +230,11 @@ class PrefixCache:
         limit = len(prompt_ids) - 1
         own = self._entries.pop(conv, None)
         own_len = min(common_prefix_len(own.ids, prompt_ids), limit) if own else 0
+        blocked = None  # why own's cache could not be cut back to what the prompt shares
+        if own is not None and own_len < len(own.ids):
+            blocked = rollback_blocker(own.cache)
         donor_id, donor_len = self._best_donor(prompt_ids, limit)
-        if own is not None and own_len >= donor_len:
+        if own is not None and blocked is None and own_len >= donor_len:
             crop_to(own.cache, own_len)
             cache, ids = own.cache, own.ids[:own_len]
         elif donor_id is not None and donor_len > 0:
@@ -156,11 +243,13 @@ class PrefixCache:
             crop_to(cache, donor_len)
             ids = list(prompt_ids[:donor_len])
         else:
-            cache, ids = DynamicCache(config=self._config), []
+            cache, ids = new_cache(self._config), []
         if own is None:
             reason = self._fresh_reason(conv)
         else:
             reason = self._own_reason(own.ids, prompt_ids, own_len, limit, layout)
+            if blocked is not None and len(ids) < own_len:
+                reason = blocked
         if layout is not None and layout.dropped_messages and reason != "first_turn":
             reason = "dropped_old_turns"
         return CacheLease(conv, ids, cache, len(ids), reason)
@@ -170,7 +259,7 @@ class PrefixCache:
         conv = conversation_id or f"anon-{next(_anonymous)}"
         self._entries.pop(conv, None)
         self._leased.add(conv)
-        return CacheLease(conv, [], DynamicCache(config=self._config), 0, "disabled")
+        return CacheLease(conv, [], new_cache(self._config), 0, "disabled")
 
     def release(self, lease: CacheLease) -> None:
         """Give a lease's cache back to the pool, then evict down to the budget."""
@@ -194,6 +283,8 @@ class PrefixCache:
         best_id, best_len = None, 0
         for conv, entry in self._entries.items():
             n = min(common_prefix_len(entry.ids, prompt_ids), limit)
+            if n < len(entry.ids) and rollback_blocker(entry.cache) is not None:
+                continue  # its cache cannot be cut back to the shared part
             if n > best_len:
                 best_id, best_len = conv, n
         return best_id, best_len

@@ -6,6 +6,7 @@ Loads in milliseconds and goes through the same loading code as a real model fol
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -43,9 +44,10 @@ def build_tiny_tokenizer(
     return folder
 
 
-def build_tiny_model(folder: Path, *, chat_template: bool = True, seed: int = 0) -> Path:
+def _chatml_tokenizer(folder: Path, *, chat_template: bool = True) -> Any:
+    """The tiny models' byte-level BPE tokenizer (400 tokens, ChatML control tokens), saved."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     folder.mkdir(parents=True, exist_ok=True)
     bpe = Tokenizer(models.BPE())
@@ -68,21 +70,67 @@ def build_tiny_model(folder: Path, *, chat_template: bool = True, seed: int = 0)
     if chat_template:
         tokenizer.chat_template = CHATML
     tokenizer.save_pretrained(folder)
+    return tokenizer
 
+
+def _special_ids(tokenizer: Any) -> dict[str, int]:
+    return {
+        "vocab_size": len(tokenizer),
+        "bos_token_id": tokenizer.convert_tokens_to_ids("<|im_start|>"),
+        "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        "pad_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+    }
+
+
+def build_tiny_model(folder: Path, *, chat_template: bool = True, seed: int = 0) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = _chatml_tokenizer(folder, chat_template=chat_template)
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         tie_word_embeddings=True,
+        **_special_ids(tokenizer),
     )
     model = LlamaForCausalLM(config)
+    model.save_pretrained(folder)
+    return folder
+
+
+# ----- the architecture matrix ---------------------------------------------------------------
+TINY_WINDOW = 16  # sliding-window layers see 16 tokens: every chat in the tests is longer
+_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256)
+# model_type -> config fields beyond the shared tiny shape (real transformers config classes)
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "qwen2": dict(use_sliding_window=True, sliding_window=TINY_WINDOW, max_window_layers=1),
+    "qwen3": dict(use_sliding_window=True, sliding_window=TINY_WINDOW, max_window_layers=1,
+                  head_dim=16),
+    "mistral": dict(sliding_window=TINY_WINDOW),
+    "gemma2": dict(sliding_window=TINY_WINDOW, head_dim=16),
+    "gemma3_text": dict(sliding_window=TINY_WINDOW, head_dim=16, num_hidden_layers=3,
+                        layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+    "phi3": dict(sliding_window=TINY_WINDOW),
+    # hybrid: short-convolution layers (a per-layer state instead of KV) between attention
+    "lfm2": dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"]),
+}
+
+
+def build_tiny_architecture(folder: Path, model_type: str, *, seed: int = 0) -> Path:
+    """A tiny random model of one architecture, from its real config class, with the ChatML
+    tokenizer: loads like any model folder a user brings."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = _chatml_tokenizer(folder)
+    torch.manual_seed(seed)
+    fields = {**_SHAPE, **_special_ids(tokenizer), **ARCHITECTURES[model_type]}
+    config = AutoConfig.for_model(model_type, **fields)
+    model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(folder)
     return folder

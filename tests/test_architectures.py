@@ -1,0 +1,202 @@
+"""Every architecture a user may bring: tiny random models built from real transformers config
+classes (tests/tiny_model.py), each run through the engine exactly as a downloaded folder is.
+
+Sliding-window models (Mistral, Qwen2/3 with sliding layers, Gemma 2/3, Phi-3) get chats far
+longer than their 16-token window, so every rollback (regenerate, edit, a rejected draft, the
+batcher's re-packing) reaches back past it; LFM2 mixes short-convolution layers with attention.
+Each must give exactly the tokens transformers' own generate() and a cold prompt give.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import ChatMessage, Engine, GenerationRequest, SamplingParams
+from engine.errors import ModelLoadError
+from engine.prefix_cache import PrefixCache, crop_to, model_rollback_blocker, new_cache
+from tests.tiny_model import ARCHITECTURES, TINY_WINDOW, build_tiny_architecture
+
+SYSTEM = ChatMessage("system", "You are a helpful assistant. The capital of France is Paris.")
+QUESTION = ChatMessage("user", "Hello, how are you today? Tell me about the capital of Germany.")
+
+
+def greedy(max_tokens: int = 16, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+class Arch:
+    """One architecture's tiny model: a started engine, and transformers' own model."""
+
+    def __init__(self, model_type: str, folder: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model_type = model_type
+        self.folder = folder
+        self.engine = Engine(cache_budget_bytes=64 << 20).start()
+        self.engine.load_model_sync(str(folder), kernel="fp32-eager")
+        self.reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        self.reference.eval()
+
+    def ask(self, messages: list[ChatMessage], conv: str | None = None, params=None, **kw):
+        request = GenerationRequest(list(messages), params or greedy(), conversation_id=conv,
+                                    **kw)
+        return self.engine.submit(request).wait(120)
+
+    def cold(self, messages: list[ChatMessage], params=None):
+        return self.ask(messages, None, params, reuse_cache=False)
+
+    def generate(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
+        with torch.inference_mode():
+            out = self.reference.generate(torch.tensor([prompt_ids]), do_sample=False,
+                                          max_new_tokens=max_tokens)
+        return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def arch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+         ) -> Iterator[Arch]:
+    model_type = request.param
+    folder = build_tiny_architecture(tmp_path_factory.mktemp(model_type), model_type)
+    built = Arch(model_type, folder)
+    yield built
+    built.engine.shutdown()
+
+
+def chat(arch: Arch, conv: str, turns: int = 3, params=None) -> list:
+    """A cached multi-turn chat; returns each turn's (messages, result)."""
+    messages = [SYSTEM, QUESTION]
+    out = []
+    for i in range(turns):
+        result = arch.ask(messages, conv, params)
+        out.append((list(messages), result))
+        messages += [ChatMessage("assistant", result.text),
+                     ChatMessage("user", f"Thank you. And question {i}: what about Paris?")]
+    return out
+
+
+def test_greedy_reply_matches_transformers_generate(arch: Arch) -> None:
+    result = arch.ask([SYSTEM, QUESTION], params=greedy(24))
+    assert len(result.prompt_token_ids) > TINY_WINDOW
+    expected = arch.generate(result.prompt_token_ids, 24)
+    assert result.token_ids == expected[: len(result.token_ids)]
+    assert result.finish_reason == "stop" or result.token_ids == expected
+
+
+def test_cached_chat_matches_cold_prompts_past_the_window(arch: Arch) -> None:
+    turns = chat(arch, "chat")
+    for messages, warm in turns:
+        assert warm.token_ids == arch.cold(messages).token_ids
+    last = turns[-1][1].metrics
+    assert last.cached_tokens > 2 * TINY_WINDOW
+    assert last.cache_miss_reason in ("none", "template_mismatch")
+
+
+def test_regenerate_and_edit_match_cold(arch: Arch) -> None:
+    turns = chat(arch, "edit", turns=2)
+    messages, first = turns[-1]
+    again = arch.ask(messages, "edit")  # regenerate: the cache goes back past a whole reply
+    assert again.metrics.cached_tokens == again.metrics.prompt_tokens - 1
+    assert again.token_ids == first.token_ids
+    edited = [SYSTEM, ChatMessage("user", "Hello, how are you? Tell me about Berlin."),
+              *messages[2:]]
+    warm = arch.ask(edited, "edit")
+    assert warm.metrics.cache_miss_reason == "edited_history"
+    assert 0 < warm.metrics.cached_tokens < warm.metrics.prompt_tokens - TINY_WINDOW
+    assert warm.token_ids == arch.cold(edited).token_ids
+
+
+def test_alternatives_and_concurrent_requests_match_alone(arch: Arch) -> None:
+    long_chat = chat(arch, "alone", turns=2)[-1][0]
+    alone = [arch.cold(messages).token_ids for messages in ([SYSTEM, QUESTION], long_chat)]
+    request = GenerationRequest([SYSTEM, QUESTION], greedy(), conversation_id="alts")
+    handles = arch.engine.submit_alternatives(request, 3)
+    assert [h.wait(120).token_ids for h in handles] == [alone[0]] * 3
+    both = [arch.engine.submit(GenerationRequest(messages, greedy(), conversation_id=conv))
+            for conv, messages in (("a", [SYSTEM, QUESTION]), ("b", long_chat))]
+    assert [h.wait(120).token_ids for h in both] == alone
+
+
+class FlawedOracle:
+    """A drafter that knows the plain reply and drafts it with mistakes: three right tokens
+    then a wrong one, and every other step four wrong ones, so each verification keeps part
+    of a draft and the cache must roll the rest back (past the window, in a long chat)."""
+
+    draft_probs = None
+
+    def __init__(self, truth: list[int], prompt_ids: list[int], vocab: int) -> None:
+        self.truth, self.vocab, self.generated, self.steps = truth, vocab, 0, 0
+        self.prompt_len = len(prompt_ids)
+
+    def append(self, token: int) -> None:
+        self.generated += 1
+
+    def propose(self, max_tokens: int) -> list[int]:
+        self.steps += 1
+        right = self.truth[self.generated : self.generated + min(max_tokens, 4)]
+        wrong = [(t + 1) % self.vocab for t in right]
+        return wrong if self.steps % 2 else right[:3] + wrong[3:]
+
+
+def test_speculation_matches_plain_and_rolls_back(arch: Arch, monkeypatch) -> None:
+    story = ChatMessage("user", "Hello world. Hello world. The capital of France is Paris. "
+                                "The capital of Germany is Berlin. Hello world.")
+    messages = [*chat(arch, "spec", turns=2)[-1][0][:-1], story]
+    params = greedy(24, ignore_eos=True)
+    plain = arch.cold(messages, params)
+    lookup = arch.ask(messages, params=params, speculative="ngram")
+    assert lookup.token_ids == plain.token_ids  # prompt lookup as shipped
+    if model_rollback_blocker(arch.reference.config) is not None:
+        return  # speculation needs a rollback: this model decodes plainly (same tokens)
+    vocab = arch.reference.config.vocab_size
+    monkeypatch.setattr("engine.generate.PromptLookup",
+                        lambda ids: FlawedOracle(plain.token_ids, ids, vocab))
+    spec = arch.ask(messages, "spec", params=params, speculative="ngram")
+    assert spec.token_ids == plain.token_ids
+    assert 0 < spec.spec_accepted < spec.spec_proposed
+
+
+def test_cache_crops_back_past_the_window_exactly(arch: Arch) -> None:
+    """The cache itself: cut back past the window, then extended, gives cold logits."""
+    model = arch.reference
+    ids = torch.randint(3, model.config.vocab_size, (3 * TINY_WINDOW,)).tolist()
+    pool = PrefixCache(model.config, budget_bytes=1 << 30)
+    lease = pool.acquire("x", ids)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([ids[:-1]]), cache=lease.cache, use_cache=True)
+        lease.ids.extend(ids[:-1])
+        keep = TINY_WINDOW // 2
+        crop_to(lease.cache, keep)
+        assert lease.cache.get_seq_length() == keep
+        warm = model(input_ids=torch.tensor([ids[keep:]]), cache=lease.cache,
+                     use_cache=True).logits[0, -1]
+        cold = model(input_ids=torch.tensor([ids]), cache=new_cache(model.config),
+                     use_cache=True).logits[0, -1]
+    assert torch.allclose(warm, cold, atol=1e-4)
+
+
+def test_architecture_the_engine_cannot_run_is_refused_in_one_line(tmp_path: Path) -> None:
+    from transformers import T5Config
+
+    folder = build_tiny_architecture(tmp_path / "llama", "llama")
+    T5Config(vocab_size=400, d_model=32, d_ff=64, num_layers=1, num_heads=2).save_pretrained(
+        folder)
+    with Engine() as engine, pytest.raises(ModelLoadError) as err:
+        engine.load_model_sync(str(folder), kernel="fp32-eager")
+    message = str(err.value)
+    assert "\n" not in message
+    assert "t5" in message and "text-generation" in message
+
+
+def test_architecture_transformers_does_not_know_is_refused_in_one_line(tmp_path: Path) -> None:
+    import json
+
+    folder = build_tiny_architecture(tmp_path / "llama", "llama")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "futurenet"}))
+    with Engine() as engine, pytest.raises(ModelLoadError) as err:
+        engine.load_model_sync(str(folder), kernel="fp32-eager")
+    assert "\n" not in str(err.value) and "does not know the 'futurenet'" in str(err.value)
