@@ -33,6 +33,7 @@ test: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 bench: setup
 	$(VENV)/bin/phasewise bench --vs hf

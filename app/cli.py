@@ -12,7 +12,7 @@ import multiprocessing
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app import __version__
 from app.remote_cli import (
@@ -22,6 +22,9 @@ from app.remote_cli import (
     open_engine,
     report_remote_outcome,
 )
+
+if TYPE_CHECKING:
+    from engine.params import Speculative
 
 EXIT_ERROR = 1
 EXIT_CANCELLED = 130
@@ -132,7 +135,7 @@ def add_draft_options(parser: argparse.ArgumentParser) -> None:
                         help="the draft model's decode path (as --kernel)")
 
 
-def speculative_method(args: argparse.Namespace) -> str | None:
+def speculative_method(args: argparse.Namespace) -> Speculative | None:
     """ask's --speculative, "draft" when only --draft-model is given."""
     if args.speculative == "draft" and not args.draft_model:
         raise CliError("--speculative draft needs --draft-model SPEC")

@@ -55,6 +55,7 @@ def run_gui(
     from ui.theme import apply_theme
 
     app = QApplication.instance() or QApplication([sys.argv[0] if sys.argv else "phasewise"])
+    assert isinstance(app, QApplication)
     app.setOrganizationName("Phasewise")
     app.setApplicationName("Phasewise")
     app.setApplicationVersion(__version__)
@@ -95,7 +96,7 @@ def _run_window(loop: asyncio.AbstractEventLoop, model: str, backend: str | None
             window.load_model(REMOTE_SPEC, base_url=backend, model=backend_model)
         else:
             window.load_model(model)
-        code = loop.run_forever()  # app.exec(), with the asyncio loop running on it
+        code = loop.run_forever() or 0  # app.exec(), with the asyncio loop running on it
         if smoke is not None:
             code = smoke.exit_code
         window.close()
@@ -156,4 +157,4 @@ class _SmokeTest:
 
         self._timeout.stop()
         self.exit_code = code
-        QApplication.instance().exit(code)
+        QApplication.exit(code)

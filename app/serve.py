@@ -42,11 +42,12 @@ from engine.events import (
     TextFlushed,
     TokenEmitted,
 )
-from engine.params import ChatMessage, GenerationRequest, SamplingParams
+from engine.params import ChatMessage, GenerationRequest, Role, SamplingParams
 from engine.protocol import Backend
 
 T = TypeVar("T")
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES: dict[str, Role] = {"system": "system", "developer": "system", "user": "user",
+                          "assistant": "assistant"}
 # Seconds; finer at the low end, where small models on a desktop live.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -334,7 +335,8 @@ class ChatServer:
 
     def _authorized(self, request: Request) -> bool:
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and secrets.compare_digest(given.strip(), self.token)
+        return scheme.lower() == "bearer" and secrets.compare_digest(given.strip(),
+                                                                       self.token or "")
 
     async def list_models(self, _request: Request) -> Response:
         info = self.engine.model_info
@@ -372,6 +374,7 @@ class ChatServer:
             self.metrics.requests.labels("failed").inc()
             return failure_response(first.message)
         if not streaming:
+            assert isinstance(first, RequestFinished)  # first_event's only other end
             return JSONResponse(self._completion_body(gen, first.result))
         options = body.get("stream_options") or {}
         chunks = self._chunks(gen, queue, first, bool(options.get("include_usage")))

@@ -255,9 +255,9 @@ class Batcher:
                 self._take_token(row, logits[i])
             except Exception as exc:
                 failed.append((row, exc))
-        for row, exc in failed:
+        for row, error in failed:
             self._drop(row)
-            self._done(row.job, None, exc)
+            self._done(row.job, None, error)
         self._leave([r for r in self.rows if r.finish is not None], None)
 
     def _forward(self) -> torch.Tensor:
@@ -266,13 +266,14 @@ class Batcher:
         input_ids = torch.tensor([[r.generated[-1]] for r in self.rows], device=device)
         positions = torch.tensor([[r.kv_len] for r in self.rows], device=device)
         mask = None
+        assert self._cache is not None  # rows have joined
         if any(self._pads):
             length = self._cache.get_seq_length() + 1
             pads = torch.tensor(self._pads, device=device)
             mask = (torch.arange(length, device=device)[None, :] >= pads[:, None]).long()
         out = self.loaded.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                                 cache=self._cache, use_cache=True, logits_to_keep=1)
-        logits = out.logits[:, -1]
+        logits: torch.Tensor = out.logits[:, -1]
         _sync(logits)
         return logits
 

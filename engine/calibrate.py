@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from engine.loader import cache_root
 
@@ -94,7 +95,7 @@ def measure_peaks(device: str = "cpu", budget_s: float = 1.5) -> tuple[float, fl
     return 2 * copy_bytes / copy_s / 1e9, 2 * n**3 / mm_s / 1e12
 
 
-def _best_time(fn: Callable[[], object], dev: object, budget_s: float, reps: int = 20) -> float:
+def _best_time(fn: Callable[[], object], dev: Any, budget_s: float, reps: int = 20) -> float:
     import torch
 
     def sync() -> None:
@@ -115,7 +116,7 @@ def _best_time(fn: Callable[[], object], dev: object, budget_s: float, reps: int
     return max(best, 1e-9)
 
 
-def _load_cache(path: Path) -> dict[str, dict[str, object]]:
+def _load_cache(path: Path) -> dict[str, dict[str, Any]]:
     try:
         data = json.loads(path.read_text("utf-8"))
     except (OSError, ValueError):

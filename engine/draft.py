@@ -147,7 +147,8 @@ class DraftModel:
         out = self.loaded.model(input_ids=input_ids, cache=self.cache, use_cache=True,
                                 logits_to_keep=1)
         self.ids.extend(ids)
-        return out.logits[0, -1]
+        logits: torch.Tensor = out.logits[0, -1]
+        return logits
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from engine.metrics import RequestMetrics
 
@@ -145,9 +145,9 @@ class GenerationResult:
     def spec_accept_rate(self) -> float:
         return self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0
 
-    def to_json_dict(self) -> dict:
+    def to_json_dict(self) -> dict[str, Any]:
         """The `ask --json` object: text, finish reason, metrics and model fields, flat."""
-        out: dict = {"text": self.text, "finish_reason": self.finish_reason}
+        out: dict[str, Any] = {"text": self.text, "finish_reason": self.finish_reason}
         out.update(self.metrics.to_dict())
         out["prompt_token_ids"] = self.prompt_token_ids
         out["output_token_ids"] = self.token_ids

@@ -32,7 +32,7 @@ from engine.events import (
 )
 from engine.loader import LoadedModel
 from engine.metrics import RequestTimeline, compute_metrics
-from engine.params import GenerationRequest
+from engine.params import ChatMessage, GenerationRequest
 from engine.prefix_cache import (
     CacheLease,
     PrefixCache,
@@ -121,7 +121,7 @@ def prepare_prompt(loaded: LoadedModel, request: GenerationRequest) -> PreparedP
 
 
 def _drop_oldest_to_fit(
-    loaded: LoadedModel, messages: list, droppable: list[int], context: int
+    loaded: LoadedModel, messages: list[ChatMessage], droppable: list[int], context: int
 ) -> PreparedPrompt:
     """The prompt with the fewest oldest non-system messages dropped that fits the context.
 
@@ -129,7 +129,7 @@ def _drop_oldest_to_fit(
     O(log n) encodes of the history instead of one per dropped message.
     """
 
-    def without_oldest(count: int) -> list:
+    def without_oldest(count: int) -> list[ChatMessage]:
         gone = set(droppable[:count])
         return [m for i, m in enumerate(messages) if i not in gone]
 
@@ -149,7 +149,7 @@ def _drop_oldest_to_fit(
     return best
 
 
-def _encode_messages(loaded: LoadedModel, messages: list) -> PreparedPrompt:
+def _encode_messages(loaded: LoadedModel, messages: list[ChatMessage]) -> PreparedPrompt:
     ids, spans = encode_chat_with_spans(loaded.tokenizer, messages)
     if not ids:
         raise InvalidRequestError("prompt is empty")
@@ -304,7 +304,7 @@ class DecodeSession:
         out = self.loaded.model(input_ids=input_ids, cache=lease.cache, use_cache=True,
                                 logits_to_keep=rows)
         lease.ids.extend(ids)
-        logits = out.logits[0, -rows:]
+        logits: torch.Tensor = out.logits[0, -rows:]
         if logits.device.type == "cuda":
             torch.cuda.synchronize(logits.device)
         return logits

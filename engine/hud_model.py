@@ -437,13 +437,15 @@ class SessionModel:
     def throughput_t(self) -> list[float]:
         """Session seconds of each kept rolling-throughput point (no gaps)."""
         t, _v = self.throughput_series()
-        return t[np.isfinite(t)].tolist()
+        kept: list[float] = t[np.isfinite(t)].tolist()
+        return kept
 
     @property
     def throughput(self) -> list[float]:
         """Rolling decode tok/s of each kept point, matching throughput_t."""
         t, v = self.throughput_series()
-        return v[np.isfinite(t)].tolist()
+        kept: list[float] = v[np.isfinite(t)].tolist()
+        return kept
 
     def latest(self) -> ReplyRecord | None:
         return next(reversed(self.replies.values()), None) if self.replies else None
@@ -456,7 +458,7 @@ class SessionModel:
         return sum(1 for r in self.replies.values() if r.queued_ns <= t_ns) + 0.5
 
     def ttft_percentiles(self) -> tuple[float, float, float]:
-        ttfts = [r.metrics.ttft_s for r in self.finished()]
+        ttfts = [r.metrics.ttft_s for r in self.finished() if r.metrics is not None]
         p50, p90, p99 = percentiles(ttfts, (50, 90, 99))
         return p50, p90, p99
 

@@ -433,20 +433,20 @@ def decode_weight_bytes(model: nn.Module) -> int:
     total = sum(p.numel() * p.element_size() for p in params.values())
     for module in model.modules():
         total += _packed_linear_bytes(module)
-    embed = model.get_input_embeddings().weight
-    head = model.get_output_embeddings()
+    embed = model.get_input_embeddings().weight  # type: ignore[operator]  # a PreTrainedModel
+    head = model.get_output_embeddings()  # type: ignore[operator]
     head_weight = getattr(head, "weight", None)
     tied = isinstance(head_weight, torch.Tensor) and head_weight.data_ptr() == embed.data_ptr()
     if not tied:
         total -= (embed.shape[0] - 1) * embed.shape[1] * embed.element_size()
-    return total
+    return int(total)
 
 
 def _packed_linear_bytes(module: nn.Module) -> int:
     """Bytes of a torch.ao dynamic quantized Linear (its weights are not parameters)."""
     if not hasattr(module, "_packed_params") or not callable(getattr(module, "weight", None)):
         return 0
-    weight = module.weight()
+    weight = module.weight()  # type: ignore[operator]  # a method on quantized Linear
     if getattr(module._packed_params, "dtype", None) == torch.float16:
         total = weight.numel() * 2  # unpacked to fp32 for us; stored as fp16
     else:
@@ -455,10 +455,10 @@ def _packed_linear_bytes(module: nn.Module) -> int:
             total += weight.q_per_channel_scales().numel() * 4
         else:
             total += 4
-    bias = module.bias()
+    bias = module.bias()  # type: ignore[operator]
     if bias is not None:
         total += bias.numel() * bias.element_size()
-    return total
+    return int(total)
 
 
 def configure_threads() -> int:

@@ -253,7 +253,7 @@ def weight_bytes_per_step(model: Any) -> int:
     tied = out is not None and out.weight.data_ptr() == embed.data_ptr()
     if not tied:
         total -= embed.numel() * embed.element_size() - embed.shape[1] * embed.element_size()
-    return total
+    return int(total)
 
 
 def _dtype_tag(dtype: torch.dtype) -> str:
@@ -312,7 +312,7 @@ def _load_folder(
         )
     except Exception as exc:
         raise ModelLoadError(f"cannot load the model from {folder}: {_one_line(exc)}") from exc
-    model.to(device)
+    model.to(device)  # type: ignore[arg-type]  # transformers' stubs miss the device overload
     model.eval()
     return model, tokenizer
 

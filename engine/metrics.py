@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 NS = 1e-9
 
@@ -69,7 +70,7 @@ class RequestMetrics:
     prompt_tokens_known: bool = True
     cached_tokens_known: bool = True
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 

@@ -10,6 +10,7 @@ from typing import Literal
 from engine.errors import InvalidRequestError
 
 Role = Literal["system", "user", "assistant"]
+Speculative = Literal["ngram", "draft"]  # a speculative decoding method
 _request_ids = itertools.count(1)
 MAX_ALTERNATIVES = 8  # one decode batch
 
@@ -77,7 +78,7 @@ class GenerationRequest:
     # the engine's draft model (Engine.load_draft_sync). Greedy output is identical to plain
     # decoding; sampled drafts pass the speculative sampling test (same distribution).
     # None decodes one token per step.
-    speculative: Literal["ngram", "draft"] | None = None
+    speculative: Speculative | None = None
 
     def validate(self) -> None:
         self.params.validate()

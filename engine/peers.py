@@ -116,7 +116,8 @@ class LlamaCppPeer:
     def run(self, prompt_ids: list[int], max_tokens: int) -> PeerResult:
         """Exactly max_tokens greedy tokens (EOS does not stop it), prompt prefilled cold;
         timed in the child."""
-        return self._child.call((list(prompt_ids), max_tokens), RUN_TIMEOUT_S)
+        result: PeerResult = self._child.call((list(prompt_ids), max_tokens), RUN_TIMEOUT_S)
+        return result
 
     def close(self) -> None:
         self._child.close()

@@ -138,7 +138,7 @@ def crop_to(cache: Any, length: int) -> None:
                 if state is not None:
                     layer.conv_states[i] = state[..., :length]
         if isinstance(layer, CacheLayerMixin):
-            DynamicLayer.crop(layer, -extra)
+            DynamicLayer.crop(layer, -extra)  # type: ignore[arg-type]  # any layer with keys
 
 
 @dataclass

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.events import ModelInfo
 from engine.listeners import Listener
-from engine.params import GenerationRequest
+from engine.params import GenerationRequest, Speculative
 
 if TYPE_CHECKING:
     from engine.worker import RequestHandle
 
-SPECULATIVE_METHODS = ("ngram", "draft")  # GenerationRequest.speculative's values
+SPECULATIVE_METHODS: tuple[Speculative, ...] = ("ngram", "draft")
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class Capabilities:
 
     shared_prefill_alternatives: bool = False
     """submit_alternatives prefills the prompt once for all N (else: N plain requests)."""
-    speculative: tuple[str, ...] = ()
+    speculative: tuple[Speculative, ...] = ()
     """Speculative methods it runs ("ngram": prompt lookup, "draft": a draft model)."""
     draft_model: bool = False
     """load_draft can load a draft model (for speculative="draft")."""

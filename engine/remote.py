@@ -259,7 +259,7 @@ class _Job:
     cancel: threading.Event
     # Set by the task itself once it runs: only a running coroutine can be cancelled into
     # its except clauses (one cancelled before its first step would never report).
-    task: asyncio.Task | None = None
+    task: asyncio.Task[None] | None = None
 
 
 class _RemoteHandle(RequestHandle):
@@ -293,13 +293,13 @@ class RemoteEngine(EventSource, Backend):
         self._client: httpx.AsyncClient | None = None
         self._info: ModelInfo | None = None
         self._jobs: dict[str, _Job] = {}
-        self._tasks: set[asyncio.Task] = set()  # every task we made; touched on the loop only
-        self._loading: set[asyncio.Task] = set()  # model-list requests that have begun
+        self._tasks: set[asyncio.Task[Any]] = set()  # every task we made; touched on the loop only
+        self._loading: set[asyncio.Task[Any]] = set()  # model-list requests that have begun
         self._lock = threading.Lock()
         self._started = False
         self._shut = False
         self._closing = False  # the loop has begun closing: start no more tasks
-        self._closing_task: asyncio.Task | None = None
+        self._closing_task: asyncio.Task[None] | None = None
         self.closed = threading.Event()
         """Set once every task has ended and the connections are closed."""
         self.last_load_error: str | None = None
@@ -325,6 +325,7 @@ class RemoteEngine(EventSource, Backend):
             if self._own_loop:
                 asyncio.run_coroutine_threadsafe(self._aclose(), self._loop).result(timeout)
                 self._loop.call_soon_threadsafe(self._loop.stop)
+                assert self._thread is not None  # an own loop runs in our thread
                 self._thread.join(timeout)
                 self._loop.close()
                 return
@@ -438,7 +439,7 @@ class RemoteEngine(EventSource, Backend):
         """The server owns its cache; there is nothing to adopt here."""
 
     # ----- the loop thread ---------------------------------------------------------------
-    def _spawn(self, coro: Any) -> asyncio.Task:
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = self._loop.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -494,7 +495,9 @@ class RemoteEngine(EventSource, Backend):
         if self._closing:
             done.set()
             return
-        self._loading.add(asyncio.current_task())
+        task = asyncio.current_task()
+        assert task is not None
+        self._loading.add(task)
         self.last_load_error = None
         self._broadcast(ModelLoading(now_ns(), f"connecting to {self.config.base_url}"))
         try:
@@ -505,7 +508,7 @@ class RemoteEngine(EventSource, Backend):
         else:
             self._broadcast(ModelLoaded(now_ns(), self._info, 0.0))
         finally:
-            self._loading.discard(asyncio.current_task())
+            self._loading.discard(task)
             done.set()
 
     async def _fetch_model_info(self) -> ModelInfo:

@@ -41,7 +41,8 @@ class StaticDecoder:
         self.model = model
         self.max_len = max_len
         self.device = next(model.parameters()).device
-        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        self.cache = StaticCache(config=model.config,  # type: ignore[arg-type]  # nn.Module attr
+                                 max_cache_len=max_len)
         self.token = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         self._cuda_graphs = compile_mode == "reduce-overhead" and self.device.type == "cuda"
         if compile_mode == "none":
@@ -51,7 +52,8 @@ class StaticDecoder:
 
     def _forward_step(self, token: torch.Tensor) -> torch.Tensor:
         out = self.model(input_ids=token, cache=self.cache, use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1].argmax(-1)
+        chosen: torch.Tensor = out.logits[0, -1].argmax(-1)
+        return chosen
 
     @torch.inference_mode()
     def reset(self) -> None:

@@ -268,7 +268,7 @@ class ChatView(QTextBrowser):
         elif is_safe_link(url.toString()):
             QDesktopServices.openUrl(url)
 
-    def loadResource(self, kind: int, url: QUrl) -> object:
+    def loadResource(self, kind: int, url: QUrl | str) -> object:
         """Never load anything (images, style sheets): model output must stay inert."""
         return None
 

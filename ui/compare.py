@@ -212,7 +212,7 @@ class CompareSide(QObject):
         if info is None:
             self._end("no model is loaded")
             return
-        if self.owned:
+        if isinstance(self.engine, RemoteEngine):
             self.label = f"{self.name} · {info.name} @ {self.engine.config.host}"
         self.ready = True
         self.sig_ready.emit()
@@ -398,6 +398,7 @@ class CompareDialog(QDialog):
 
     def _make_side(self, name: str, choice: BackendChoice) -> CompareSide:
         if choice.kind == LOCAL:
+            assert self.local is not None  # the picker offers Local only with a local model
             info = self.local.model_info
             label = f"{name} · {info.name} (local)" if info else f"{name} · local"
             side = CompareSide(name, label, self.local, owned=False, parent=self)
@@ -533,7 +534,9 @@ class CompareDialog(QDialog):
     def _fill_table(self) -> None:
         columns = [self.values(side) for side in self.sides]
         for col, (side, values) in enumerate(zip(self.sides, columns, strict=True)):
-            self.table.horizontalHeaderItem(col).setToolTip(side.label)
+            header = self.table.horizontalHeaderItem(col)
+            if header is not None:
+                header.setToolTip(side.label)
             for row in range(len(TABLE_ROWS)):
                 self._set_cell(row, col, values[row] if values else None, values is None)
         if len(columns) == 2:

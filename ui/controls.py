@@ -27,6 +27,7 @@ from PySide6.QtWidgets import (
 )
 
 from engine import SamplingParams
+from engine.params import Speculative
 
 DEFAULT_CONTEXT = 2048
 SETTINGS_GROUP = "sampling"
@@ -180,7 +181,7 @@ class ControlsPanel(QWidget):
             seed=self._seed(),
         )
 
-    def speculative_mode(self) -> str | None:
+    def speculative_mode(self) -> Speculative | None:
         """GenerationRequest.speculative for the next request."""
         return self.speculative.currentData()
 

@@ -13,7 +13,7 @@ import contextlib
 import html
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from PySide6.QtCore import QByteArray, QCoreApplication, QSettings, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QCloseEvent, QGuiApplication, QKeySequence, QShortcut
@@ -43,6 +43,7 @@ from engine import (
     TextFlushed,
     TokenEmitted,
 )
+from engine.params import Role
 from engine.protocol import Backend
 from engine.remote import REMOTE_SPEC
 from ui.bridge import EngineBridge
@@ -523,7 +524,7 @@ class MainWindow(QMainWindow):
             history.append(ChatMessage("system", conv.system_prompt))
         for m in self.store.messages(conv_id):
             if m.content and m.status != "error" and m.role in ("user", "assistant"):
-                history.append(ChatMessage(m.role, m.content))
+                history.append(ChatMessage(cast(Role, m.role), m.content))
         return history
 
     def _ensure_conversation(self, first_text: str) -> str:

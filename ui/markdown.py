@@ -104,9 +104,11 @@ _MD = _parser()
 
 def render_markdown(text: str, message_id: int = 0, theme: Theme | None = None) -> Rendered:
     """Render untrusted Markdown to inert rich-text HTML plus the raw text of its code blocks."""
-    env = {"theme": theme or Theme(), "code_blocks": [], "message_id": message_id, "links": []}
+    code_blocks: list[str] = []
+    env = {"theme": theme or Theme(), "code_blocks": code_blocks, "message_id": message_id,
+           "links": []}
     body = _MD.render(text, env)
-    return Rendered(body, env["code_blocks"])
+    return Rendered(body, code_blocks)
 
 
 def render_plain(text: str) -> str:

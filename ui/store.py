@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from platformdirs import user_data_dir
 
@@ -73,6 +74,12 @@ class Message:
     status: str
     settings: dict | None
     metrics: dict | None
+
+
+def _message(row: tuple[Any, ...]) -> Message:
+    """A Message from a row of (id, conversation_id, role, content, status, settings_json,
+    metrics_json)."""
+    return Message(row[0], row[1], row[2], row[3], row[4], _loads(row[5]), _loads(row[6]))
 
 
 class ChatStore:
@@ -194,7 +201,8 @@ class ChatStore:
                 (conv_id, role, content, status, _dumps(settings), now),
             )
             self._db.execute("UPDATE conversations SET updated=? WHERE id=?", (now, conv_id))
-        return int(cur.lastrowid)
+        assert cur.lastrowid is not None  # set by every INSERT
+        return cur.lastrowid
 
     def save_partial(self, message_id: int, content: str) -> None:
         """Write a streaming reply's text so far (called in batches while it streams)."""
@@ -227,7 +235,7 @@ class ChatStore:
             " FROM messages WHERE conversation_id=? ORDER BY id",
             (conv_id,),
         ).fetchall()
-        return [Message(*row[:5], _loads(row[5]), _loads(row[6])) for row in rows]
+        return [_message(row) for row in rows]
 
     def message(self, message_id: int) -> Message | None:
         row = self._db.execute(
@@ -235,7 +243,7 @@ class ChatStore:
             " FROM messages WHERE id=?",
             (message_id,),
         ).fetchone()
-        return Message(*row[:5], _loads(row[5]), _loads(row[6])) if row else None
+        return _message(row) if row else None
 
 
 def _escape_like(text: str) -> str:

@@ -7,6 +7,7 @@ Panels only read engine.hud_model; they never compute timings from a UI clock.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,6 +16,7 @@ from PySide6.QtCore import QPointF, Qt, Signal
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QToolButton, QVBoxLayout
 
 from engine.calibrate import DevicePeaks
+from engine.events import SamplerSnapshot
 from engine.hud_model import (
     THROUGHPUT_WINDOW,
     Breakdown,
@@ -22,8 +24,8 @@ from engine.hud_model import (
     SessionModel,
     fmt_ms,
     fmt_seconds,
-    percentiles,
 )
+from engine.metrics import RequestMetrics, percentiles
 from ui.hud import style
 from ui.hud.live_label import LiveLabel
 
@@ -64,7 +66,7 @@ class Panel(QFrame):
         self.plot = style.make_plot(self.plot_height)
         self.readout = self._live_label("hudReadout", " ")
         self.caption = self._live_label("hudCaption", "Waiting for a reply.")
-        layout = QVBoxLayout(self)
+        layout = self._column = QVBoxLayout(self)
         layout.setContentsMargins(10, 8, 10, 8)
         layout.setSpacing(4)
         layout.addLayout(self._header())
@@ -190,7 +192,7 @@ def set_points(curve: pg.PlotDataItem, x: np.ndarray, y: np.ndarray, *,
     curve.setData(x, y)
 
 
-def _nearest(xs: list[float] | np.ndarray, x: float) -> int | None:
+def _nearest(xs: Sequence[float] | np.ndarray, x: float) -> int | None:
     if len(xs) == 0:
         return None
     return int(np.argmin(np.abs(np.asarray(xs, dtype=float) - x)))
@@ -245,9 +247,10 @@ class TtftPanel(Panel):
 
     def hover_text(self, x: float, y: float) -> str | None:
         i = _nearest([r.number for r in self._rows], x)
-        if i is None or self._rows[i].metrics is None:
+        r = self._rows[i] if i is not None else None
+        m = r.metrics if r is not None else None
+        if r is None or m is None:
             return None
-        r, m = self._rows[i], self._rows[i].metrics
         return (f"turn {r.number}: TTFT {fmt_seconds(m.ttft_s)} = queue {fmt_seconds(m.queue_s)}"
                 f" + prefill {fmt_seconds(m.prefill_s)}; {m.cached_tokens:,}/"
                 f"{m.prompt_tokens:,} prompt tokens cached")
@@ -338,12 +341,12 @@ class ThroughputPanel(Panel):
         done = model.finished()
         if len(done) != len(self._means.data):  # reply means change only when one finishes
             self._means.setData(x=[model.session_s(r.done_ns) for r in done],
-                                y=[r.metrics.decode_tok_s for r in done])
-        if done and done[-1].metrics:
-            last = done[-1].metrics
+                                y=[_metrics(r).decode_tok_s for r in done])
+        if done:
+            m = _metrics(done[-1])
             self.caption.setText(
                 f"Rolling over {THROUGHPUT_WINDOW} tokens; ◆ = reply mean. Last reply "
-                f"{last.decode_tok_s:,.1f} tok/s over {last.output_tokens:,} tokens "
+                f"{m.decode_tok_s:,.1f} tok/s over {m.output_tokens:,} tokens "
                 "(TTFT excluded)."
             )
 
@@ -375,7 +378,7 @@ class BreakdownPanel(Panel):
         for bar in self._bars.values():
             self.plot.addItem(bar)
         self.table = LiveLabel(word_wrap=True)
-        self.layout().insertWidget(2, self.table)
+        self._column.insertWidget(2, self.table)
         self._breakdown: Breakdown | None = None
 
     def refresh(self, ctx: HudContext) -> None:
@@ -393,8 +396,10 @@ class BreakdownPanel(Panel):
         self.plot.setYRange(-0.5, 0.5, padding=0)
         self.table.setText(self._table_html(b))
         state = "e2e" if b.final else "so far (live)"
-        path = ctx.reply.path_text()
-        self.caption.setText(f"Reply #{ctx.reply.number}: {fmt_seconds(b.e2e_s)} {state}; "
+        reply = ctx.reply
+        assert reply is not None  # it gave the breakdown
+        path = reply.path_text()
+        self.caption.setText(f"Reply #{reply.number}: {fmt_seconds(b.e2e_s)} {state}; "
                              f"TTFT {fmt_seconds(b.ttft_s)}." + (f" {path}." if path else ""))
 
     @staticmethod
@@ -618,7 +623,7 @@ class SamplerPanel(Panel):
             return style.CHOSEN
         return style.KEPT if i < kept else style.CUT
 
-    def _describe(self, snap: object) -> str:
+    def _describe(self, snap: SamplerSnapshot) -> str:
         chosen = next(((t, p) for tid, t, p in snap.candidates if tid == snap.chosen_id), None)
         drew = (f"drew “{short_token(chosen[0], 16)}” (p = {chosen[1]:.2f})" if chosen
                 else "drew a token outside the top list")
@@ -688,3 +693,9 @@ PANEL_TYPES: tuple[type[Panel], ...] = (
     TtftPanel, ItlPanel, ThroughputPanel, BreakdownPanel, CachePanel, ContextPanel,
     RooflinePanel, SamplerPanel, RenderLagPanel,
 )
+
+
+def _metrics(reply: ReplyRecord) -> RequestMetrics:
+    """A finished reply's metrics (SessionModel.finished() keeps only replies that have them)."""
+    assert reply.metrics is not None
+    return reply.metrics
