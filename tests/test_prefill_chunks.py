@@ -1,0 +1,215 @@
+"""Chunked prefill: the same logits and reply as one pass, progress after each chunk, Stop
+within one chunk, and streaming rows that keep decoding between another prompt's chunks."""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine import (
+    EngineEvent,
+    GenerationRequest,
+    GenerationResult,
+    PrefillProgress,
+    SamplingParams,
+    TokenEmitted,
+)
+from engine.batching import Batcher, BatchJob, DetachedJob
+from engine.generate import ChunkedPrefill, DecodeSession, now_ns
+from engine.loader import LoadedModel, load_model
+from engine.metrics import RequestTimeline
+from engine.prefix_cache import PrefixCache
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def sharp(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """The tiny model with its layer weights scaled up, so its greedy reply depends on the
+    whole context (the plain tiny model repeats one token)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("sharp-prefill")
+    shutil.copytree(tiny_model_dir, folder, dirs_exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if weight.dim() == 2 and "embed" not in name:
+                weight.mul_(8.0)
+    model.save_pretrained(folder)
+    return load_model(str(folder))
+
+
+def prompt(loaded: LoadedModel, n: int, offset: int = 0) -> list[int]:
+    vocab = loaded.model.config.vocab_size
+    return [(7 * i + 3 + offset) % (vocab - 3) + 3 for i in range(n)]
+
+
+def pool(loaded: LoadedModel) -> PrefixCache:
+    return PrefixCache(loaded.model.config, budget_bytes=1 << 30)
+
+
+def run(loaded: LoadedModel, ids: list[int], chunk: int, cache: PrefixCache | None = None,
+        cancel: threading.Event | None = None, events: list | None = None,
+        conversation: str | None = None) -> GenerationResult:
+    request = GenerationRequest([], GREEDY, prompt_token_ids=ids, conversation_id=conversation)
+    session = DecodeSession(loaded, cache or pool(loaded), prefill_chunk=chunk)
+    sink = events if events is not None else []
+    return session.run(request, RequestTimeline(now_ns()), cancel or threading.Event(),
+                       sink.append)
+
+
+@torch.inference_mode()
+def test_chunked_prefill_logits_match_one_pass(sharp: LoadedModel) -> None:
+    ids = prompt(sharp, 150)
+    logits = {}
+    for chunk in (len(ids), 64, 17, 1):
+        lease = pool(sharp).cold_lease(None)
+        prefill = ChunkedPrefill(sharp, lease, ids, "r", lambda _e: None)
+        logits[chunk] = prefill.run(chunk, threading.Event())
+        assert lease.ids == ids and lease.cache.get_seq_length() == len(ids)
+    one_pass = logits.pop(len(ids))
+    for chunk, got in logits.items():
+        torch.testing.assert_close(got, one_pass, rtol=1e-4, atol=1e-4, msg=f"chunk {chunk}")
+
+
+def test_chunked_prefill_gives_the_same_greedy_reply(sharp: LoadedModel) -> None:
+    ids = prompt(sharp, 150)
+    one_pass = run(sharp, ids, chunk=len(ids))
+    assert len(set(one_pass.token_ids)) > 1, "the reply depends on the context"
+    for chunk in (64, 17):
+        assert run(sharp, ids, chunk=chunk).token_ids == one_pass.token_ids
+
+
+def test_progress_after_each_chunk_then_tokens(sharp: LoadedModel) -> None:
+    ids = prompt(sharp, 100)
+    events: list[Any] = []
+    result = run(sharp, ids, chunk=16, events=events)
+    progress = [e for e in events if isinstance(e, PrefillProgress)]
+    assert [p.done_tokens for p in progress] == [16, 32, 48, 64, 80, 96, 100]
+    assert {p.total_tokens for p in progress} == {100}
+    assert all(p.tok_s > 0 for p in progress)
+    assert progress[-1].eta_s == 0.0 and progress[-1].fraction == 1.0
+    first_token = next(i for i, e in enumerate(events) if isinstance(e, TokenEmitted))
+    assert events.index(progress[-1]) < first_token
+    assert result.metrics.prefilled_tokens == 100
+
+
+def test_only_uncached_tokens_are_prefilled_and_counted(sharp: LoadedModel) -> None:
+    cache = pool(sharp)
+    ids = prompt(sharp, 90)
+    run(sharp, ids[:60], chunk=16, cache=cache, conversation="c")
+    events: list[Any] = []
+    result = run(sharp, ids, chunk=16, cache=cache, conversation="c", events=events)
+    assert result.metrics.cached_tokens == 60
+    progress = [e for e in events if isinstance(e, PrefillProgress)]
+    assert [(p.done_tokens, p.total_tokens) for p in progress] == [(16, 30), (30, 30)]
+
+
+def test_stop_during_prefill_takes_effect_within_one_chunk(sharp: LoadedModel) -> None:
+    cache = pool(sharp)
+    ids = prompt(sharp, 120)
+    cancel = threading.Event()
+    events: list[Any] = []
+
+    def emit(event: EngineEvent) -> None:
+        events.append(event)
+        if isinstance(event, PrefillProgress):
+            cancel.set()  # Stop pressed while the first chunk ran
+
+    request = GenerationRequest([], GREEDY, prompt_token_ids=ids, conversation_id="c")
+    session = DecodeSession(sharp, cache, prefill_chunk=32)
+    result = session.run(request, RequestTimeline(now_ns()), cancel, emit)
+
+    assert result.finish_reason == "cancelled" and result.token_ids == []
+    assert [e.done_tokens for e in events if isinstance(e, PrefillProgress)] == [32]
+    assert not any(isinstance(e, TokenEmitted) for e in events)
+    # The chunk that ran stays cached: asking again resumes after it.
+    again = run(sharp, ids, chunk=32, cache=cache, conversation="c")
+    assert again.metrics.cached_tokens == 32
+    assert again.token_ids == run(sharp, ids, chunk=len(ids)).token_ids
+
+
+# ----- the batcher: decode rows are not starved by another prompt's prefill -------------------
+class Recorder:
+    """The batcher's emit and done callbacks: every event in order, every result."""
+
+    def __init__(self) -> None:
+        self.events: list[EngineEvent] = []
+        self.results: dict[str, GenerationResult] = {}
+
+    def emit(self, _job: BatchJob, event: EngineEvent) -> None:
+        self.events.append(event)
+
+    def done(self, job: BatchJob, result: GenerationResult | None,
+             error: BaseException | None) -> None:
+        assert error is None, error
+        assert result is not None
+        self.results[job.request.request_id] = result
+
+
+def job(ids: list[int], max_tokens: int) -> DetachedJob:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return DetachedJob(GenerationRequest([], params, prompt_token_ids=ids, reuse_cache=False))
+
+
+def stream_then_long_prompt(loaded: LoadedModel, interleave: bool) -> tuple[Recorder, str, str]:
+    """Row A streams; then B's 180-token prompt joins. Returns the recorder and both ids."""
+    rec = Recorder()
+    batcher = Batcher(loaded, pool(loaded), rec.emit, rec.done, prefill_chunk=64,
+                      interleave=interleave, step_token_budget=24)
+    a, b = job(prompt(loaded, 20), max_tokens=40), job(prompt(loaded, 180, 5), max_tokens=8)
+    batcher.admit([a])
+    for _ in range(3):
+        batcher.step()
+    batcher.admit([b])
+    while batcher.rows:
+        batcher.step()
+    return rec, a.request.request_id, b.request.request_id
+
+
+def test_streaming_row_decodes_between_prefill_chunks(sharp: LoadedModel) -> None:
+    rec, a, b = stream_then_long_prompt(sharp, interleave=True)
+    progress = [i for i, e in enumerate(rec.events)
+                if isinstance(e, PrefillProgress) and e.request_id == b]
+    assert len(progress) == 8  # 180 tokens in chunks of 24 - 1 streaming row
+    for start, end in itertools.pairwise(progress):
+        between = rec.events[start:end]
+        assert any(isinstance(e, TokenEmitted) and e.request_id == a for e in between)
+    # Interleaving changes the schedule, never the output.
+    ref, ref_a, ref_b = stream_then_long_prompt(sharp, interleave=False)
+    assert rec.results[a].token_ids == ref.results[ref_a].token_ids
+    assert rec.results[b].token_ids == ref.results[ref_b].token_ids
+    assert rec.results[b].token_ids == run(sharp, prompt(sharp, 180, 5), 1000).token_ids[:8]
+
+
+def test_without_interleaving_the_stream_waits_for_the_whole_prefill(sharp: LoadedModel) -> None:
+    rec, a, b = stream_then_long_prompt(sharp, interleave=False)
+    progress = [i for i, e in enumerate(rec.events)
+                if isinstance(e, PrefillProgress) and e.request_id == b]
+    assert len(progress) == 3  # 180 tokens in whole chunks of 64
+    between = rec.events[progress[0]:progress[-1]]
+    assert not any(isinstance(e, TokenEmitted) and e.request_id == a for e in between)
+
+
+def test_cancel_during_a_batched_prefill(sharp: LoadedModel) -> None:
+    rec = Recorder()
+    long = job(prompt(sharp, 150), max_tokens=8)
+
+    def emit(j: BatchJob, event: EngineEvent) -> None:
+        rec.emit(j, event)
+        if isinstance(event, PrefillProgress):
+            long.cancel.set()  # Stop pressed while the first chunk ran
+
+    batcher = Batcher(sharp, pool(sharp), emit, rec.done, prefill_chunk=32)
+    batcher.admit([long])
+    result = rec.results[long.request.request_id]
+    assert result.finish_reason == "cancelled" and result.token_ids == []
+    assert sum(isinstance(e, PrefillProgress) for e in rec.events) == 1
+    assert not batcher.rows
