@@ -369,11 +369,12 @@ class RemoteEngine(EventSource, Backend):
         return REMOTE_CAPABILITIES
 
     # ----- commands (any thread) ---------------------------------------------------------
-    def load_model(self, spec: str = REMOTE_SPEC, **_options: Any) -> threading.Event:
-        """Ask the server which models it has and pick ours; events report the outcome.
-        Local-load options (device, dtype, kernel) mean nothing here and are ignored."""
+    def load_model(self, spec: str = REMOTE_SPEC, **options: Any) -> threading.Event:
+        """Ask the server which models it has and pick ours (model=NAME switches to another
+        model on the same server; if it has none such, the old one stays); events report the
+        outcome. Local-load options (device, dtype, kernel) mean nothing here and are ignored."""
         done = threading.Event()
-        self._loop.call_soon_threadsafe(self._start_load, done)
+        self._loop.call_soon_threadsafe(self._start_load, done, options.get("model") or None)
         return done
 
     def load_model_sync(self, spec: str = REMOTE_SPEC, timeout: float | None = None,
@@ -445,11 +446,11 @@ class RemoteEngine(EventSource, Backend):
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def _start_load(self, done: threading.Event) -> None:
+    def _start_load(self, done: threading.Event, model: str | None) -> None:
         if self._closing:
             done.set()
             return
-        self._spawn(self._load(done))
+        self._spawn(self._load(done, model))
 
     def _refuse_draft(self, done: threading.Event) -> None:
         self._broadcast(ModelLoadFailed(now_ns(), NO_DRAFT_MESSAGE, True))
@@ -491,7 +492,7 @@ class RemoteEngine(EventSource, Backend):
             self._client = None
         self.closed.set()
 
-    async def _load(self, done: threading.Event) -> None:
+    async def _load(self, done: threading.Event, model: str | None) -> None:
         if self._closing:
             done.set()
             return
@@ -500,8 +501,10 @@ class RemoteEngine(EventSource, Backend):
         self._loading.add(task)
         self.last_load_error = None
         self._broadcast(ModelLoading(now_ns(), f"connecting to {self.config.base_url}"))
+        config = replace(self.config, model=model) if model else self.config
         try:
-            self._info = await self._fetch_model_info()
+            self._info = await self._fetch_model_info(config)
+            self.config = config
         except RemoteError as exc:
             self.last_load_error = str(exc)
             self._broadcast(ModelLoadFailed(now_ns(), str(exc)))
@@ -511,18 +514,18 @@ class RemoteEngine(EventSource, Backend):
             self._loading.discard(task)
             done.set()
 
-    async def _fetch_model_info(self) -> ModelInfo:
+    async def _fetch_model_info(self, config: RemoteConfig) -> ModelInfo:
         try:
-            response = await self._http().get(f"{self.config.base_url}/models")
+            response = await self._http().get(f"{config.base_url}/models")
         except httpx.HTTPError as exc:
-            raise transport_error(exc, self.config) from None
+            raise transport_error(exc, config) from None
         if response.status_code != 200:
             raise await http_error(response)
         try:
             cards = response.json()["data"]
         except (ValueError, KeyError, TypeError):
             raise RemoteError("the server's model list is not OpenAI-shaped") from None
-        return model_info(self.config, cards)
+        return model_info(config, cards)
 
     async def _serve(self, job: _Job) -> None:
         job.task = asyncio.current_task()

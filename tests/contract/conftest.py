@@ -1,0 +1,61 @@
+"""The backends the contract runs against: each a started Backend with the tiny model loaded.
+
+Module-scoped and parametrized: pytest runs every contract test on one backend before it
+builds the next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.serve import ServerThread, create_app
+from engine import Engine
+from engine.backends import BackendRouter
+from engine.protocol import Backend
+from engine.remote import REMOTE_SPEC, RemoteConfig, RemoteEngine
+
+CACHE_BYTES = 64 << 20
+TINY = {"kernel": "fp32-eager"}  # the same decode path every run, no timing probe
+
+# Backend ids -> (spec, options) of a load that must fail on it.
+BAD_LOADS: dict[str, tuple[str, dict[str, Any]]] = {
+    "engine": ("/no/such/model-folder", {}),
+    "router": (REMOTE_SPEC, {"base_url": "http://127.0.0.1:9/v1"}),  # nothing listens there
+    "remote": (REMOTE_SPEC, {"model": "no-such-model"}),  # the server does not have it
+}
+# ---- Hook for the llama.cpp engine (engine/llamacpp) -------------------------------------------
+# Native code runs in a child process in tests, so it does not join the in-process `backend`
+# fixture below. Add a test module that, for each check in tests/contract/checks.py, builds
+# `Engine()` with `load_model_sync(<gguf>, engine="llama.cpp")` inside run_in_child (see
+# tests/test_llamacpp_engine.py) and calls the check there; give it a BAD_LOADS entry too.
+BACKENDS = ["engine", "router", "remote"]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend_kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def backend(backend_kind: str, tiny_model_dir: Path) -> Iterator[Backend]:
+    """A started Backend of that kind, the tiny model loaded (on a loopback server for
+    "remote")."""
+    if backend_kind == "engine":
+        with Engine(cache_budget_bytes=CACHE_BYTES) as engine:
+            engine.load_model_sync(str(tiny_model_dir), **TINY)
+            yield engine
+    elif backend_kind == "router":
+        with BackendRouter(Engine(cache_budget_bytes=CACHE_BYTES)) as router:
+            router.load_model_sync(str(tiny_model_dir), **TINY)
+            yield router
+    else:
+        with Engine(cache_budget_bytes=CACHE_BYTES) as served:
+            served.load_model_sync(str(tiny_model_dir), **TINY)
+            with ServerThread(create_app(served)) as server, \
+                    RemoteEngine(RemoteConfig(server.base_url)) as remote:
+                remote.load_model_sync(timeout=60)
+                yield remote
