@@ -79,8 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_options(bench)
     bench.add_argument("--json", action="store_true", help="print one JSON object last")
     bench.add_argument("--max-tokens", type=int, default=64, help="tokens to decode (default 64)")
-    bench.add_argument("--prompt-tokens", type=int, default=128,
-                       help="prompt length in tokens (default 128)")
+    bench.add_argument("--prompt-tokens", type=int, default=None,
+                       help="prompt length in tokens (default 128; 4000 with --interference)")
     bench.add_argument("--repeats", type=int, default=3, help="runs; medians reported")
     # Not engine.bench.PEERS: importing it would load torch before --help could print.
     bench.add_argument("--vs", choices=["hf", "llama.cpp"], nargs="+", action="extend",
@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch", type=int, nargs="+", metavar="B",
                        help="decode B requests per step for each B given (e.g. 1 2 4 8): "
                             "per-token latency and total throughput")
+    bench.add_argument("--interference", action="store_true",
+                       help="one chat streams while another's long prompt is prefilled: the "
+                            "stream's ITL p99 alone and during the prefill, with the prefill "
+                            "in one pass and in chunks (torch engine)")
     bench.add_argument("--speculative", action="store_true",
                        help="also decode with prompt-lookup drafts (and the --draft-model's, "
                             "if given); report acceptance, speedup")
@@ -243,8 +247,10 @@ def show_loading_stage(event: object) -> None:
 # ----- phasewise bench -----------------------------------------------------------------------
 def cmd_bench(args: argparse.Namespace) -> int:
     from engine import ModelLoadError, PhasewiseError
-    from engine.bench import bench_batch, bench_decode, bench_turns
+    from engine.bench import bench_batch, bench_decode, bench_interference, bench_turns
 
+    if args.prompt_tokens is None:
+        args.prompt_tokens = 4000 if args.interference else 128
     if args.max_tokens < 2:
         raise CliError(f"--max-tokens must be >= 2 to measure decode (got {args.max_tokens})")
     if args.prompt_tokens < 1 or args.repeats < 1 or args.turns < 0:
@@ -279,6 +285,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                  prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                                  rounds=args.repeats, progress=progress)
             print_batch_table(report)
+        elif args.interference:
+            report = bench_interference(loaded, prompt_tokens=args.prompt_tokens,
+                                        rounds=args.repeats, progress=progress)
+            print_interference_table(report)
         elif args.turns:
             report = bench_turns(loaded, turns=args.turns, max_tokens=args.max_tokens,
                                  progress=progress)
@@ -378,6 +388,21 @@ def print_batch_table(r: dict[str, Any]) -> None:
     for b in r["batches"]:
         print(f"  {b['batch']:>5}  {b['per_token_latency_ms']:>20.1f}  {b['total_tok_s']:>11.1f}"
               f"  {b['throughput_vs_first']:>18.2f}x")
+
+
+def print_interference_table(r: dict[str, Any]) -> None:
+    from engine.bench import INTERFERENCE_LABELS
+
+    print(f"\n{r['model']} on {r['device']} ({r['kernel']}): a chat streams while a "
+          f"{r['prompt_tokens']}-token prompt is prefilled; {r['rounds']} round(s)")
+    print("  prefill                          ITL p99 alone  during prefill   ratio  "
+          "prefill s  tok/s  stream tokens during")
+    for mode, label in INTERFERENCE_LABELS.items():
+        print(f"  {label:<31}  {r[f'{mode}_itl_p99_alone_s'] * 1e3:>10.1f} ms  "
+              f"{r[f'{mode}_itl_p99_during_prefill_s'] * 1e3:>11.1f} ms  "
+              f"{r[f'{mode}_itl_p99_ratio']:>6.2f}  {r[f'{mode}_prefill_s']:>9.2f}  "
+              f"{r[f'{mode}_prefill_tok_s']:>5.0f}  "
+              f"{r[f'{mode}_stream_tokens_during_prefill']:>20}")
 
 
 def print_turns_table(r: dict[str, Any]) -> None:

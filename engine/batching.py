@@ -51,10 +51,12 @@ from engine.prefix_cache import CacheLease, PrefixCache, crop_to, new_cache
 from engine.sampling import make_generator, sample_token
 
 MAX_BATCH = 8  # rows decoding at once; later requests wait in the queue
-# Tokens one engine step may spend while rows stream: a decode token per row plus a prefill
-# chunk. Chosen on the 2-core Xeon VM so a chunk costs about one decode step (see
-# `phasewise bench --interference`).
+# While rows stream, each engine step spends a token budget: one decode token per row plus a
+# prefill chunk (Sarathi-Serve). The budget starts here and then follows the clock, so that a
+# chunk takes about CHUNK_STALL decode steps: a streaming row's ITL stays near (1 + CHUNK_STALL)
+# times its ITL alone on any machine and at any context length (attention grows with it).
 STEP_TOKEN_BUDGET = 32
+CHUNK_STALL = 1.0
 MIN_INTERLEAVED_CHUNK = 8  # below this a chunk is mostly weight reads: the prompt would crawl
 ALT_CACHE_SUFFIX = "~alt"  # prefix-cache key of alternative i >= 1: f"{conversation}~alt{i}"
 
@@ -132,17 +134,20 @@ class Batcher:
 
     def __init__(self, loaded: LoadedModel, prefix_cache: PrefixCache, emit: Emit,
                  done: Done, *, prefill_chunk: int | None = None, interleave: bool = True,
-                 step_token_budget: int = STEP_TOKEN_BUDGET) -> None:
+                 step_token_budget: int | None = None) -> None:
         self.loaded = loaded
         self.prefix_cache = prefix_cache
         self._emit = emit
         self._done = done
         self.prefill_chunk = prefill_chunk or default_prefill_chunk(loaded.device)
-        # While rows stream, a joining prompt is prefilled in chunks of at most this many tokens
+        # While rows stream, a joining prompt is prefilled in chunks of the step's token budget
         # minus one per streaming row, with a decode step between chunks (interleave=False:
-        # the whole prompt in prefill_chunk pieces first, the streams wait).
+        # the whole prompt in prefill_chunk pieces first, the streams wait). A given budget
+        # stays fixed; None adapts it to the measured step and chunk times.
         self.interleave = interleave
-        self.step_token_budget = step_token_budget
+        self.adaptive_budget = step_token_budget is None
+        self.step_token_budget = step_token_budget or STEP_TOKEN_BUDGET
+        self._decode_step_s = 0.0  # moving average of a decode step's time
         self.eos_ids = eos_token_ids(loaded)
         self.stops = template_stops(loaded)
         self.rows: list[Row] = []
@@ -197,13 +202,25 @@ class Batcher:
         prefill = ChunkedPrefill(self.loaded, lease, prompt.ids[lease.cached_tokens :],
                                  request.request_id, lambda event: self._emit(job, event))
         while not job.cancel.is_set():  # Stop takes effect within one chunk
+            start, streaming = now_ns(), self.interleave and bool(self.rows)
             logits = prefill.step(self._chunk_tokens())
             if logits is not None:
                 timeline.first_logits_ns = now_ns()
                 return row, logits[0]
-            if self.interleave and self.rows:
+            if streaming:
+                self._adapt_budget((now_ns() - start) * 1e-9)
                 self.step()  # the streaming rows get their next token between two chunks
         return row, torch.empty(0)
+
+    def _adapt_budget(self, chunk_s: float) -> None:
+        """Scale the step's token budget so the next chunk takes about CHUNK_STALL decode
+        steps (halfway there each time, so one noisy sample cannot swing it)."""
+        if not self.adaptive_budget or self._decode_step_s <= 0 or chunk_s <= 0:
+            return
+        scale = (CHUNK_STALL * self._decode_step_s / chunk_s) ** 0.5
+        lowest = MIN_INTERLEAVED_CHUNK + len(self.rows)
+        highest = self.prefill_chunk + len(self.rows)
+        self.step_token_budget = max(lowest, min(highest, round(self.step_token_budget * scale)))
 
     def _chunk_tokens(self) -> int:
         """The next prefill chunk's size: the step's token budget less one token per streaming
@@ -241,6 +258,7 @@ class Batcher:
         self._leave([r for r in self.rows if r.job.cancel.is_set()], "cancelled")
         if not self.rows:
             return
+        start = now_ns()
         try:
             logits = self._forward()
         except Exception as exc:
@@ -255,6 +273,9 @@ class Batcher:
                 self._take_token(row, logits[i])
             except Exception as exc:
                 failed.append((row, exc))
+        step_s = (now_ns() - start) * 1e-9
+        self._decode_step_s = step_s if not self._decode_step_s else \
+            0.7 * self._decode_step_s + 0.3 * step_s
         for row, error in failed:
             self._drop(row)
             self._done(row.job, None, error)

@@ -432,3 +432,105 @@ def bench_batch(
             "prompt_tokens": prompt_tokens,
             "max_tokens": max_tokens, "rounds": rounds, "path": "engine batcher",
             "batches": rows}
+
+
+# ----- a long prompt's prefill against a streaming chat ----------------------------------------
+INTERFERENCE_MODES = ("one_pass", "chunked")  # report key prefixes
+INTERFERENCE_LABELS = {"one_pass": "whole prefill between two steps",
+                       "chunked": "chunked, decode between chunks"}
+
+
+@torch.inference_mode()
+def bench_interference(
+    loaded: LoadedModel,
+    *,
+    prompt_tokens: int = 4000,
+    stream_prompt_tokens: int = 64,
+    alone_tokens: int = 48,
+    rounds: int = 1,
+    progress: Callable[[str], None] = lambda _m: None,
+) -> dict[str, Any]:
+    """One chat streams through the engine's batcher while another submits a prompt_tokens
+    prompt: the streaming chat's ITL p99 alone and while the prompt is prefilled, with the
+    prefill in one pass between two decode steps (the streams wait) and in chunks with decode
+    steps between them. Modes alternate round by round; ITLs are pooled over rounds."""
+    from engine.batching import Batcher
+
+    if runtimes.is_llama_cpp(loaded):
+        raise InvalidRequestError("bench --interference measures the torch engine's batcher: "
+                                  "run it with --engine torch")
+    source = fixed_prompt_ids(loaded, stream_prompt_tokens + prompt_tokens)
+    stream_ids, long_ids = source[:stream_prompt_tokens], source[stream_prompt_tokens:]
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in INTERFERENCE_MODES}
+    progress("warm-up")
+    run_ours(loaded, stream_ids[:16], 4)
+    for r in range(rounds):
+        for mode in INTERFERENCE_MODES:
+            progress(f"round {r + 1}/{rounds}: {INTERFERENCE_LABELS[mode]}")
+            options: dict[str, Any] = ({"interleave": False, "prefill_chunk": prompt_tokens}
+                                       if mode == "one_pass" else {})
+            batcher = Batcher(loaded, PrefixCache(loaded.model.config, budget_bytes=1 << 40),
+                              lambda _job, _event: None, lambda _job, _result, _error: None,
+                              **options)
+            runs[mode].append(_interference_run(loaded, batcher, stream_ids, long_ids,
+                                                alone_tokens))
+    report: dict[str, Any] = {"model": loaded.info.name, "device": loaded.info.device,
+                              "kernel": loaded.info.kernel, "prompt_tokens": prompt_tokens,
+                              "stream_prompt_tokens": stream_prompt_tokens, "rounds": rounds}
+    for mode, mode_runs in runs.items():
+        report.update({f"{mode}_{key}": value
+                       for key, value in _interference_summary(mode_runs).items()})
+    return report
+
+
+def _interference_run(loaded: LoadedModel, batcher: Any, stream_ids: list[int],
+                      long_ids: list[int], alone_tokens: int) -> dict[str, Any]:
+    """Stream alone for alone_tokens steps, admit the long prompt (the batcher interleaves or
+    not), take a few more steps together; return the stream's ITL split by phase."""
+    from itertools import pairwise
+
+    from engine.batching import DetachedJob
+
+    room = loaded.info.context_length - len(stream_ids) - 1
+    stream = DetachedJob(GenerationRequest(
+        [], SamplingParams(temperature=0.0, max_tokens=room, ignore_eos=True),
+        prompt_token_ids=stream_ids, reuse_cache=False))
+    long = DetachedJob(GenerationRequest(
+        [], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+        prompt_token_ids=long_ids, reuse_cache=False))
+    batcher.admit([stream])
+    for _ in range(alone_tokens):
+        batcher.step()
+    batcher.admit([long])
+    for _ in range(4):
+        batcher.step()
+    stream.cancel.set()
+    long.cancel.set()
+    batcher.step()
+    stamps, lt = stream.timeline.token_ns, long.timeline
+    gaps = list(pairwise(stamps))
+    return {
+        "alone": [(b - a) * 1e-9 for a, b in gaps[:alone_tokens]],
+        "during": [(b - a) * 1e-9 for a, b in gaps
+                   if b > lt.prefill_start_ns and a < lt.first_logits_ns],
+        "prefill_s": (lt.first_logits_ns - lt.prefill_start_ns) * 1e-9,
+        "prefill_tokens": len(long_ids),
+    }
+
+
+def _interference_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    alone = [x for r in runs for x in r["alone"]]
+    during = [x for r in runs for x in r["during"]]
+    (alone_p50, alone_p99), (during_p50, during_p99) = (percentiles(alone, (50, 99)),
+                                                        percentiles(during, (50, 99)))
+    prefill_s = statistics.median(r["prefill_s"] for r in runs)
+    return {
+        "itl_p50_alone_s": alone_p50,
+        "itl_p99_alone_s": alone_p99,
+        "itl_p50_during_prefill_s": during_p50,
+        "itl_p99_during_prefill_s": during_p99,
+        "itl_p99_ratio": during_p99 / alone_p99 if alone_p99 else 0.0,
+        "stream_tokens_during_prefill": len(during) // len(runs),
+        "prefill_s": prefill_s,
+        "prefill_tok_s": runs[0]["prefill_tokens"] / prefill_s if prefill_s else 0.0,
+    }

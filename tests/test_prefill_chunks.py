@@ -213,3 +213,14 @@ def test_cancel_during_a_batched_prefill(sharp: LoadedModel) -> None:
     assert result.finish_reason == "cancelled" and result.token_ids == []
     assert sum(isinstance(e, PrefillProgress) for e in rec.events) == 1
     assert not batcher.rows
+
+
+def test_interference_bench_reports_both_modes(sharp: LoadedModel) -> None:
+    from engine.bench import bench_interference
+
+    r = bench_interference(sharp, prompt_tokens=150, stream_prompt_tokens=16, alone_tokens=6)
+    assert r["one_pass_stream_tokens_during_prefill"] == 1  # one gap spans the whole prefill
+    assert r["chunked_stream_tokens_during_prefill"] >= 2
+    for mode in ("one_pass", "chunked"):
+        assert r[f"{mode}_itl_p99_ratio"] == pytest.approx(
+            r[f"{mode}_itl_p99_during_prefill_s"] / r[f"{mode}_itl_p99_alone_s"])
