@@ -3,6 +3,11 @@
 Pure Python (stdlib sqlite3), no Qt, so it is testable on its own. Replies are written while
 they stream; a reply still marked "streaming" when the store opens was cut off by a crash and
 is re-marked "stopped" so the partial text is kept and labelled.
+
+Each finished reply's headline numbers (TTFT, phases, tokens, rates, ITL percentiles, where it
+ran and how it sampled) also live in typed columns, so they survive restarts, show under the
+reply when its chat is reopened, and can be compared across models with plain SQL. Schema
+versions are PRAGMA user_version; opening an older database migrates it in one transaction.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from platformdirs import user_data_dir
+
+from engine.events import GenerationResult
 
 DB_NAME = "chats.sqlite3"
 SCHEMA = """
@@ -44,6 +51,21 @@ CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id,
 """
 # Message status: done | streaming | stopped | length | error
 STREAMING, DONE, STOPPED = "streaming", "done", "stopped"
+SCHEMA_VERSION = 1  # 0: before per-reply stats columns (the first released schema)
+# Per-reply stats columns of `messages` (schema 1): from the reply's metrics, and from its
+# settings for the sampling ones. NULL where unknown (user messages, replies that failed).
+METRIC_COLUMNS = (
+    ("ttft_s", "REAL"), ("queue_s", "REAL"), ("prefill_s", "REAL"), ("decode_s", "REAL"),
+    ("e2e_s", "REAL"), ("prompt_tokens", "INTEGER"), ("cached_tokens", "INTEGER"),
+    ("output_tokens", "INTEGER"), ("decode_tok_s", "REAL"), ("itl_p50_s", "REAL"),
+    ("itl_p90_s", "REAL"), ("itl_p99_s", "REAL"), ("model", "TEXT"), ("engine", "TEXT"),
+    ("kernel", "TEXT"), ("device", "TEXT"),
+)
+SETTING_COLUMNS = (("temperature", "REAL"), ("top_p", "REAL"), ("max_tokens", "INTEGER"),
+                   ("seed", "INTEGER"))
+STAT_COLUMNS = METRIC_COLUMNS + SETTING_COLUMNS
+_MESSAGE_FIELDS = ("id, conversation_id, role, content, status, settings_json, metrics_json, "
+                   + ", ".join(name for name, _ in STAT_COLUMNS))
 BUSY_TIMEOUT_S = 5.0  # how long a write waits for another instance's transaction
 
 
@@ -66,6 +88,67 @@ class Conversation:
 
 
 @dataclass(frozen=True)
+class ReplyStats:
+    """One reply's saved numbers (the stats columns); None where unknown."""
+
+    ttft_s: float | None = None
+    queue_s: float | None = None
+    prefill_s: float | None = None
+    decode_s: float | None = None
+    e2e_s: float | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    output_tokens: int | None = None
+    decode_tok_s: float | None = None
+    itl_p50_s: float | None = None
+    itl_p90_s: float | None = None
+    itl_p99_s: float | None = None
+    model: str | None = None
+    engine: str | None = None
+    kernel: str | None = None
+    device: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    seed: int | None = None
+
+    @classmethod
+    def from_record(cls, metrics: dict[str, Any], settings: dict[str, Any] | None) -> ReplyStats:
+        """From a reply's metrics dict (RequestMetrics.to_dict() plus model fields) and the
+        settings it was sent with; counts a remote server did not report stay None."""
+        values = {name: metrics.get(name) for name, _ in METRIC_COLUMNS}
+        values |= {name: (settings or {}).get(name) for name, _ in SETTING_COLUMNS}
+        if metrics.get("prompt_tokens_known") is False:
+            values["prompt_tokens"] = None
+        if metrics.get("cached_tokens_known") is False:
+            values["cached_tokens"] = None
+        return cls(**values)
+
+    def row(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name, _ in STAT_COLUMNS)
+
+    @property
+    def cached_share(self) -> float | None:
+        if not self.prompt_tokens or self.cached_tokens is None:
+            return None
+        return self.cached_tokens / self.prompt_tokens
+
+    def summary(self) -> str:
+        """One quiet line: "0.14 s to first token · 24 tok/s · 98% cached"."""
+        parts = []
+        if self.ttft_s:
+            parts.append(f"{self.ttft_s:.2f} s to first token" if self.ttft_s < 10
+                         else f"{self.ttft_s:.0f} s to first token")
+        if self.decode_tok_s:
+            parts.append(f"{self.decode_tok_s:.0f} tok/s" if self.decode_tok_s >= 10
+                         else f"{self.decode_tok_s:.1f} tok/s")
+        share = self.cached_share
+        if share:
+            parts.append(f"{share:.0%} cached")
+        return " · ".join(parts)
+
+
+@dataclass(frozen=True)
 class Message:
     id: int
     conversation_id: str
@@ -74,12 +157,14 @@ class Message:
     status: str
     settings: dict | None
     metrics: dict | None
+    stats: ReplyStats | None = None  # a finished reply's saved numbers
 
 
 def _message(row: tuple[Any, ...]) -> Message:
-    """A Message from a row of (id, conversation_id, role, content, status, settings_json,
-    metrics_json)."""
-    return Message(row[0], row[1], row[2], row[3], row[4], _loads(row[5]), _loads(row[6]))
+    """A Message from a row of _MESSAGE_FIELDS."""
+    stats = row[7:]
+    return Message(row[0], row[1], row[2], row[3], row[4], _loads(row[5]), _loads(row[6]),
+                   ReplyStats(*stats) if any(v is not None for v in stats) else None)
 
 
 class ChatStore:
@@ -114,6 +199,7 @@ class ChatStore:
             if db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
                 raise sqlite3.DatabaseError("integrity check failed")
             db.executescript(SCHEMA)
+            _migrate(db)
         except sqlite3.DatabaseError:
             db.close()
             raise
@@ -212,11 +298,15 @@ class ChatStore:
     def finish_message(
         self, message_id: int, content: str, status: str, metrics: dict | None = None
     ) -> None:
+        """The reply's final text and status; its metrics (if any) also fill the stats
+        columns, with the sampling settings it was sent with."""
         with self._writing():
             self._db.execute(
                 "UPDATE messages SET content=?, status=?, metrics_json=? WHERE id=?",
                 (content, status, _dumps(metrics), message_id),
             )
+            if metrics is not None:
+                _write_stats(self._db, message_id, metrics)
 
     def delete_message(self, message_id: int) -> None:
         with self._writing():
@@ -231,19 +321,59 @@ class ChatStore:
 
     def messages(self, conv_id: str) -> list[Message]:
         rows = self._db.execute(
-            "SELECT id, conversation_id, role, content, status, settings_json, metrics_json"
-            " FROM messages WHERE conversation_id=? ORDER BY id",
+            f"SELECT {_MESSAGE_FIELDS} FROM messages WHERE conversation_id=? ORDER BY id",
             (conv_id,),
         ).fetchall()
         return [_message(row) for row in rows]
 
     def message(self, message_id: int) -> Message | None:
         row = self._db.execute(
-            "SELECT id, conversation_id, role, content, status, settings_json, metrics_json"
-            " FROM messages WHERE id=?",
-            (message_id,),
+            f"SELECT {_MESSAGE_FIELDS} FROM messages WHERE id=?", (message_id,)
         ).fetchone()
         return _message(row) if row else None
+
+
+def _migrate(db: sqlite3.Connection) -> None:
+    """Bring a database of an older schema up to SCHEMA_VERSION in one transaction (a newer
+    one is left alone). 0 -> 1: the stats columns, filled from each reply's saved metrics."""
+    if db.execute("PRAGMA user_version").fetchone()[0] >= SCHEMA_VERSION:
+        return
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        have = {row[1] for row in db.execute("PRAGMA table_info(messages)")}
+        for name, kind in STAT_COLUMNS:
+            if name not in have:
+                db.execute(f"ALTER TABLE messages ADD COLUMN {name} {kind}")
+        rows = db.execute("SELECT id, metrics_json FROM messages WHERE metrics_json IS NOT NULL")
+        for message_id, metrics_json in rows.fetchall():
+            metrics = _loads(metrics_json)
+            if isinstance(metrics, dict):
+                _write_stats(db, message_id, metrics)
+        db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        db.commit()
+    except BaseException:
+        db.rollback()
+        raise
+
+
+def _write_stats(db: sqlite3.Connection, message_id: int, metrics: dict[str, Any]) -> None:
+    row = db.execute("SELECT settings_json FROM messages WHERE id=?", (message_id,)).fetchone()
+    settings = _loads(row[0]) if row else None
+    stats = ReplyStats.from_record(metrics, settings if isinstance(settings, dict) else None)
+    assignments = ", ".join(f"{name}=?" for name, _ in STAT_COLUMNS)
+    db.execute(f"UPDATE messages SET {assignments} WHERE id=?", (*stats.row(), message_id))
+
+
+def metrics_record(result: GenerationResult) -> dict[str, Any]:
+    """What a saved reply records as its metrics: the engine's metrics plus where it ran."""
+    metrics = result.metrics.to_dict()
+    if result.model is not None:
+        metrics.update(model=result.model.name, device=result.model.device,
+                       dtype=result.model.dtype, context_length=result.model.context_length,
+                       engine=result.model.engine, kernel=result.model.kernel)
+    if result.speculative:
+        metrics.update(speculative=result.speculative, spec_accept_rate=result.spec_accept_rate)
+    return metrics
 
 
 def _escape_like(text: str) -> str:
