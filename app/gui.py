@@ -16,8 +16,18 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from app import __version__
+
+if TYPE_CHECKING:
+    from PySide6.QtCore import QSettings
+
+    from engine import Engine
+    from engine.backends import BackendRouter
+    from engine.protocol import Backend
+    from ui.main_window import MainWindow
+    from ui.store import ChatStore
 
 SMOKE_PROMPT = "What is the capital of France?"
 SMOKE_MAX_TOKENS = 64
@@ -29,6 +39,26 @@ def has_display() -> bool:
     if not sys.platform.startswith("linux"):
         return True
     return any(os.environ.get(v) for v in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM"))
+
+
+def build_backend(local: Engine | None = None,
+                  loop: asyncio.AbstractEventLoop | None = None) -> BackendRouter:
+    """What the window talks to: a router over the local engine (and, once loaded, a remote
+    backend), not started. Tests pass their own engine with the tiny model loaded."""
+    from engine import Engine
+    from engine.backends import BackendRouter
+
+    return BackendRouter(local or Engine(), loop=loop)
+
+
+def build_window(backend: Backend, store: ChatStore, settings: QSettings, *,
+                 load_options: dict[str, Any] | None = None,
+                 hud_calibrate: bool = True) -> MainWindow:
+    """The chat window on a backend, wired as the app runs it (tests build it here too)."""
+    from ui.main_window import MainWindow
+
+    return MainWindow(backend, store, settings, load_options=load_options,
+                      hud_calibrate=hud_calibrate)
 
 
 def run_gui(
@@ -74,10 +104,7 @@ def _run_window(loop: asyncio.AbstractEventLoop, model: str, backend: str | None
     """The window on the running qasync loop; shuts the backends down before the loop closes."""
     from PySide6.QtCore import QSettings
 
-    from engine import Engine
-    from engine.backends import BackendRouter
     from engine.remote import REMOTE_SPEC
-    from ui.main_window import MainWindow
     from ui.store import ChatStore
 
     scratch = tempfile.TemporaryDirectory(prefix="phasewise-smoke-") if smoke_test else None
@@ -87,9 +114,9 @@ def _run_window(loop: asyncio.AbstractEventLoop, model: str, backend: str | None
     else:
         store = ChatStore()
         settings = QSettings()
-    engine = BackendRouter(Engine(), loop=loop).start()  # local models and remote backends
+    engine = build_backend(loop=loop).start()  # local models and remote backends
     try:
-        window = MainWindow(engine, store, settings, load_options=load_options)
+        window = build_window(engine, store, settings, load_options=load_options)
         window.show()
         smoke = _SmokeTest(window) if smoke_test else None
         if backend:

@@ -55,19 +55,22 @@ def real_engine() -> Iterator[Engine]:
 
 @pytest.fixture
 def make_window(qtbot, tiny_engine: Engine, tmp_path: Path) -> Iterator[Callable[[], Any]]:
-    """Build windows that share one chat database and one settings file (a 'restart')."""
+    """Build windows as the app does (app.gui's factories: a BackendRouter over the local
+    engine, here the tiny one) that share one chat database and one settings file (a
+    'restart')."""
     from PySide6.QtCore import QSettings
 
-    from ui.main_window import MainWindow
+    from app.gui import build_backend, build_window
     from ui.store import ChatStore
 
     stores: list[ChatStore] = []
+    router = build_backend(tiny_engine)  # tiny_engine is started and loaded already
 
     def make() -> Any:
         store = ChatStore(tmp_path / "chats.sqlite3")
         stores.append(store)
         settings = QSettings(str(tmp_path / "settings.ini"), QSettings.Format.IniFormat)
-        window = MainWindow(tiny_engine, store, settings, hud_calibrate=False)
+        window = build_window(router, store, settings, hud_calibrate=False)
         qtbot.addWidget(window)
         return window
 
