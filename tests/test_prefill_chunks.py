@@ -224,3 +224,32 @@ def test_interference_bench_reports_both_modes(sharp: LoadedModel) -> None:
     for mode in ("one_pass", "chunked"):
         assert r[f"{mode}_itl_p99_ratio"] == pytest.approx(
             r[f"{mode}_itl_p99_during_prefill_s"] / r[f"{mode}_itl_p99_alone_s"])
+
+
+# ----- the reply placeholder -------------------------------------------------------------------
+def progress_event(done: int, total: int, tok_s: float = 500.0) -> PrefillProgress:
+    return PrefillProgress("r1", 0, done, total, tok_s, (total - done) / tok_s)
+
+
+def test_placeholder_reads_the_prompt_then_writes(qtbot) -> None:
+    from ui.chat_view import WRITING, ChatView, prefill_status
+
+    view = ChatView()
+    qtbot.addWidget(view)
+    view.begin_stream("r1")
+    assert view.status_text("r1") == WRITING
+
+    view.show_prefill_progress(progress_event(840, 2000, 420.0))
+    assert view.status_text("r1") == "· Reading your prompt: 42% · 3 s left · 420 tok/s"
+    assert "Reading your prompt: 42%" in view.toPlainText()
+    view.show_prefill_progress(progress_event(2000, 2000))
+    assert view.status_text("r1") == "· Reading your prompt: 100%"
+
+    view.push_token("r1", 0, "Hello")
+    assert view.status_text("r1") == WRITING
+    view.show_prefill_progress(progress_event(2000, 2000))  # late: the reply is writing
+    assert view.status_text("r1") == WRITING
+    view.end_stream()
+    assert view.toPlainText().endswith(f"Assistant {WRITING}\nHello")
+    assert prefill_status(progress_event(0, 60_000, 400.0)) == \
+        "· Reading your prompt: 0% · 2 min 30 s left · 400 tok/s"

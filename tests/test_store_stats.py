@@ -160,3 +160,26 @@ def test_summary_line_leaves_out_what_is_unknown() -> None:
     assert remote.summary() == "0.50 s to first token · 40 tok/s"
     assert ReplyStats(ttft_s=0.2, prompt_tokens=50, cached_tokens=0).summary() == \
         "0.20 s to first token"
+
+
+# ----- the line under each reply ----------------------------------------------------------------
+def test_reopened_chat_shows_each_reply_stats_line(qtbot, tmp_path: Path) -> None:
+    from PySide6.QtCore import QUrl
+
+    from ui.chat_view import ChatView
+
+    path = tmp_path / "chats.sqlite3"
+    old_database(path)  # a chat saved before stats had columns: its line comes back too
+    store = ChatStore(path)
+    view = ChatView()
+    qtbot.addWidget(view)
+
+    view.show_messages(store.messages("c1"))
+
+    text = view.toPlainText()
+    assert text.count("0.14 s to first token · 24 tok/s · 98% cached") == 1
+    reply_id = store.messages("c1")[1].id
+    with qtbot.waitSignal(view.sig_action) as blocker:
+        view.anchorClicked.emit(QUrl(f"pw-action:stats/{reply_id}"))
+    assert blocker.args == ["stats", reply_id]
+    store.close()

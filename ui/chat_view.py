@@ -18,9 +18,16 @@ import time
 from dataclasses import dataclass, field
 
 from PySide6.QtCore import QTimer, QUrl, Signal
-from PySide6.QtGui import QDesktopServices, QGuiApplication, QPalette, QTextCursor
+from PySide6.QtGui import (
+    QDesktopServices,
+    QGuiApplication,
+    QPalette,
+    QTextCursor,
+    QTextDocument,
+)
 from PySide6.QtWidgets import QTextBrowser, QWidget
 
+from engine.events import PrefillProgress
 from ui.markdown import COPY_SCHEME, Theme, is_safe_link, render_markdown, render_plain
 from ui.store import DONE, Message
 
@@ -30,6 +37,19 @@ FLUSH_INTERVAL_MS = 50  # at most 20 inserts a second per live reply
 CPU_FLUSH_INTERVAL_MS = 100
 ACTION_SCHEME = "pw-action"  # our own links: pw-action:<action>/<message id>
 STATUS_LABELS = {"stopped": "stopped", "length": "hit max tokens", "error": "failed"}
+WRITING = "· writing…"  # a live reply's status until its prompt is being read
+
+
+def prefill_status(event: PrefillProgress) -> str:
+    """A live reply's status while its prompt is prefilled:
+    "· Reading your prompt: 42% · 3 s left · 550 tok/s"."""
+    text = f"· Reading your prompt: {event.fraction:.0%}"
+    if event.done_tokens < event.total_tokens and event.tok_s > 0:
+        eta = event.eta_s
+        left = ("under 1 s" if eta < 1 else f"{eta:.0f} s" if eta < 60
+                else f"{int(eta // 60)} min {int(eta % 60)} s")
+        text += f" · {left} left · {event.tok_s:.0f} tok/s"
+    return text
 
 
 @dataclass(frozen=True)
@@ -45,6 +65,7 @@ class Alternative:
 @dataclass
 class _Stream:
     cursor: QTextCursor
+    status: QTextCursor  # selects the status text after the reply's label
     text: str = ""  # painted so far
     pending: str = ""  # buffered until the next flush
     indexes: list[int] = field(default_factory=list)
@@ -54,8 +75,8 @@ class ChatView(QTextBrowser):
     """Read-only transcript of one conversation with per-message action links."""
 
     sig_action = Signal(str, int)
-    """A message action was clicked: (action in copy|edit|regenerate|alternatives, message
-    id), or (keep, index of the alternative)."""
+    """A message action was clicked: (action in copy|edit|regenerate|alternatives|stats,
+    message id), or (keep, index of the alternative)."""
     sig_tokens_painted = Signal(str, list, object)  # object: ns stamps overflow a C int
     """Tokens reached the screen: (request id, token indexes, time.perf_counter_ns())."""
 
@@ -123,7 +144,18 @@ class ChatView(QTextBrowser):
         links = " &nbsp; ".join(
             f'<a href="{ACTION_SCHEME}:{a}/{message.id}">{a.capitalize()}</a>' for a in actions
         )
-        return self._bubble_html(who, message.role, message.status, links, body, theme)
+        return self._bubble_html(who, message.role, message.status, links, body, theme,
+                                 self._stats_html(message, theme))
+
+    @staticmethod
+    def _stats_html(message: Message, theme: Theme) -> str:
+        """The quiet line under a reply; a click asks for its full breakdown (action stats)."""
+        line = message.stats.summary() if message.stats and message.role == "assistant" else ""
+        if not line:
+            return ""
+        return (f'<tr><td><small><a href="{ACTION_SCHEME}:stats/{message.id}" '
+                f'style="color:{theme.muted}; text-decoration:none">{html.escape(line)}</a>'
+                "</small></td></tr>")
 
     def _alternative_html(self, alt: Alternative, theme: Theme) -> str:
         body = render_plain(alt.text) if self.plain_text else \
@@ -133,7 +165,7 @@ class ChatView(QTextBrowser):
                                  theme)
 
     def _bubble_html(self, who: str, role: str, status: str, links: str, body: str,
-                     theme: Theme) -> str:
+                     theme: Theme, footer: str = "") -> str:
         label = STATUS_LABELS.get(status, "") if status != DONE else ""
         badge = f' &nbsp;<span style="color:{theme.muted}">· {label}</span>' if label else ""
         bg = self._bubble_colour(role)
@@ -142,7 +174,7 @@ class ChatView(QTextBrowser):
             f'style="margin-bottom:10px; background-color:{bg}">'
             f"<tr><td><b>{who}</b>{badge}"
             f'<span style="color:{theme.muted}"> &nbsp; {links}</span></td></tr>'
-            f"<tr><td>{body}</td></tr></table>"
+            f"<tr><td>{body}</td></tr>{footer}</table>"
         )
 
     def _welcome_html(self) -> str:
@@ -170,12 +202,15 @@ class ChatView(QTextBrowser):
         if self._streams:
             cursor.insertBlock()
         cursor.insertHtml(f"<p><b>{html.escape(label)}</b> <span style=\"color:"
-                          f"{self._theme().muted}\">· writing…</span></p>")
+                          f"{self._theme().muted}\">{WRITING}</span></p>")
         cursor.insertBlock()
+        status = self.document().find(WRITING, cursor, QTextDocument.FindFlag.FindBackward)
+        status.setPosition(status.selectionEnd())
+        _select_back(status, len(WRITING))
         for stream in self._streams.values():
             stream.cursor.setKeepPositionOnInsert(False)
             stream.cursor.clearSelection()  # its anchor moved along: select nothing
-        self._streams[request_id] = _Stream(cursor)
+        self._streams[request_id] = _Stream(cursor, status)
         self._last_stream, self._last_stream_text = request_id, ""
         self._scroll_to_bottom()
 
@@ -187,12 +222,33 @@ class ChatView(QTextBrowser):
         stream.pending += text
         stream.indexes.append(index)
         if index == 0:
+            self._set_status(stream, WRITING)
             self._flush_stream(request_id, stream)
         elif not self._timer.isActive():
             # Due already (the bridge hands tokens over in batches at a similar rate): paint
             # once this wake-up's events are handled, not in a wake-up of its own.
             due_ms = (self._last_flush + self.flush_interval_ms / 1000 - time.monotonic()) * 1000
             self._timer.start(max(0, math.ceil(due_ms)))
+
+    def show_prefill_progress(self, event: PrefillProgress) -> None:
+        """While a live reply's prompt is read: "Reading your prompt: 42% · 3 s left"."""
+        stream = self._streams.get(event.request_id)
+        if stream is not None and not stream.text and not stream.indexes:
+            self._set_status(stream, prefill_status(event))
+
+    @staticmethod
+    def _set_status(stream: _Stream, text: str) -> None:
+        """Replace the status after the reply's label, keeping its (muted) format."""
+        if stream.status.selectedText() == text:
+            return
+        fmt = stream.status.charFormat()  # the status's last character's: muted
+        stream.status.insertText(text, fmt)
+        _select_back(stream.status, len(text))
+
+    def status_text(self, request_id: str) -> str:
+        """A live reply's status as shown after its label ("" if it is not live)."""
+        stream = self._streams.get(request_id)
+        return stream.status.selectedText() if stream else ""
 
     def push_text(self, request_id: str, text: str) -> None:
         """Text without a token (held back until the end of the reply)."""
@@ -307,3 +363,10 @@ class ChatView(QTextBrowser):
         if event.type() == event.Type.PaletteChange and not self._streams:
             self.show_messages(self._messages, self._alternatives)
 
+
+def _select_back(cursor: QTextCursor, count: int) -> None:
+    """Select the `count` characters before the cursor, leaving it at their end (so its
+    charFormat is theirs)."""
+    end = cursor.position()
+    cursor.setPosition(end - count)
+    cursor.setPosition(end, QTextCursor.MoveMode.KeepAnchor)
