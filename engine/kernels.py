@@ -190,7 +190,8 @@ def select_kernel(loaded: LoadedModel, requested: str = AUTO, *,
     """The model prepared for the requested kernel; `auto` picks by a cached timed probe.
 
     A forced kernel that cannot run raises KernelUnavailableError (one line). Under auto, a
-    path that is unavailable or fails to build is skipped, logged once, and eager remains.
+    path that is unavailable, whose smoke run in a child process fails or crashes, or that
+    fails to build is skipped, logged once, and eager remains.
     """
     configure_threads()
     if requested != AUTO:

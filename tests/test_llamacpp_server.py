@@ -4,6 +4,10 @@ server on 127.0.0.1, serving the bundled GGUF, driven from the CLI and from the 
 llama-cpp-python 0.3.36 sends no `timings` and no `usage` in its streams; its own timings are
 the llama_perf lines it logs per completion (prompt eval and eval time), which the metrics are
 checked against.
+
+The server is a child process: if llama.cpp crashes in it (SIGILL on a CPU that faults on an
+instruction set it advertises), the test that was running and every later one fail with one
+line naming the signal and llama.cpp's compiled CPU features, and the rest of the suite runs.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import pytest
 from app.cli import main
 from engine import ChatMessage, GenerationRequest, SamplingParams
 from engine.loader import default_gguf_path
+from engine.native import describe_exit, recorded_llama_cpp_build
 from engine.remote import NO_USAGE_NOTICE, RemoteConfig, RemoteEngine
 from engine.remote import now_ns as remote_now_ns
 from tests.test_ui_remote import WAIT_MS, remote_window, router, send_and_wait
@@ -62,6 +67,12 @@ class ServerTimings:
 class LlamaServer:
     base_url: str
     log: Path
+    process: subprocess.Popen
+
+    def death(self) -> str | None:
+        """None while the server runs; else one line: how it ended, what it was built with."""
+        code = self.process.poll()
+        return None if code is None else server_death(code, self.log)
 
     def timings(self) -> list[ServerTimings]:
         text = self.log.read_text(encoding="utf-8", errors="replace")
@@ -76,6 +87,22 @@ class LlamaServer:
             assert time.monotonic() < deadline, f"no timings in {self.log.read_text()[-2000:]}"
             time.sleep(0.05)
         return found[count - 1]
+
+
+def server_death(code: int, log: Path) -> str:
+    if code >= 0:
+        return f"llama_cpp.server exited with code {code}:\n{log.read_text()[-2000:]}"
+    return f"llama_cpp.server crashed: {describe_exit(code)}; built with {build_of(log)}"
+
+
+def build_of(log: Path) -> str:
+    """llama.cpp's compiled CPU features, as the server logged them when it loaded the model
+    (verbose), else the flags `make peers` recorded."""
+    text = log.read_text(encoding="utf-8", errors="replace")
+    for line in text.splitlines():
+        if "AVX2 = " in line or "SSE3 = " in line:
+            return " ".join(line.split())
+    return recorded_llama_cpp_build() or "flags unknown"
 
 
 def free_port() -> int:
@@ -95,8 +122,7 @@ def wait_ready(process: subprocess.Popen, base_url: str, log: Path) -> None:
     deadline = time.monotonic() + READY_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            pytest.fail(f"llama_cpp.server exited with {process.returncode}:\n"
-                        f"{log.read_text()[-2000:]}")
+            pytest.fail(server_death(process.returncode, log))
         try:
             if httpx.get(f"{base_url}/models", timeout=2).status_code == 200:
                 return
@@ -121,7 +147,7 @@ def llamacpp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaS
     base_url = f"http://127.0.0.1:{port}/v1"
     try:
         wait_ready(process, base_url, log)
-        yield LlamaServer(base_url, log)
+        yield LlamaServer(base_url, log, process)
     finally:
         process.terminate()
         try:
@@ -129,6 +155,17 @@ def llamacpp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaS
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@pytest.fixture(autouse=True)
+def server_alive(llamacpp_server: LlamaServer) -> Iterator[None]:
+    """A server that died fails the running test (at teardown) and each later one (at setup)
+    with the signal's name, instead of as a connection error."""
+    if death := llamacpp_server.death():
+        pytest.fail(death)
+    yield
+    if death := llamacpp_server.death():
+        pytest.fail(death)
 
 
 @pytest.fixture

@@ -1,4 +1,8 @@
-"""`phasewise bench --vs llama.cpp`: the bundled GGUF through llama-cpp-python, same prompt."""
+"""`phasewise bench --vs llama.cpp`: the bundled GGUF through llama-cpp-python, same prompt.
+
+llama.cpp runs in a child process (LlamaCppPeer): if it crashes, the test fails with one line
+naming the signal and llama.cpp's compiled CPU features, and the rest of the suite runs.
+"""
 
 from __future__ import annotations
 
@@ -119,3 +123,20 @@ def test_llama_cpp_peer_decodes_the_same_prompt_ids_greedily(bundled: LoadedMode
         again = peer.run(prompt, 4)  # each run resets the KV cache first
     assert first.token_ids == again.token_ids == ours.token_ids
     assert len(first.itl_s) == 3 and first.ttft_s > 0
+
+
+@needs_llama_cpp
+@pytest.mark.real_model
+def test_llama_cpp_peer_decodes_a_128_token_prompt(bundled: LoadedModel) -> None:
+    """The prompt length that crashed a -march=native build on a VM that advertises AMX but
+    faults on it (SIGILL in ggml's AMX matmul; 1-token prompts ran): the portable build
+    prefills it and decodes, greedily, what ours decodes."""
+    prompt = fixed_prompt_ids(bundled, 128)
+    ours = run_ours(bundled, prompt, 4)
+    with LlamaCppPeer(gguf_for(bundled.info), n_threads=torch.get_num_threads(),
+                      n_ctx=256) as peer:
+        result = peer.run(prompt, 16)
+    assert "AVX2 = 1" in peer.system_info
+    assert len(result.token_ids) == 16 and len(result.itl_s) == 15
+    assert result.ttft_s > 0 and result.decode_tok_s > 0
+    assert result.token_ids[:4] == ours.token_ids
