@@ -2,12 +2,14 @@
 
 Offline by default: nothing is downloaded unless allow_download is set. No trust_remote_code,
 and no pickle checkpoints unless allow_pickle is set. A GGUF is dequantized once and kept as
-safetensors plus tokenizer in the user cache directory, keyed by the file's content hash.
+safetensors plus tokenizer in the user cache directory, keyed by a fingerprint of its content.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import hashlib
 import importlib.util
 import json
@@ -194,13 +196,13 @@ def load_model(
         folder = check_bundled_model(bundled)
         name, path = DEFAULT_MODEL_NAME, str(folder)
     elif kind == "default":
-        folder = converted_gguf(default_gguf_path(), notify)
+        folder = converted_gguf(default_gguf_path(), notify, torch_dtype)
         name, path = DEFAULT_MODEL_NAME, str(folder)
     elif kind == "gguf":
         gguf = Path(spec).expanduser()
         if not gguf.is_file():
             raise ModelLoadError(f"model not found: {spec} (no such file)")
-        folder = converted_gguf(gguf, notify)
+        folder = converted_gguf(gguf, notify, torch_dtype)
         name, path = gguf.stem, str(gguf)
     elif kind == "folder":
         folder = Path(spec).expanduser()
@@ -371,83 +373,212 @@ def _hub_snapshot(repo_id: str, allow_download: bool, notify: Progress) -> Path:
         raise ModelLoadError(f"download of {repo_id} failed: {_one_line(exc)}") from exc
 
 
-def converted_gguf(gguf: Path, notify: Progress) -> Path:
-    """A safetensors folder for this GGUF, converting it on first use (cached by content hash)."""
+def quick_fingerprint(path: Path, size: int, sample: int = 1 << 16, samples: int = 16) -> str:
+    """A content key read in milliseconds from a multi-GB file: its size, the first MiB (the
+    GGUF header: architecture, shapes, tokenizer) and `samples` blocks spread over the rest."""
+    digest = hashlib.sha256(str(size).encode())
+    with path.open("rb") as fh:
+        digest.update(fh.read(1 << 20))
+        for i in range(1, samples + 1):
+            fh.seek(max(0, size * i // samples - sample))
+            digest.update(fh.read(sample))
+    return digest.hexdigest()
+
+
+def converted_gguf(gguf: Path, notify: Progress, dtype: torch.dtype = torch.float32) -> Path:
+    """A safetensors folder of this GGUF in `dtype`, converting it on first use.
+
+    Keyed by quick_fingerprint; the whole file is hashed once, at conversion, and again only
+    if its size or modification time changed since (a copy, a touch), not on every start."""
     notify("checking model file")
     try:
-        digest = file_sha256(gguf)
+        stat = gguf.stat()
+        quick = quick_fingerprint(gguf, stat.st_size)
     except OSError as exc:
         raise ModelLoadError(f"cannot read {gguf}: {exc.strerror or exc}") from exc
-    target = cache_root() / "models" / f"{gguf.stem}-{digest[:16]}"
-    if (target / CONVERTED_MARKER).is_file():
+    target = cache_root() / "models" / f"{gguf.stem}-{quick[:16]}-{_dtype_tag(dtype)}"
+    record = {"source": gguf.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    marker = target / CONVERTED_MARKER
+    old = _read_marker(marker)
+    if old and all(old.get(k) == v for k, v in record.items()):
         return target
-    notify("converting GGUF to safetensors (first start only, tens of seconds)")
-    _convert_gguf(gguf, target, digest, notify)
+    digest = _full_sha256(gguf)
+    if old and old.get("sha256") == digest:  # same content, new mtime: remember it
+        marker.write_text(json.dumps({**old, **record}))
+        return target
+    notify("converting GGUF to safetensors (first start only)")
+    _convert_gguf(gguf, target, {**record, "sha256": digest, "dtype": str(dtype)}, dtype,
+                  notify)
     return target
 
 
-@contextlib.contextmanager
-def _gguf_progress(notify: Progress) -> Iterator[None]:
-    """Report transformers' GGUF dequantization progress through notify instead of a
-    terminal progress bar (the module uses a bare tqdm)."""
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
-
-    original = gguf_utils.tqdm
-
-    def reporting(items: Any, desc: str = "", **_kw: Any) -> Iterator[Any]:
-        items = list(items)
-        step = max(1, len(items) // 10)
-        for i, item in enumerate(items):
-            if i % step == 0:
-                notify(f"converting GGUF: {100 * i // len(items)}%")
-            yield item
-
-    gguf_utils.tqdm = reporting
+def _read_marker(marker: Path) -> dict[str, Any] | None:
     try:
-        yield
-    finally:
-        gguf_utils.tqdm = original
+        value = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
-def _convert_gguf(gguf: Path, target: Path, digest: str, notify: Progress) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def _full_sha256(gguf: Path) -> str:
+    try:
+        return file_sha256(gguf)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read {gguf}: {exc.strerror or exc}") from exc
 
-    _check_gguf_header(gguf)
-    folder, name = str(gguf.parent), gguf.name
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+class SafetensorsStream:
+    """Writes a .safetensors file one tensor at a time, so a conversion never holds the whole
+    model: the data goes to a side file as it comes, then the header and the data are joined
+    (safetensors' save_file takes every tensor at once and copies each into bytes)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._data_path = path.with_name(path.name + ".data")
+        self._data = self._data_path.open("wb")
+        self._header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        self._offset = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        flat = tensor.contiguous().reshape(-1).view(torch.uint8)
+        self._data.write(memoryview(flat.numpy()))
+        end = self._offset + flat.numel()
+        self._header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+                              "shape": list(tensor.shape),
+                              "data_offsets": [self._offset, end]}
+        self._offset = end
+
+    def close(self) -> None:
+        """Write the file (header, then the data); the side file goes."""
+        self._data.close()
+        header = json.dumps(self._header, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)  # the format allows space padding; keeps alignment
+        with self.path.open("wb") as out, self._data_path.open("rb") as data:
+            out.write(len(header).to_bytes(8, "little"))
+            out.write(header)
+            shutil.copyfileobj(data, out, 1 << 24)
+        self._data_path.unlink()
+
+
+def _convert_gguf(gguf: Path, target: Path, record: dict[str, Any], dtype: torch.dtype,
+                  notify: Progress) -> None:
+    """Dequantize tensor by tensor straight into dtype and stream each one to disk: peak
+    memory is about one tensor, not the model (transformers' GGUF loader holds it whole)."""
+    reader = _open_gguf(gguf)
     try:
         notify("reading the GGUF tokenizer")
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
-        with _gguf_progress(notify):
-            gguf_model = AutoModelForCausalLM.from_pretrained(
-                folder, gguf_file=name, dtype=torch.float32, local_files_only=True
-            )
+        tokenizer, config, count, tensors = _gguf_parts(gguf, reader)
     except Exception as exc:
         message = f"{gguf} is corrupt or not a supported GGUF: {_one_line(exc)}"
         raise ModelLoadError(message) from exc
-    # A GGUF-loaded model refuses save_pretrained; a plain model with the same weights saves.
-    config = gguf_model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config.to_dict()))
-    plain.load_state_dict(gguf_model.state_dict())
     target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
     try:
-        staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
-        plain.save_pretrained(staging)
+        out = SafetensorsStream(staging / "model.safetensors")
+        step = max(1, count // 10)
+        for i, (name, tensor) in enumerate(tensors):
+            if i % step == 0:
+                notify(f"converting GGUF: {100 * i // max(1, count)}%")
+            out.add(name, tensor.to(dtype))
+        out.close()
+        config.dtype = dtype
+        config.save_pretrained(staging)
+        _generation_config(config).save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        (staging / CONVERTED_MARKER).write_text(json.dumps({"source": name, "sha256": digest}))
+        (staging / CONVERTED_MARKER).write_text(json.dumps(record))
         if target.exists():
             shutil.rmtree(target)
         staging.rename(target)
     except OSError as exc:
-        shutil.rmtree(staging, ignore_errors=True)
         raise ModelLoadError(
             f"cannot write the converted model to {target.parent}: {exc.strerror or exc}"
         ) from exc
+    except Exception as exc:
+        raise ModelLoadError(f"{gguf} could not be converted: {_one_line(exc)}") from exc
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
-def _check_gguf_header(gguf: Path) -> None:
-    """Fail fast with a clear line on a file that is not GGUF, or is cut short."""
+def _gguf_parts(gguf: Path, reader: Any,
+                ) -> tuple[Any, Any, int, Iterator[tuple[str, torch.Tensor]]]:
+    """The tokenizer, the config, the tensor count and the lazily dequantized (name, tensor)
+    pairs of a GGUF, through transformers' own name map and per-architecture fixes."""
+    import numpy as np
+    from gguf import dequantize
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    folder, name = str(gguf.parent), gguf.name
+    with _read_gguf_once(str(gguf), reader):
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        with torch.device("meta"):  # parameter names only, no memory
+            skeleton = AutoModelForCausalLM.from_config(config)
+        config.architectures = [type(skeleton).__name__]
+        architecture = hf_gguf.read_field(reader, "general.architecture")[0]
+        processor = hf_gguf.TENSOR_PROCESSORS.get(architecture, hf_gguf.TensorProcessor)(
+            config=config.to_dict())
+        names = hf_gguf.get_gguf_hf_weights_map(skeleton, processor)
+    parsed: dict[str, Any] = {"tensors": {}}  # where a processor merges tensors (MoE experts)
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for item in reader.tensors:
+            result = processor.process(weights=dequantize(item.data, item.tensor_type),
+                                       name=item.name, tensor_key_mapping=names,
+                                       parsed_parameters=parsed)
+            if result.name in names:
+                array = np.require(result.weights, requirements=["C", "W"])
+                yield names[result.name], torch.from_numpy(array)
+        yield from parsed.pop("tensors").items()
+
+    return tokenizer, config, len(reader.tensors), tensors()
+
+
+@contextlib.contextmanager
+def _read_gguf_once(path: str, reader: Any) -> Iterator[None]:
+    """transformers reads a GGUF's metadata afresh for the tokenizer and again for the config,
+    each time building a GGUFReader (seconds for a 49k-token vocabulary), and rebuilds gguf's
+    tensor-name table once per module of the model when mapping names (hundreds of times):
+    hand them this one reader, one parse and one table per architecture."""
+    import gguf
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    make_reader, parse, name_map = (gguf.GGUFReader, hf_gguf.load_gguf_checkpoint,
+                                    gguf.get_tensor_name_map)
+    parsed: dict[str, Any] = {}
+
+    def shared_reader(file: Any, *args: Any, **kwargs: Any) -> Any:
+        return reader if str(file) == path else make_reader(file, *args, **kwargs)
+
+    def parse_once(file: Any, return_tensors: bool = False, **kwargs: Any) -> Any:
+        if str(file) != path or return_tensors or kwargs:
+            return parse(file, return_tensors=return_tensors, **kwargs)
+        if not parsed:
+            parsed.update(parse(file))
+        return copy.deepcopy(parsed)
+
+    gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = shared_reader, parse_once
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=8)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = make_reader, parse
+        gguf.get_tensor_name_map = name_map
+
+
+def _generation_config(config: Any) -> Any:
+    from transformers import GenerationConfig
+
+    return GenerationConfig.from_model_config(config)
+
+
+def _open_gguf(gguf: Path) -> Any:
+    """A GGUFReader for the file; a clear line for a file that is not GGUF, or is cut short."""
     try:
         from gguf import GGUFReader
 
@@ -455,7 +586,7 @@ def _check_gguf_header(gguf: Path) -> None:
             magic = fh.read(4)
         if magic != b"GGUF":
             raise ModelLoadError(f"{gguf} is not a GGUF file (bad magic bytes)")
-        GGUFReader(str(gguf))
+        return GGUFReader(str(gguf))
     except ModelLoadError:
         raise
     except Exception as exc:
