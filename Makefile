@@ -7,7 +7,8 @@ PIP    := $(PY) -m pip
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.setup-stamp
 
-.PHONY: setup run test lint bench peers llama-cpp package test-packaging clean
+.PHONY: setup run test lint bench peers llama-cpp package test-packaging clean gpu-check \
+	gpu-wheels
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +38,23 @@ lint: setup
 
 bench: setup
 	$(VENV)/bin/phasewise bench --vs hf
+
+# The torch engine checked on this machine's device (CUDA if present, else CPU with small sizes):
+# correctness, speed against the copy bandwidth, HUD timing. Report in build/gpu-check/.
+gpu-check: $(STAMP)
+	$(PY) benchmarks/gpu_check.py --out build/gpu-check $(GPU_CHECK_ARGS)
+
+# What a lent GPU machine lacks (torch and transformers there, nothing fetchable) goes to .gpu/
+# (ignored): this venv's transformers (the engine passes `cache=`, new in 5.24) and gguf as
+# wheels, and the bundled GGUF as two parts, each small enough for one call's 64 MiB carry.
+# benchmarks/gpu_check.py unpacks the wheels and joins the parts there.
+GPU_WHEELS := transformers gguf
+gpu-wheels: $(STAMP)
+	rm -rf .gpu && mkdir -p .gpu/wheels
+	$(PIP) download --quiet --no-deps --only-binary=:all: -d .gpu/wheels $$($(PY) -c \
+		"import importlib.metadata as m; print(' '.join(f'{n}=={m.version(n)}' for n in '$(GPU_WHEELS)'.split()))")
+	$(PY) benchmarks/gpu_check.py --split-bundled .gpu
+	du -sh .gpu/*
 
 # llama.cpp (GGUF engine, `bench --vs llama.cpp`, the llama.cpp server tests), compiled from
 # llama-cpp-python's source PORTABLY: never -march=native (a binary built on one CPU must run on
