@@ -253,3 +253,29 @@ def test_placeholder_reads_the_prompt_then_writes(qtbot) -> None:
     assert view.toPlainText().endswith(f"Assistant {WRITING}\nHello")
     assert prefill_status(progress_event(0, 60_000, 400.0)) == \
         "· Reading your prompt: 0% · 2 min 30 s left · 400 tok/s"
+
+
+# ----- the HUD's live view ---------------------------------------------------------------------
+def test_hud_draws_the_prefill_while_the_prompt_is_read(qtbot) -> None:
+    from engine.events import PrefillStarted, RequestQueued
+    from ui.hud import HudWidget
+
+    hud = HudWidget(calibrate=False)
+    qtbot.addWidget(hud)
+    ms = 1_000_000
+    for event in (RequestQueued("r1", 0), PrefillStarted("r1", 10 * ms, 2000, 0, "first_turn"),
+                  PrefillProgress("r1", 2010 * ms, 840, 2000, 420.0, 1160 / 420)):
+        hud.on_engine_event(event)
+    hud.flush()
+
+    panel = hud.panels["breakdown"]
+    assert "reading the prompt: 42% (840 / 2,000 tokens) at 420 tok/s" in panel.caption.text()
+    assert hud.advice_label.text().startswith("Live: reading the prompt: 42%")
+    widths = {phase: bar.opts["width"][0] for phase, bar in panel._bars.items()}
+    assert widths["queue"] == pytest.approx(0.010) and widths["prefill"] == pytest.approx(2.0)
+    assert panel._prefill_left.opts["width"][0] == pytest.approx(1160 / 420)
+
+    hud.on_engine_event(TokenEmitted("r1", 4800 * ms, 0, 5, "Hi"))
+    hud.flush()
+    assert "reading the prompt" not in panel.caption.text()
+    assert panel._prefill_left.opts["width"][0] == 0

@@ -16,7 +16,7 @@ from PySide6.QtCore import QPointF, Qt, Signal
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QToolButton, QVBoxLayout
 
 from engine.calibrate import DevicePeaks
-from engine.events import SamplerSnapshot
+from engine.events import PrefillProgress, SamplerSnapshot
 from engine.hud_model import (
     THROUGHPUT_WINDOW,
     Breakdown,
@@ -42,6 +42,14 @@ class HudContext:
     reply: ReplyRecord | None  # the selected (or live) reply
     peaks: DevicePeaks | None
     text_interval_s: float = 0.0  # the chat view paints streaming text this often (batches)
+    prefill: PrefillProgress | None = None  # the reply's latest, while its prompt is read
+
+
+def prefill_caption(p: PrefillProgress) -> str:
+    """"reading the prompt: 42% (840 / 2,000 tokens) at 420 tok/s, 3.0 s left"."""
+    text = (f"reading the prompt: {p.fraction:.0%} ({p.done_tokens:,} / {p.total_tokens:,} "
+            f"tokens) at {p.tok_s:,.0f} tok/s")
+    return text + (f", {fmt_seconds(p.eta_s)} left" if p.done_tokens < p.total_tokens else "")
 
 
 def short_token(text: str, limit: int = 10) -> str:
@@ -375,7 +383,11 @@ class BreakdownPanel(Panel):
                                    pen=style.pen(c, 0))
             for phase, c in style.PHASE_COLORS.items()
         }
-        for bar in self._bars.values():
+        # While a prompt is read: the prefill still to come at its rate so far, faded.
+        self._prefill_left = pg.BarGraphItem(
+            x0=[0], y=[0], width=[0], height=0.8, brush=style.brush(style.PREFILL, 70),
+            pen=style.pen(style.PREFILL, 1, DASH))
+        for bar in (*self._bars.values(), self._prefill_left):
             self.plot.addItem(bar)
         self.table = LiveLabel(word_wrap=True)
         self._column.insertWidget(2, self.table)
@@ -384,6 +396,9 @@ class BreakdownPanel(Panel):
     def refresh(self, ctx: HudContext) -> None:
         b = ctx.reply.breakdown() if ctx.reply else None
         self._breakdown = b
+        self._prefill_left.setOpts(width=[0])
+        if b is None and ctx.reply is not None and ctx.prefill is not None:
+            self._draw_prefill(ctx.reply, ctx.prefill)
         if b is None:
             return
         start = 0.0
@@ -401,6 +416,20 @@ class BreakdownPanel(Panel):
         path = reply.path_text()
         self.caption.setText(f"Reply #{reply.number}: {fmt_seconds(b.e2e_s)} {state}; "
                              f"TTFT {fmt_seconds(b.ttft_s)}." + (f" {path}." if path else ""))
+
+    def _draw_prefill(self, reply: ReplyRecord, p: PrefillProgress) -> None:
+        """Queue, the prefill so far and (faded) what is left of it, before the first token."""
+        queue_s = max(reply.prefill_ns - reply.queued_ns, 0) * 1e-9
+        so_far_s = max(p.t_ns - reply.prefill_ns, 0) * 1e-9
+        self._bars["queue"].setOpts(x0=[0], width=[queue_s])
+        self._bars["prefill"].setOpts(x0=[queue_s], width=[so_far_s])
+        self._bars["decode"].setOpts(x0=[0], width=[0])
+        self._bars["other"].setOpts(x0=[0], width=[0])
+        self._prefill_left.setOpts(x0=[queue_s + so_far_s], width=[p.eta_s])
+        self.plot.setXRange(0, nice_ceiling(queue_s + so_far_s + p.eta_s), padding=0.01)
+        self.plot.setYRange(-0.5, 0.5, padding=0)
+        self.table.setText("")
+        self.caption.setText(f"Reply #{reply.number}: {prefill_caption(p)}")
 
     @staticmethod
     def _table_html(b: Breakdown) -> str:

@@ -36,6 +36,7 @@ from engine.calibrate import DevicePeaks, device_peaks
 from engine.events import (
     EngineEvent,
     ModelLoaded,
+    PrefillProgress,
     PrefillStarted,
     RequestFailed,
     RequestFinished,
@@ -46,7 +47,7 @@ from engine.events import (
 from engine.hud_model import ReplyRecord, SessionModel, advise, fmt_ms, fmt_seconds
 from ui.hud import style
 from ui.hud.live_label import LiveLabel
-from ui.hud.panels import PANEL_TYPES, HudContext, Panel
+from ui.hud.panels import PANEL_TYPES, HudContext, Panel, prefill_caption
 
 # 4 Hz while tokens stream: plots still move live, and pyqtgraph's painting (the HUD's main
 # cost) stays off the decode loop's back on small machines, where every millisecond of GUI
@@ -63,6 +64,7 @@ MAX_REDRAW_INTERVAL_MS = 1000
 _DIRTY_BY_EVENT: dict[type, frozenset[str]] = {
     RequestQueued: frozenset({"header", "ttft", "cache"}),
     PrefillStarted: frozenset({"cache", "context", "breakdown"}),
+    PrefillProgress: frozenset({"breakdown"}),
     TokenEmitted: frozenset({"header", "itl", "throughput", "breakdown", "context"}),
     SamplerSnapshot: frozenset({"sampler"}),
     RequestFinished: frozenset({"all"}),
@@ -86,6 +88,7 @@ class HudWidget(QWidget):
         self._selected_id: str | None = None  # None follows the live (latest) reply
         self._dirty: set[str] = set()
         self._text_interval_s = 0.0
+        self._prefill: dict[str, PrefillProgress] = {}  # replies whose prompt is being read
         self._timer = QTimer(self)
         self._timer.setSingleShot(True)
         self._timer.setInterval(REDRAW_INTERVAL_MS)
@@ -180,6 +183,10 @@ class HudWidget(QWidget):
     def on_engine_event(self, event: EngineEvent) -> None:
         """Fold one engine event in; the redraw happens on the throttle timer."""
         self.model.apply(event)
+        if isinstance(event, PrefillProgress):
+            self._prefill[event.request_id] = event
+        elif isinstance(event, TokenEmitted | RequestFinished | RequestFailed):
+            self._prefill.pop(event.request_id, None)
         if isinstance(event, ModelLoaded):
             self._start_calibration(event.info.device)
         dirty = _DIRTY_BY_EVENT.get(type(event))
@@ -278,7 +285,9 @@ class HudWidget(QWidget):
             min(max(REDRAW_INTERVAL_MS, round(cost_ms / REDRAW_DUTY)), MAX_REDRAW_INTERVAL_MS))
 
     def _context(self) -> HudContext:
-        return HudContext(self.model, self.selected_reply(), self.peaks, self._text_interval_s)
+        reply = self.selected_reply()
+        prefill = self._prefill.get(reply.request_id) if reply is not None else None
+        return HudContext(self.model, reply, self.peaks, self._text_interval_s, prefill)
 
     def _scrolled_out(self, panel: Panel) -> bool:
         return self.isVisible() and panel.visibleRegion().isEmpty()
@@ -304,8 +313,11 @@ class HudWidget(QWidget):
         self._kpis["decode"].setText(f"{tok_s:,.1f} tok/s" if tok_s else "–")
         self._kpis["ITL p50"].setText(fmt_ms(reply.itl_percentiles()[0]) if b else "–")
         self._kpis["total"].setText(fmt_seconds(b.e2e_s) if b else "–")
+        prefill = self._prefill.get(reply.request_id)
         if reply.error:
             self.advice_label.setText(f"Reply #{reply.number} failed: {reply.error}")
+        elif b is None and prefill is not None:
+            self.advice_label.setText(f"Live: {prefill_caption(prefill)}.")
         elif b is not None:
             advice = advise(b) or "No single phase dominates this reply; nothing to cut."
             prefix = "" if b.final else "Live: "
