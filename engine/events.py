@@ -11,6 +11,17 @@ FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
 @dataclass(frozen=True)
+class SamplingDefaults:
+    """The sampling settings a model ships in its generation_config; None where it sets none
+    (so the window can say where each value came from)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     name: str
     source: str  # "default" | "folder" | "gguf" | "hub"
@@ -23,6 +34,7 @@ class ModelInfo:
     kernel: str
     template_fallback: bool = False
     engine: str = "torch"  # the runtime that runs it: "torch" or "llama.cpp"
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
 
 @dataclass(frozen=True)

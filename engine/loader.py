@@ -28,7 +28,7 @@ import torch
 
 from engine.chat_template import has_chat_template
 from engine.errors import DownloadNotAllowedError, ModelLoadError
-from engine.events import ModelInfo
+from engine.events import ModelInfo, SamplingDefaults
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -230,7 +230,25 @@ def model_info(model: Any, tokenizer: Any, *, name: str, source: str, path: str)
         weight_bytes_per_step=weight_bytes_per_step(model),
         kernel=f"{_dtype_tag(next(model.parameters()).dtype)}-eager",
         template_fallback=not has_chat_template(tokenizer),
+        sampling_defaults=sampling_defaults(model.generation_config),
     )
+
+
+def sampling_defaults(generation_config: Any) -> SamplingDefaults:
+    """The model's own sampling settings from its generation_config (values out of range are
+    left out). do_sample=False means its authors decode greedily: temperature 0."""
+
+    def number(value: Any, low: float, high: float, kind: type = float) -> Any:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return kind(value) if ok and low <= value <= high else None
+
+    temperature = number(generation_config.temperature, 0.0, 100.0)
+    if generation_config.do_sample is False:
+        temperature = 0.0
+    top_p = number(generation_config.top_p, 1e-9, 1.0)
+    top_k = number(generation_config.top_k, 0, 1 << 30, int)
+    penalty = number(generation_config.repetition_penalty, 1e-9, 100.0)
+    return SamplingDefaults(temperature, top_p, top_k, penalty)
 
 
 def context_length(config: Any) -> int:

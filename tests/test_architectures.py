@@ -200,3 +200,18 @@ def test_architecture_transformers_does_not_know_is_refused_in_one_line(tmp_path
     with Engine() as engine, pytest.raises(ModelLoadError) as err:
         engine.load_model_sync(str(folder), kernel="fp32-eager")
     assert "\n" not in str(err.value) and "does not know the 'futurenet'" in str(err.value)
+
+
+def test_model_sampling_defaults_come_from_its_generation_config(tmp_path: Path) -> None:
+    from transformers import GenerationConfig
+
+    from engine.events import SamplingDefaults
+
+    folder = build_tiny_architecture(tmp_path / "qwen3", "qwen3")
+    with Engine() as engine:
+        assert engine.load_model_sync(str(folder), kernel="fp32-eager").sampling_defaults \
+            == SamplingDefaults()  # it ships none: the window keeps its own
+        GenerationConfig(do_sample=True, temperature=0.6, top_p=0.95, top_k=20,
+                         repetition_penalty=1.1).save_pretrained(folder)
+        info = engine.load_model_sync(str(folder), kernel="fp32-eager")
+    assert info.sampling_defaults == SamplingDefaults(0.6, 0.95, 20, 1.1)
