@@ -47,9 +47,10 @@ def tiny_engine(tiny_model_dir: Path) -> Iterator[Engine]:
 
 @pytest.fixture(scope="session")
 def real_engine() -> Iterator[Engine]:
-    """The bundled default model (converted once per cache dir), shared by the session."""
+    """The bundled default model (converted once per cache dir), shared by the session, on
+    the torch engine (tests/test_llamacpp_engine.py runs it on llama.cpp, in a child)."""
     with Engine() as engine:
-        engine.load_model_sync("default")
+        engine.load_model_sync("default", engine="torch")
         yield engine
 
 

@@ -26,7 +26,7 @@ from engine.generate import (
     token_event,
     token_text,
 )
-from engine.llamacpp.decode import decode, feed
+from engine.llamacpp.decode import decode, feed, prefill_reporter
 from engine.llamacpp.model import LlamaCppModel
 from engine.llamacpp.prefix_pool import SeqPrefixCache
 from engine.llamacpp.session import eos_ids
@@ -94,8 +94,11 @@ class LlamaBatcher:
                                        len(prompt.ids), lease.cached_tokens, lease.miss_reason))
         row = self._new_row(job, prompt.ids, lease)
         try:
-            if job.cancel.is_set() or not feed(self.loaded, pool, lease,
-                                               prompt.ids[lease.cached_tokens :], 1, job.cancel):
+            uncached = prompt.ids[lease.cached_tokens :]
+            report = prefill_reporter(request.request_id, len(uncached),
+                                      lambda event: self._emit(job, event))
+            if job.cancel.is_set() or not feed(self.loaded, pool, lease, uncached, 1,
+                                               job.cancel, report):
                 return row, torch.empty(0)
         except BaseException:
             pool.discard(lease)

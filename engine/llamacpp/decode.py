@@ -8,11 +8,13 @@ was) the least recently used cached prefix is evicted and the decode retried.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from engine.errors import PhasewiseError
+from engine.events import PrefillProgress
 from engine.llamacpp.model import LlamaCppModel
 from engine.llamacpp.prefix_pool import KvFullError, SeqPrefixCache
 from engine.prefix_cache import CacheLease
@@ -77,10 +79,12 @@ def decode(loaded: LlamaCppModel, pool: SeqPrefixCache, tokens: Sequence[int],
 
 
 def feed(loaded: LlamaCppModel, pool: SeqPrefixCache, lease: CacheLease, ids: Sequence[int],
-         rows: int = 1, cancel: threading.Event | None = None) -> bool:
+         rows: int = 1, cancel: threading.Event | None = None,
+         on_batch: Callable[[int], None] | None = None) -> bool:
     """Append ids to the lease's sequence, in batches from the first token (as
     llama-cpp-python's Llama.eval splits them), with logits for the last `rows` tokens; the
-    lease's ids follow each batch. False if cancel was set between two batches."""
+    lease's ids follow each batch, on_batch hears how many ids are in. False if cancel was
+    set between two batches."""
     n = len(ids)
     if not 1 <= rows <= n:
         raise ValueError(f"need 1 <= rows <= {n}")
@@ -97,4 +101,21 @@ def feed(loaded: LlamaCppModel, pool: SeqPrefixCache, lease: CacheLease, ids: Se
         decode(loaded, pool, chunk, range(start, start + len(chunk)),
                [lease.cache] * len(chunk), outputs)
         lease.ids.extend(chunk)
+        if on_batch is not None:
+            on_batch(end)
     return True
+
+
+def prefill_reporter(request_id: str, total: int, emit: Callable[[PrefillProgress], None]
+                     ) -> Callable[[int], None]:
+    """An on_batch for feed that emits PrefillProgress (rate so far, time left at it)."""
+    start = time.perf_counter_ns()
+
+    def report(done: int) -> None:
+        t = time.perf_counter_ns()
+        elapsed = (t - start) * 1e-9
+        rate = done / elapsed if elapsed > 0 else 0.0
+        emit(PrefillProgress(request_id, t, done, total, rate,
+                             (total - done) / rate if rate else 0.0))
+
+    return report

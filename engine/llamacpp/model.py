@@ -11,7 +11,9 @@ import collections
 import contextlib
 import ctypes
 import logging
+import mmap
 import os
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,6 +101,7 @@ class LlamaCppModel:
     kv_bytes_per_token: int
     batch: Any = None
     eog_ids: set[int] | None = None  # end-of-generation tokens, filled on first use
+    can_roll_back: bool = True  # False for recurrent/hybrid memory: no partial seq_rm
     _views: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -186,6 +189,16 @@ def _with_context(llama_cpp: Any, model: Any, path: Path, name: str, source: str
             f"llama.cpp could not allocate a {n_ctx}-token context for {path.name} (about "
             f"{need:.0f} MiB of KV cache; {_last_error() or 'out of memory'}): try a smaller "
             "context (context_length)")
+    try:
+        return _assemble(llama_cpp, model, ctx, path, name, source, n_ctx, threads,
+                         kv_per_token)
+    except BaseException:
+        llama_cpp.llama_free(ctx)
+        raise
+
+
+def _assemble(llama_cpp: Any, model: Any, ctx: Any, path: Path, name: str, source: str,
+              n_ctx: int, threads: int, kv_per_token: int) -> LlamaCppModel:
     vocab = llama_cpp.llama_model_get_vocab(model)
     tokenizer = LlamaCppTokenizer(llama_cpp, model, vocab)
     info = ModelInfo(
@@ -204,8 +217,12 @@ def _with_context(llama_cpp: Any, model: Any, path: Path, name: str, source: str
     loaded = LlamaCppModel(
         llama_cpp=llama_cpp, model=model, ctx=ctx, memory=llama_cpp.llama_get_memory(ctx),
         vocab=vocab, tokenizer=tokenizer, info=info,
-        n_vocab=int(llama_cpp.llama_vocab_n_tokens(vocab)), n_batch=int(cparams.n_batch),
-        n_seq_max=int(cparams.n_seq_max), n_threads=threads, kv_bytes_per_token=kv_per_token,
+        n_vocab=int(llama_cpp.llama_vocab_n_tokens(vocab)),
+        n_batch=int(llama_cpp.llama_n_batch(ctx)),
+        n_seq_max=int(llama_cpp.llama_n_seq_max(ctx)), n_threads=threads,
+        kv_bytes_per_token=kv_per_token,
+        can_roll_back=not (llama_cpp.llama_model_is_recurrent(model)
+                           or llama_cpp.llama_model_is_hybrid(model)),
     )
     loaded.batch = llama_cpp.llama_batch_init(loaded.n_batch, 0, loaded.n_seq_max)
     return loaded
@@ -237,8 +254,8 @@ def _load_failure(path: Path) -> str:
         return (f"llama.cpp does not support the architecture {arch!r} of {path.name}: "
                 "try --engine torch")
     detail = _last_error()
-    return f"llama.cpp cannot read {path.name} (corrupt or unsupported GGUF)" + (
-        f": {detail}" if detail else "")
+    return f"{path} is corrupt or truncated, or a GGUF llama.cpp cannot read" + (
+        f" ({detail})" if detail else "")
 
 
 def _file_type(llama_cpp: Any, model: Any) -> str:
@@ -261,16 +278,73 @@ def weight_bytes_per_step(path: Path, total: int) -> int:
     """Quantized bytes one decode step reads: every tensor in the file once, except an input
     embedding table separate from the output head, of which a step reads a single row."""
     try:
-        from gguf import GGUFReader
-
-        tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
-    except Exception:  # gguf absent or unreadable: the whole file's tensors
+        extents = tensor_extents(path)
+    except (OSError, ValueError, struct.error):  # unreadable header: the whole file's tensors
         return total
-    embed = tensors.get("token_embd.weight")
-    if embed is None or "output.weight" not in tensors:
+    if "token_embd.weight" not in extents or "output.weight" not in extents:
         return total  # tied: the table is also the output head and is read in full
-    rows = int(embed.shape[-1]) if len(embed.shape) > 1 else 1
-    return total - int(embed.n_bytes) + int(embed.n_bytes) // max(rows, 1)
+    embed_bytes, rows = extents["token_embd.weight"]
+    return total - embed_bytes + embed_bytes // max(rows, 1)
+
+
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+
+
+def tensor_extents(path: Path) -> dict[str, tuple[int, int]]:
+    """name -> (bytes, rows) of each tensor, from the GGUF header alone (the gguf package's
+    reader parses every value into numpy and took seconds). A tensor's bytes run from its
+    offset to the next one's (alignment padding included, at most 31 bytes)."""
+    with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        pos = 4 + 4
+        n_tensors, n_kv = struct.unpack_from("<QQ", data, pos)
+        pos += 16
+        alignment = 32
+        for _ in range(n_kv):
+            key, pos = _string(data, pos)
+            (kind,) = struct.unpack_from("<I", data, pos)
+            if key == "general.alignment" and kind == 4:
+                (alignment,) = struct.unpack_from("<I", data, pos + 4)
+            pos = _skip_value(data, pos + 4, kind)
+        infos = []
+        for _ in range(n_tensors):
+            name, pos = _string(data, pos)
+            (n_dims,) = struct.unpack_from("<I", data, pos)
+            dims = struct.unpack_from(f"<{n_dims}Q", data, pos + 4)
+            pos += 4 + 8 * n_dims + 4
+            (offset,) = struct.unpack_from("<Q", data, pos)
+            pos += 8
+            infos.append((offset, name, dims[-1] if n_dims > 1 else 1))
+        start = -(-pos // alignment) * alignment
+        end = len(data) - start
+    infos.sort()
+    extents = {}
+    for i, (offset, name, rows) in enumerate(infos):
+        following = infos[i + 1][0] if i + 1 < len(infos) else end
+        extents[name] = (following - offset, rows)
+    return extents
+
+
+def _string(data: mmap.mmap, pos: int) -> tuple[str, int]:
+    (n,) = struct.unpack_from("<Q", data, pos)
+    return data[pos + 8 : pos + 8 + n].decode("utf-8", "replace"), pos + 8 + n
+
+
+def _skip_value(data: mmap.mmap, pos: int, kind: int) -> int:
+    if kind == _STRING:
+        (n,) = struct.unpack_from("<Q", data, pos)
+        return pos + 8 + n
+    if kind == _ARRAY:
+        item, count = struct.unpack_from("<IQ", data, pos)
+        pos += 12
+        if item in _SCALAR_SIZES:
+            return pos + count * _SCALAR_SIZES[item]
+        for _ in range(count):
+            pos = _skip_value(data, pos, item)
+        return pos
+    if kind not in _SCALAR_SIZES:
+        raise ValueError(f"unknown GGUF value type {kind}")
+    return pos + _SCALAR_SIZES[kind]
 
 
 def warm_up_llama(loaded: LlamaCppModel) -> None:

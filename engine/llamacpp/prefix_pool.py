@@ -38,6 +38,8 @@ class SeqPrefixCache(PrefixCache):
         self._lib = loaded.llama_cpp
         self._memory = loaded.memory
         self._in_use: set[int] = set()  # sequences held by leases (running requests)
+        # A new pool owns every sequence of the context: nothing older may hold cells.
+        self._lib.llama_memory_clear(self._memory, False)
 
     # ----- sequences ---------------------------------------------------------------------------
     def _entry_seqs(self) -> set[int]:
@@ -95,6 +97,11 @@ class SeqPrefixCache(PrefixCache):
         own = self._entries.pop(conv, None)
         own_len = min(common_prefix_len(own.ids, prompt_ids), limit) if own else 0
         donor_id, donor_len = self._best_donor(prompt_ids, limit)
+        blocked = None
+        if not self.loaded.can_roll_back:  # a recurrent state holds only its last position
+            donor_id, donor_len = None, 0
+            if own is not None and own_len < len(own.ids):
+                blocked, own_len = "recurrent_state", 0
         if own is not None and own_len >= donor_len:
             seq, ids = own.cache, own.ids[:own_len]
             self._in_use.add(seq)
@@ -115,7 +122,16 @@ class SeqPrefixCache(PrefixCache):
             reason = self._own_reason(own.ids, prompt_ids, own_len, limit, layout)
         if layout is not None and layout.dropped_messages and reason != "first_turn":
             reason = "dropped_old_turns"
-        return CacheLease(conv, ids, seq, len(ids), reason)
+        return CacheLease(conv, ids, seq, len(ids), blocked or reason)
+
+    def _best_donor(self, prompt_ids: Sequence[int], limit: int) -> tuple[str | None, int]:
+        """The entry sharing the longest prefix with prompt_ids (any sequence can be cut)."""
+        best_id, best_len = None, 0
+        for conv, entry in self._entries.items():
+            n = min(common_prefix_len(entry.ids, prompt_ids), limit)
+            if n > best_len:
+                best_id, best_len = conv, n
+        return best_id, best_len
 
     def cold_lease(self, conversation_id: str | None) -> CacheLease:
         conv = conversation_id or f"anon-{next(_anonymous)}"

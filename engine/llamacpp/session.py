@@ -11,6 +11,7 @@ positions are dropped from the sequence with seq_rm. Runs only in the engine thr
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -27,7 +28,7 @@ from engine.generate import (
     token_event,
     token_text,
 )
-from engine.llamacpp.decode import feed
+from engine.llamacpp.decode import feed, prefill_reporter
 from engine.llamacpp.model import LlamaCppModel
 from engine.llamacpp.prefix_pool import SeqPrefixCache
 from engine.metrics import RequestTimeline, compute_metrics
@@ -88,10 +89,14 @@ class LlamaSession:
         stopper = StopMatcher(tuple(params.stop) + self.stops)
         generated: list[int] = []
         finish: FinishReason = "length"
-        drafter = PromptLookup(prompt_ids) if request.speculative == "ngram" \
-            and params.greedy else None
+        # Greedy only (as on torch); a recurrent state cannot drop rejected drafts.
+        speculate = request.speculative == "ngram" and params.greedy \
+            and self.loaded.can_roll_back
+        drafter = PromptLookup(prompt_ids) if speculate else None
         stats = SpecStats()
-        rows = self._forward(prompt_ids[lease.cached_tokens :], lease, 1, cancel)
+        uncached = prompt_ids[lease.cached_tokens :]
+        rows = self._forward(uncached, lease, 1, cancel,
+                             prefill_reporter(request.request_id, len(uncached), emit))
         if rows is None:
             finish = "cancelled"  # Stop before or during the prefill: within one batch
         else:
@@ -149,12 +154,13 @@ class LlamaSession:
             spec_proposed=stats.proposed, spec_accepted=stats.accepted)
 
     def _forward(self, ids: list[int], lease: CacheLease, rows: int,
-                 cancel: threading.Event | None = None) -> torch.Tensor | None:
+                 cancel: threading.Event | None = None,
+                 on_batch: Callable[[int], None] | None = None) -> torch.Tensor | None:
         """Feed ids on top of the lease's sequence; the logits of the last `rows` positions,
         shape (rows, vocab), a view valid until the next decode. None if cancelled."""
         if cancel is not None and cancel.is_set():
             return None
-        if not feed(self.loaded, self.prefix_cache, lease, ids, rows, cancel):
+        if not feed(self.loaded, self.prefix_cache, lease, ids, rows, cancel, on_batch):
             return None
         return self.loaded.logits(rows)
 

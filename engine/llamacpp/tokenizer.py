@@ -23,6 +23,8 @@ class LlamaCppTokenizer:
     def __init__(self, llama_cpp: Any, model: Any, vocab: Any) -> None:
         self._lib = llama_cpp
         self._vocab = vocab
+        self._pieces: dict[tuple[int, bool], bytes] = {}
+        self._buffer = ctypes.create_string_buffer(256)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
         raw = llama_cpp.llama_model_chat_template(model, None)
         self.chat_template: str | None = raw.decode("utf-8", "replace") if raw else None
@@ -30,8 +32,6 @@ class LlamaCppTokenizer:
         self.eos_token_id = _token_or_none(llama_cpp.llama_vocab_eos(vocab))
         self.bos_token = self._text(self.bos_token_id)
         self.eos_token = self._text(self.eos_token_id)
-        self._pieces: dict[tuple[int, bool], bytes] = {}
-        self._buffer = ctypes.create_string_buffer(256)
 
     # ----- what engine/chat_template.py calls ------------------------------------------------
     def __call__(self, text: str, add_special_tokens: bool = False,

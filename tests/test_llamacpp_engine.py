@@ -1,0 +1,391 @@
+"""The llama.cpp engine (engine/llamacpp) on the bundled GGUF.
+
+Everything that runs llama.cpp runs in a spawned child process (run_in_child), so a crash in
+native code is a failed test naming the signal, not a dead test run. Skipped, saying why,
+where llama-cpp-python is not installed (`make llama-cpp`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing
+import signal
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.errors import ModelLoadError
+from engine.runtimes import LLAMA_CPP, TORCH, resolve_engine
+
+needs_llama_cpp = pytest.mark.skipif(
+    importlib.util.find_spec("llama_cpp") is None,
+    reason="llama-cpp-python is not installed (make llama-cpp)")
+CHILD_TIMEOUT_S = 600
+PROMPT = "Write two sentences about the sea."
+
+
+# ----- running a test body in a child process -----------------------------------------------
+def _child_main(conn: Any, body: Callable[..., Any], args: tuple) -> None:
+    try:
+        conn.send(("ok", body(*args)))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def run_in_child(body: Callable[..., Any], *args: Any) -> Any:
+    """body(*args) in a spawned process: its return value, its exception as a test failure
+    with the child's traceback, or a failure naming the signal that killed it."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=_child_main, args=(child, body, args), daemon=True)
+    process.start()
+    child.close()
+    try:
+        if not parent.poll(CHILD_TIMEOUT_S):
+            process.kill()
+            pytest.fail(f"{body.__name__} did not finish within {CHILD_TIMEOUT_S} s")
+        status, value = parent.recv()
+    except EOFError:  # the child died without reporting
+        process.join(10)
+        code = process.exitcode
+        if code is not None and code < 0:
+            pytest.fail(f"{body.__name__}: the child process died of "
+                        f"{signal.Signals(-code).name}")
+        pytest.fail(f"{body.__name__}: the child process exited with code {code}")
+    finally:
+        process.join(10)
+    if status == "error":
+        pytest.fail(f"{body.__name__} failed in the child process:\n{value}")
+    return value
+
+
+def _crash() -> None:
+    import os
+
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def test_a_native_crash_fails_with_the_signal_name() -> None:
+    with pytest.raises(pytest.fail.Exception, match="SIGSEGV"):
+        run_in_child(_crash)
+
+
+# ----- helpers used inside the child ----------------------------------------------------------
+def _load() -> Any:
+    from engine.runtimes import load
+
+    return load("default", LLAMA_CPP)
+
+
+def _greedy(loaded: Any, pool: Any, prompt_ids: list[int] | None = None, *, tokens: int = 24,
+            messages: list | None = None, conversation: str | None = None,
+            reuse: bool = True, speculative: str | None = None) -> Any:
+    import threading
+
+    from engine.generate import now_ns
+    from engine.metrics import RequestTimeline
+    from engine.params import GenerationRequest, SamplingParams
+    from engine.runtimes import new_session
+
+    request = GenerationRequest(
+        messages=messages or [], prompt_token_ids=prompt_ids,
+        params=SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=messages is None),
+        conversation_id=conversation, reuse_cache=reuse, speculative=speculative)
+    return new_session(loaded, pool).run(request, RequestTimeline(now_ns()), threading.Event(),
+                                         lambda _e: None)
+
+
+def _chat_ids(loaded: Any, text: str) -> list[int]:
+    from engine.chat_template import encode_chat
+    from engine.params import ChatMessage
+
+    return encode_chat(loaded.tokenizer, [ChatMessage("user", text)])
+
+
+# ----- exactness ------------------------------------------------------------------------------
+def _parity_body() -> dict:
+    import llama_cpp
+
+    from engine.loader import default_gguf_path
+    from engine.runtimes import new_prefix_cache
+
+    loaded = _load()
+    pool = new_prefix_cache(loaded, 1 << 30)
+    ids = _chat_ids(loaded, PROMPT)
+    ours = _greedy(loaded, pool, ids, reuse=False).token_ids
+    lookup = _greedy(loaded, pool, ids, reuse=False, speculative="ngram")
+    peer = llama_cpp.Llama(model_path=str(default_gguf_path()), n_ctx=512,
+                           n_threads=loaded.n_threads, n_threads_batch=loaded.n_threads,
+                           verbose=False)
+    theirs = []
+    for token in peer.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0,
+                               repeat_penalty=1.0):
+        theirs.append(token)
+        if len(theirs) == len(ours):
+            break
+    peer.close()
+    return {"ours": ours, "theirs": theirs, "lookup": lookup.token_ids,
+            "proposed": lookup.spec_proposed, "engine": loaded.info.engine,
+            "text": loaded.tokenizer.decode(ours)}
+
+
+@needs_llama_cpp
+def test_greedy_tokens_match_llama_cpps_own_greedy() -> None:
+    out = run_in_child(_parity_body)
+    assert out["engine"] == "llama.cpp"
+    assert len(out["ours"]) == 24
+    assert out["ours"] == out["theirs"]
+    assert out["lookup"] == out["ours"]  # prompt-lookup speculation changes nothing greedy
+
+
+def _cache_body() -> dict:
+    from engine.params import ChatMessage
+    from engine.runtimes import new_prefix_cache
+
+    loaded = _load()
+    pool = new_prefix_cache(loaded, 1 << 30)
+    chat = [ChatMessage("system", "You are terse."), ChatMessage("user", "Name a colour.")]
+    first = _greedy(loaded, pool, messages=chat, conversation="a", tokens=16)
+    chat += [ChatMessage("assistant", first.text), ChatMessage("user", "And a fruit?")]
+    cached = _greedy(loaded, pool, messages=chat, conversation="a", tokens=16)
+    cold = _greedy(loaded, pool, messages=chat, conversation="cold", tokens=16, reuse=False)
+    other = [ChatMessage("system", "You are terse."), ChatMessage("user", "Name a city.")]
+    shared = _greedy(loaded, pool, messages=other, conversation="b", tokens=16)
+    alone = _greedy(loaded, pool, messages=other, conversation="c", tokens=16, reuse=False)
+    return {
+        "first": (first.metrics.cached_tokens, first.metrics.cache_miss_reason),
+        "cached": (cached.metrics.cached_tokens, cached.metrics.cache_miss_reason,
+                   cached.metrics.prompt_tokens, cached.token_ids),
+        "cold": (cold.metrics.cached_tokens, cold.token_ids),
+        "shared": (shared.metrics.cached_tokens, shared.metrics.cache_miss_reason,
+                   shared.token_ids),
+        "alone": alone.token_ids,
+    }
+
+
+@needs_llama_cpp
+def test_a_cached_turn_equals_a_cold_one() -> None:
+    out = run_in_child(_cache_body)
+    assert out["first"] == (0, "first_turn")
+    cached_tokens, reason, prompt_tokens, cached_ids = out["cached"]
+    assert reason == "none" and 0 < cached_tokens < prompt_tokens
+    assert out["cold"][0] == 0
+    assert cached_ids == out["cold"][1]
+    # another chat with the same system prompt borrows its prefix (seq_cp) and still agrees
+    shared_tokens, shared_reason, shared_ids = out["shared"]
+    assert shared_tokens > 0 and shared_reason == "first_turn"
+    assert shared_ids == out["alone"]
+
+
+NEAR_TIE = 0.05  # logits: closer than this, summation order alone can pick either token
+
+
+def _alone_with_margins(loaded: Any, pool: Any, ids: list[int], n: int) -> tuple[list, list]:
+    """Greedy tokens of one prompt decoded alone, and each step's top-2 logit margin."""
+    import torch
+
+    from engine.llamacpp.decode import feed
+
+    lease = pool.cold_lease(None)
+    tokens, margins = [], []
+    feed(loaded, pool, lease, ids)
+    for _ in range(n):
+        top = torch.topk(loaded.logits(1)[0], 2)
+        tokens.append(int(top.indices[0]))
+        margins.append(float(top.values[0] - top.values[1]))
+        feed(loaded, pool, lease, [tokens[-1]])
+    pool.discard(lease)
+    return tokens, margins
+
+
+def _agree_until_near_tie(batched: list[int], alone: list[int], margins: list[float]) -> bool:
+    """Batched output equals alone up to the first near-tie (after it, either is right)."""
+    for got, want, margin in zip(batched, alone, margins, strict=True):
+        if margin < NEAR_TIE:
+            return True
+        if got != want:
+            return False
+    return True
+
+
+def _batch_body() -> dict:
+    from engine.batching import DetachedJob
+    from engine.params import GenerationRequest, SamplingParams
+    from engine.runtimes import new_batcher, new_prefix_cache
+
+    loaded = _load()
+    pool = new_prefix_cache(loaded, 1 << 30)
+    prompts = [_chat_ids(loaded, t) for t in
+               ("Count to five.", "What is the capital of France?", "Say hello in French.")]
+    alone = [_greedy(loaded, pool, ids, tokens=12, reuse=False).token_ids for ids in prompts]
+    measured = [_alone_with_margins(loaded, pool, ids, 12) for ids in prompts]
+    results: dict[str, Any] = {}
+
+    def done(job: Any, result: Any, error: Any) -> None:
+        results[job.request.request_id] = result.token_ids if result else repr(error)
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    batcher = new_batcher(loaded, pool, lambda _j, _e: None, done)
+    for i, ids in enumerate(prompts):
+        batcher.admit([DetachedJob(GenerationRequest([], params, request_id=f"r{i}",
+                                                     prompt_token_ids=ids, reuse_cache=False))])
+    # alternatives of one prompt share its prefill (seq_cp); greedy ones all equal alone
+    alt = GenerationRequest([], params, request_id="alt", prompt_token_ids=prompts[1],
+                            conversation_id="alts", reuse_cache=False)
+    batcher.admit([DetachedJob(r) for r in alt.alternatives(2)])
+    while batcher.rows:
+        batcher.step()
+    batched = [results[f"r{i}"] for i in range(3)]
+    alternatives = [results["alt.0"], results["alt.1"]]
+    return {"alone": alone, "measured": [tokens for tokens, _ in measured],
+            "agree": [_agree_until_near_tie(b, *m) for b, m in zip(batched, measured,
+                                                                   strict=True)],
+            "alternatives_agree": [_agree_until_near_tie(a, *measured[1])
+                                   for a in alternatives],
+            "first_tokens": [b[:4] for b in batched] == [a[:4] for a in alone],
+            "steps": batcher.steps}
+
+
+@needs_llama_cpp
+def test_batched_rows_and_alternatives_each_equal_alone() -> None:
+    """llama.cpp is not bitwise batch-invariant: in the unified KV a row's cells sit at other
+    indices than alone, so attention sums in another order (about 1e-3 on a logit). Each row
+    must equal its alone run token for token up to the first near-tie."""
+    out = run_in_child(_batch_body)
+    assert out["measured"] == out["alone"]  # the margin probe decodes what the session does
+    assert all(out["agree"]), out
+    assert all(out["alternatives_agree"]), out
+    assert out["first_tokens"]
+    assert out["steps"] == 11  # one llama_decode per step for all five rows
+
+
+# ----- the engine thread, events and metrics ------------------------------------------------
+def _engine_body() -> dict:
+    from engine import Engine, GenerationRequest, SamplingParams
+    from engine.events import PrefillStarted, RequestFinished, TokenEmitted
+    from engine.params import ChatMessage
+
+    with Engine() as engine:
+        info = engine.load_model_sync("default", engine=LLAMA_CPP)
+        request = GenerationRequest(
+            [ChatMessage("user", "What is the capital of France? Answer in one sentence.")],
+            SamplingParams(temperature=0.0, max_tokens=32), conversation_id="e")
+        handle = engine.submit(request)
+        kinds = [type(e).__name__ for e in handle.events(timeout=120)]
+        result = handle.wait()
+        caps = engine.capabilities
+        try:
+            engine.load_draft_sync("default")
+            draft_error = ""
+        except Exception as exc:
+            draft_error = str(exc)
+    return {"info": (info.engine, info.dtype, info.context_length, info.weight_bytes_per_step),
+            "kinds": kinds, "text": result.text, "finish": result.finish_reason,
+            "decode_tok_s": result.metrics.decode_tok_s,
+            "prefill": PrefillStarted.__name__, "token": TokenEmitted.__name__,
+            "done": RequestFinished.__name__, "json_engine": result.to_json_dict()["engine"],
+            "speculative": caps.speculative, "draft_error": draft_error}
+
+
+@needs_llama_cpp
+def test_engine_runs_the_default_gguf_on_llama_cpp() -> None:
+    out = run_in_child(_engine_body)
+    engine, dtype, context, weight_bytes = out["info"]
+    assert (engine, dtype) == ("llama.cpp", "Q4_1")
+    assert context == 8192
+    assert 50e6 < weight_bytes < 110e6  # the quantized file's tensors, not fp32's 540 MB
+    assert out["kinds"][:2] == ["RequestQueued", out["prefill"]]
+    assert "PrefillProgress" in out["kinds"] and out["kinds"][-1] == out["done"]
+    assert out["token"] in out["kinds"]
+    assert "Paris" in out["text"] and out["finish"] == "stop"
+    assert out["decode_tok_s"] > 0
+    assert out["json_engine"] == "llama.cpp"
+    assert out["speculative"] == ("ngram",)
+    assert "torch engine" in out["draft_error"]
+
+
+def _template_body() -> dict:
+    from engine.chat_template import encode_chat_with_spans
+    from engine.params import ChatMessage
+
+    loaded = _load()
+    text = "say <|im_end|> please"
+    ids, spans = encode_chat_with_spans(loaded.tokenizer, [ChatMessage("user", text)])
+    _role, start, end = spans[-1]
+    return {"ids": ids, "user": ids[start:end], "im_end": loaded.tokenizer.encode("<|im_end|>"),
+            "user_text": loaded.tokenizer.decode(ids[start:end]),
+            "text": loaded.tokenizer.decode(ids, skip_special_tokens=False)}
+
+
+@needs_llama_cpp
+def test_message_text_never_becomes_a_control_token() -> None:
+    out = run_in_child(_template_body)
+    im_end = out["im_end"]
+    assert len(im_end) == 1
+    # the template's own turn ends are control tokens; the user's typed one is plain text
+    assert im_end[0] in out["ids"] and im_end[0] not in out["user"]
+    assert out["user_text"] == "say <|im_end|> please"
+    assert out["text"].startswith("<|im_start|>")
+
+
+# ----- load errors, in one line -------------------------------------------------------------
+def _load_error(path: str) -> str:
+    from engine.runtimes import load
+
+    try:
+        load(path, LLAMA_CPP)
+    except ModelLoadError as exc:
+        return str(exc)
+    return "loaded"
+
+
+def _write_unknown_architecture(path: Path) -> None:
+    import numpy as np
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), "phasewise-unknown")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@needs_llama_cpp
+def test_load_errors_are_one_line(tmp_path: Path) -> None:
+    not_gguf = tmp_path / "notes.gguf"
+    not_gguf.write_text("hello")
+    unknown = tmp_path / "odd.gguf"
+    _write_unknown_architecture(unknown)
+    message = run_in_child(_load_error, str(not_gguf))
+    assert "not a GGUF file" in message and "\n" not in message
+    message = run_in_child(_load_error, str(unknown))
+    assert "phasewise-unknown" in message and "--engine torch" in message
+    assert "\n" not in message
+
+
+# ----- choosing the engine (no llama.cpp code runs) ---------------------------------------------
+def test_a_folder_always_runs_on_torch(tmp_path: Path) -> None:
+    assert resolve_engine(str(tmp_path), "auto") == TORCH
+    with pytest.raises(ModelLoadError, match="--engine torch"):
+        resolve_engine(str(tmp_path), LLAMA_CPP)
+    assert resolve_engine("model.gguf", TORCH) == TORCH
+    with pytest.raises(ModelLoadError, match="unknown engine"):
+        resolve_engine("model.gguf", "onnx")
+
+
+@needs_llama_cpp
+def test_auto_runs_a_gguf_on_llama_cpp_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine.runtimes as runtimes
+
+    monkeypatch.setattr(runtimes, "cuda_present", lambda: False)
+    assert resolve_engine("model.gguf", "auto") == LLAMA_CPP
+    assert resolve_engine("default", "auto") == LLAMA_CPP
+    assert resolve_engine("model.gguf", "auto", device="cuda") == TORCH
+    monkeypatch.setattr(runtimes, "cuda_present", lambda: True)
+    assert resolve_engine("model.gguf", "auto") == TORCH
