@@ -119,6 +119,12 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "phi3": dict(sliding_window=TINY_WINDOW),
     # hybrid: short-convolution layers (a per-layer state instead of KV) between attention
     "lfm2": dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"]),
+    # hybrid: linear attention (a recurrent state, which cannot roll back) + attention, MoE
+    "qwen3_next": dict(layer_types=["linear_attention", "full_attention"], head_dim=16,
+                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=32, linear_num_key_heads=2,
+                       linear_num_value_heads=2, linear_key_head_dim=16,
+                       linear_value_head_dim=16),
 }
 
 
