@@ -118,6 +118,9 @@ class Report:
         self.sections = sections
         self.steps: list[Step] = []
         self.failed_needs: dict[str, str] = {}  # a prerequisite that did not come about -> why
+        # Called after each step: the report on disk stays current, so a run stopped from
+        # outside (the device call's time limit) still leaves what it measured.
+        self.after_step: Callable[[], object] = lambda: None
 
     def remaining(self) -> float:
         return self.budget_s - (time.perf_counter() - self.start)
@@ -136,6 +139,7 @@ class Report:
         self.steps.append(step)
         print(f"[{time.perf_counter() - self.start:6.1f}s] {section:<11} {step.status:<8} "
               f"{name}: {step.line}", flush=True)
+        self.after_step()
         return step
 
     def _skip_reason(self, section: str, needs: tuple[str, ...], min_s: float) -> str | None:
@@ -936,10 +940,12 @@ def target_row(name: str, value: float | None = None, op: str = "", bound: float
 
 def markdown(meta: dict[str, Any], steps: list[Step], goal_rows: list[dict[str, Any]],
              speed: dict[str, dict[str, Any]]) -> str:
-    lines = [f"# Phasewise device check: {meta['device_name']}", "",
+    partial = "" if meta["complete"] else " (partial: the run was stopped before its end)"
+    lines = [f"# Phasewise device check: {meta['device_name']}{partial}", "",
              f"{meta['command']}  ", f"{meta['when']}; {meta['wall_s']:.0f} s of a "
              f"{meta['budget_s']:.0f} s budget; torch {meta['torch']}, transformers "
-             f"{meta['transformers']}", "",
+             f"{meta['transformers']}; correctness model: "
+             f"{meta.get('correctness_model') or 'none'}", "",
              "| section | check | result | detail |", "| --- | --- | --- | --- |"]
     for s in steps:
         lines.append(f"| {s.section} | {s.name} | {s.status} | {s.line.replace('|', '/')} |")
@@ -1014,6 +1020,8 @@ def run_all(ctx: Context, carried: list[str]) -> None:
     for name, fn in checks:
         report.run("correctness", name, lambda fn=fn: fn(ctx), needs=("model",))
     report.run("hud", "HUD = caller's clock", lambda: step_hud(ctx), needs=("model",))
+    report.run("speed", "prompt-lookup speculation", lambda: step_speculation(ctx),
+               needs=("model",), min_s=10)
     if ctx.engine is not None:
         ctx.engine.shutdown()
         ctx.engine = None
@@ -1021,8 +1029,6 @@ def run_all(ctx: Context, carried: list[str]) -> None:
     sizes = [s for s in args.sizes.split(",") if s and s != "none"]
     for i, shape in enumerate(sizes):
         speed_model(ctx, shape, largest=i == 0)
-    report.run("speed", "prompt-lookup speculation", lambda: step_speculation(ctx),
-               needs=("model",), min_s=10)
 
 
 def speed_model(ctx: Context, shape: str, *, largest: bool) -> None:
@@ -1081,6 +1087,7 @@ def main(argv: list[str] | None = None) -> int:
         configure(args, cuda)
         report.budget_s = args.budget
         ctx = Context(args, device, workdir, report, cuda=cuda)
+        report.after_step = lambda: finish(ctx, argv, final=False)
         try:
             run_all(ctx, carried)
         finally:
@@ -1110,32 +1117,34 @@ def version(name: str) -> str:
         return "missing"
 
 
-def finish(ctx: Context, argv: list[str] | None) -> int:
+def finish(ctx: Context, argv: list[str] | None, *, final: bool = True) -> int:
     largest = ctx.args.sizes.split(",")[0]
     goal_rows = targets(ctx, largest if largest in SHAPES else "8b")
     meta = {"device_name": ctx.device_name or str(ctx.device), "device": str(ctx.device),
             "correctness_model": ctx.model_label}
     ok = not any(s.section in ("setup", "correctness") and s.status in ("fail", "error")
                  for s in ctx.report.steps)
-    return write_report(ctx.args, argv, ctx.report, meta, goal_rows, ctx.speed, ok)
+    return write_report(ctx.args, argv, ctx.report, meta, goal_rows, ctx.speed, ok, final)
 
 
 def write_report(args: argparse.Namespace, argv: list[str] | None, report: Report,
                  meta: dict[str, Any], goal_rows: list[dict[str, Any]],
-                 speed: dict[str, dict[str, Any]], ok: bool) -> int:
-    """Print the table; write report.json and report.md under --out. Exit status: 1 when a
-    setup or correctness check failed."""
+                 speed: dict[str, dict[str, Any]], ok: bool, final: bool = True) -> int:
+    """Write report.json and report.md under --out (final: also print the table). Exit
+    status: 1 when a setup or correctness check failed."""
     meta = {**meta,
             "command": "python benchmarks/gpu_check.py " + " ".join(
                 argv if argv is not None else sys.argv[1:]),
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "wall_s": time.perf_counter() - report.start, "budget_s": report.budget_s,
             "torch": version("torch"), "transformers": version("transformers"),
-            "qt_imported": any(m.split(".")[0] in QT_MODULES for m in sys.modules)}
+            "qt_imported": any(m.split(".")[0] in QT_MODULES for m in sys.modules),
+            "complete": final}
     document = {"meta": meta, "ok": ok, "steps": [dataclasses.asdict(s) for s in report.steps],
                 "targets": goal_rows, "speed": speed}
     table = markdown(meta, report.steps, goal_rows, speed)
-    print("\n" + table, flush=True)
+    if final:
+        print("\n" + table, flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "report.json").write_text(json.dumps(document, indent=1, default=str),

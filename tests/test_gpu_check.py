@@ -92,10 +92,13 @@ def test_cpu_run_writes_the_table_and_the_targets(cpu_report: tuple[dict, str, s
     assert "| target | result | measured |" in table
     assert table.strip() in stdout  # the table is printed last, for a device run's tail
     assert report["meta"]["qt_imported"] is False  # the GPU machine has no Qt
+    assert report["meta"]["complete"] is True
 
 
 def test_a_missing_package_is_one_line_and_the_rest_still_runs(gpu_check: ModuleType) -> None:
     report = gpu_check.Report(60, {"setup"})
+    written: list[int] = []
+    report.after_step = lambda: written.append(len(report.steps))  # the partial report
 
     def needs_gguf() -> tuple[str, str, dict]:
         raise ModuleNotFoundError("No module named 'gguf'", name="gguf")
@@ -114,6 +117,7 @@ def test_a_missing_package_is_one_line_and_the_rest_still_runs(gpu_check: Module
     assert (error.status, error.line) == ("error", "RuntimeError: first line")
     assert "traceback" in error.data
     assert (off.status, off.line) == ("skipped", "section not selected")
+    assert written == [1, 2, 3, 4, 5]
 
 
 def test_steps_past_the_budget_are_skipped_with_the_reason(gpu_check: ModuleType) -> None:
