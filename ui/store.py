@@ -147,6 +147,40 @@ class ReplyStats:
             parts.append(f"{share:.0%} cached")
         return " · ".join(parts)
 
+    def details(self) -> str:
+        """The full breakdown, one fact a line (what a click on the summary shows)."""
+        def sec(value: float | None) -> str:
+            return "–" if value is None else f"{value:.3f} s"
+
+        lines = [f"TTFT {sec(self.ttft_s)} = queue {sec(self.queue_s)} + prefill "
+                 f"{sec(self.prefill_s)} + first sample",
+                 f"decode {sec(self.decode_s)}, {self.decode_tok_s or 0:.1f} tok/s; total "
+                 f"{sec(self.e2e_s)}"]
+        if self.itl_p50_s is not None:
+            p90, p99 = (self.itl_p90_s or 0) * 1e3, (self.itl_p99_s or 0) * 1e3
+            lines.append(f"ITL p50 / p90 / p99 {self.itl_p50_s * 1e3:.1f} / {p90:.1f} / "
+                         f"{p99:.1f} ms")
+        tokens = f"{self.output_tokens or 0:,} tokens out"
+        if self.prompt_tokens is not None:
+            tokens = f"prompt {self.prompt_tokens:,} tokens"
+            if self.cached_tokens is not None:
+                tokens += f" ({self.cached_tokens:,} cached)"
+            tokens += f", {self.output_tokens or 0:,} out"
+        lines.append(tokens)
+        where = " · ".join(v for v in (self.model, self.engine, self.kernel, self.device) if v)
+        if where:
+            lines.append(where)
+        if self.temperature is not None:
+            sampling = f"temperature {self.temperature:g}"
+            if self.top_p is not None:
+                sampling += f", top-p {self.top_p:g}"
+            if self.max_tokens is not None:
+                sampling += f", max {self.max_tokens:,} tokens"
+            if self.seed is not None:
+                sampling += f", seed {self.seed}"
+            lines.append(sampling)
+        return "\n".join(lines)
+
 
 @dataclass(frozen=True)
 class Message:
