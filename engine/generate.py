@@ -45,9 +45,11 @@ from engine.speculative import PromptLookup, SpecStats, verify_sampled
 
 Emit = Callable[[EngineEvent], None]
 SNAPSHOT_INTERVAL_NS = 100_000_000  # sampler snapshots at most 10 per second
-# Prompt tokens per prefill forward. On the 2-core Xeon VM (SmolLM2-135M, fp32) 256 was as fast
-# as 512 and faster than 128 over a 4,000-token prompt, and a chunk takes ~0.4-0.7 s: progress
-# at least twice a second and Stop within one chunk. A GPU takes big chunks at no cost.
+# Prompt tokens per prefill forward. On the Xeon VM (SmolLM2-135M, fp32, a 2,048-token prompt,
+# one thread of a shared machine, best of 2) chunks of 128 / 256 / 512 kept 76% / 87% / 92% of
+# one pass's tokens per CPU-second; 256 keeps progress and Stop within about half a second
+# (~0.55-0.8 s a chunk at this CPU's 2-thread prefill rate), 512 would double that. A GPU takes
+# big chunks at no cost.
 CPU_PREFILL_CHUNK = 256
 GPU_PREFILL_CHUNK = 2048
 PREFILL_CHUNK_ENV = "PHASEWISE_PREFILL_CHUNK"  # overrides both (tokens)
@@ -384,11 +386,12 @@ class ChunkedPrefill:
     def step(self, max_tokens: int) -> torch.Tensor | None:
         """Run the next chunk of at most max_tokens; return the last prompt position's logits,
         shape (1, vocab), once the whole prompt is in the cache, else None."""
-        chunk = self.ids[self.done : self.done + max(1, max_tokens)]
+        chunk = self.ids[self.done : self.done + self.lease.chunk_limit(max(1, max_tokens))]
         input_ids = torch.tensor([chunk], device=self.loaded.device)
         out = self.loaded.model(input_ids=input_ids, cache=self.lease.cache, use_cache=True,
                                 logits_to_keep=1)
         self.lease.ids.extend(chunk)
+        self.lease.fed()  # a recurrent cache keeps a checkpoint one token before the end
         self.done += len(chunk)
         logits = out.logits[0, -1:]
         if logits.device.type == "cuda":
