@@ -38,7 +38,7 @@ def test_times_two_after_a_cached_turn_shares_one_prefill_and_the_chats_cache(
     assert first.t_ns == second.t_ns  # a single prefill, started once for both
     assert 0 < first.cached_tokens < first.prompt_tokens  # the chat's cache, plus the new turn
     assert second.cached_tokens == second.prompt_tokens  # nothing of its own to compute
-    results = window.alternative_sets[window.conversation_id].results
+    results = window.session.alternative_sets[window.conversation_id].results
     metrics = [results[i].metrics for i in (0, 1)]
     assert all(m.cached_tokens > 0 for m in metrics)
     assert metrics[0].prefill_s == metrics[1].prefill_s

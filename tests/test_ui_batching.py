@@ -29,8 +29,8 @@ def test_alternatives_stream_at_once_and_one_is_kept(qtbot, make_window,
         assert window.send("Hello")
 
     conv = window.conversation_id
-    alts = window.alternative_sets[conv]
-    assert len(alts.results) == 3 and window.replies == {}
+    alts = window.session.alternative_sets[conv]
+    assert len(alts.results) == 3 and window.session.replies == {}
     assert max(live_streams) == 3  # all three were on screen, streaming, at once
     prefilled = sorted(r.metrics.prefilled_tokens for r in alts.results.values())
     assert prefilled[:2] == [0, 0] and prefilled[2] > 0  # one shared prefill
@@ -47,7 +47,7 @@ def test_alternatives_stream_at_once_and_one_is_kept(qtbot, make_window,
     assert [m.role for m in messages] == ["user", "assistant"]
     assert messages[1].content == kept.text and messages[1].status == "length"
     assert messages[1].metrics["output_tokens"] == 12
-    assert conv not in window.alternative_sets
+    assert conv not in window.session.alternative_sets
     assert "Alternative 1" not in window.chat.toHtml()
     with qtbot.waitSignal(window.sig_reply_finished, timeout=WAIT_MS) as finished:
         window.composer.alternatives.setValue(1)
@@ -68,9 +68,9 @@ def test_alternatives_link_regenerates_the_last_reply_as_a_set(qtbot, make_windo
     reply = window.store.messages(conv)[-1]
     with qtbot.waitSignal(window.sig_alternatives_ready, timeout=WAIT_MS):
         window.chat.sig_action.emit("alternatives", reply.id)
-    assert len(window.alternative_sets[conv].results) == 3
+    assert len(window.session.alternative_sets[conv].results) == 3
     assert [m.role for m in window.store.messages(conv)] == ["user"]  # the old reply went
-    kept = window.alternative_sets[conv].results[0]
+    kept = window.session.alternative_sets[conv].results[0]
     assert window.keep_alternative(0)
     assert not window.keep_alternative(0)  # the set is gone
     saved = window.store.messages(conv)[-1]
@@ -101,7 +101,7 @@ def test_two_chats_stream_at_once_and_both_are_saved(qtbot, make_window,
     assert chat_a != chat_b
     a_id, b_id = first_ids
     qtbot.waitUntil(lambda: b_id in finished, timeout=WAIT_MS)
-    assert a_id in window.replies, "A is still streaming after B finished"
+    assert a_id in window.session.replies, "A is still streaming after B finished"
     # B's tokens came between A's: both decoded in the same steps
     b_tokens = [i for i, rid in enumerate(order) if rid == b_id]
     assert any(rid == a_id for rid in order[b_tokens[0]: b_tokens[-1]])

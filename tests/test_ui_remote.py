@@ -90,6 +90,7 @@ def test_remote_streams_on_the_gui_loop(
     assert router.remote.loop is qasync_loop
     threads: set[int] = set()
     router.add_listener(lambda _event: threads.add(threading.get_ident()))
+    window.controls.max_tokens.setValue(16)  # the default runs to the tiny context: slow
     result = send_and_wait(qtbot, window, "Hello")
     assert result.error is None and threads == {threading.get_ident()}
 

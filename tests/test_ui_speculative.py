@@ -38,7 +38,7 @@ class FakePicker:
 
 @pytest.fixture
 def picker(monkeypatch) -> type[FakePicker]:
-    monkeypatch.setattr("ui.main_window.ModelPickerDialog", FakePicker)
+    monkeypatch.setattr("ui.model_loads.ModelPickerDialog", FakePicker)
     FakePicker.choice_to_return, FakePicker.opened = None, 0
     return FakePicker
 

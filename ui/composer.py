@@ -94,6 +94,13 @@ class Composer(QWidget):
         self.editor.setPlainText(text)
         self.editor.moveCursor(self.editor.textCursor().MoveOperation.End)
 
+    def clear(self) -> None:
+        self.editor.clear()
+
+    def focus(self) -> None:
+        """Put the keyboard focus in the editor."""
+        self.editor.setFocus()
+
     def alternative_count(self) -> int:
         """How many replies a send asks for (1 = a plain reply)."""
         return self.alternatives.value()

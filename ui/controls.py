@@ -28,6 +28,7 @@ from PySide6.QtWidgets import (
 
 from engine import SamplingParams
 from engine.params import Speculative
+from engine.protocol import Capabilities
 
 DEFAULT_CONTEXT = 2048
 SETTINGS_GROUP = "sampling"
@@ -197,11 +198,12 @@ class ControlsPanel(QWidget):
         still loaded, or fall back to Off if there is none."""
         self.set_draft_model(self.draft_name)
 
-    def set_speculative_available(self, available: bool) -> None:
-        """Speculative decoding needs the local engine (a remote server decodes its own way)."""
-        for widget in (self.speculative, self.draft_button):
-            widget.setEnabled(available)
-        if not available:
+    def set_capabilities(self, capabilities: Capabilities) -> None:
+        """Offer what the backend runs: speculative decoding and draft models are local-engine
+        features (a remote server decodes its own way)."""
+        self.speculative.setEnabled(bool(capabilities.speculative))
+        self.draft_button.setEnabled(capabilities.draft_model)
+        if not capabilities.runs(self.speculative_mode()):
             self.speculative.setCurrentIndex(0)
 
     def _speculative_changed(self, _index: int) -> None:
@@ -219,6 +221,9 @@ class ControlsPanel(QWidget):
         if self._wanted_max_tokens is not None:  # a saved value the old range had clamped
             self.max_tokens.setValue(self._wanted_max_tokens)
         self._refresh_labels()
+
+    def system_prompt_text(self) -> str:
+        return self.system_prompt.toPlainText()
 
     def set_system_prompt(self, text: str) -> None:
         """Show a conversation's system prompt without reporting it as an edit."""

@@ -75,6 +75,11 @@ class Sidebar(QWidget):
                 self.list.setCurrentItem(item)
         self.list.blockSignals(blocked)
 
+    def clear_selection(self) -> None:
+        """No chat selected (a new chat is not in the list until its first message)."""
+        self._current_id = ""
+        self.list.clearSelection()
+
     def visible_ids(self) -> list[str]:
         return [self.list.item(i).data(ID_ROLE) for i in range(self.list.count())]
 

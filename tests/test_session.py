@@ -1,0 +1,125 @@
+"""The chat session without Qt: a recording view, the tiny engine, the store on disk. Engine
+events reach the session on the test's thread, as the bridge hands them to the GUI thread."""
+
+from __future__ import annotations
+
+import queue
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine import (
+    Engine,
+    EngineEvent,
+    RequestFailed,
+    RequestFinished,
+    SamplingParams,
+    TextFlushed,
+    TokenEmitted,
+)
+from ui.session import ActiveReply, ChatSession, ReplyOptions
+from ui.store import ChatStore
+
+WAIT_S = 60
+
+
+class RecordingView:
+    """A SessionView that keeps what it was told, by method name."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args: self.calls.append((name, args[0] if len(args) == 1 else args))
+
+    def said(self, name: str) -> list[Any]:
+        return [arg for called, arg in self.calls if called == name]
+
+
+@pytest.fixture
+def session(tiny_engine: Engine, tmp_path: Path) -> Any:
+    store = ChatStore(tmp_path / "chats.sqlite3")
+    events: queue.Queue[EngineEvent] = queue.Queue()
+    tiny_engine.add_listener(events.put)
+    chat = ChatSession(tiny_engine, store, RecordingView())
+    chat.events = events
+    yield chat
+    tiny_engine.remove_listener(events.put)
+    store.close()
+
+
+def options(alternatives: int = 1, **params: Any) -> ReplyOptions:
+    return ReplyOptions(SamplingParams(**({"temperature": 0.0, "max_tokens": 6} | params)),
+                        alternatives=alternatives)
+
+
+def pump(chat: Any) -> None:
+    """Hand engine events to the session until no reply runs."""
+    while chat.replies:
+        event = chat.events.get(timeout=WAIT_S)
+        if isinstance(event, (TokenEmitted, TextFlushed)):
+            chat.add_text(event.request_id, event.text)
+        elif isinstance(event, RequestFinished):
+            chat.on_finished(event)
+        elif isinstance(event, RequestFailed):
+            chat.on_failed(event)
+
+
+def test_send_saves_the_exchange_with_its_metrics(session: Any) -> None:
+    assert session.send("Hello there", options())
+    view = session.view
+    conv = session.conversation_id
+    assert view.said("conversation_created") == [(conv, "Hello there")]
+    assert len(view.said("message_saved")) == 1 and view.said("saving") == [True]
+    (started,) = view.said("reply_started")
+    assert isinstance(started, ActiveReply) and session.reply is started
+    pump(session)
+    (result,) = view.said("reply_finished")
+    user, reply = session.store.messages(conv)
+    assert (user.role, user.content) == ("user", "Hello there")
+    assert reply.content == result.text == started.text
+    assert reply.metrics["prompt_tokens"] == result.metrics.prompt_tokens
+    assert view.said("saving")[-1] is False and session.reply is None
+
+
+def test_refusals_say_why_and_send_nothing(session: Any) -> None:
+    assert not session.send("   ", options())
+    session.model_info = None
+    assert not session.send("Hi", options())
+    assert [m.split(":")[0] for m in session.view.said("notify")] == [
+        "Type a message first.", "No model is loaded yet"]
+    assert session.conversation_id is None and not session.replies
+
+
+def test_a_busy_chat_refuses_a_second_send(session: Any) -> None:
+    assert session.send("Hello", options(max_tokens=40))
+    assert not session.send("Again", options())
+    assert "still being written" in session.view.said("notify")[-1]
+    session.stop(session.conversation_id)
+    pump(session)
+
+
+def test_alternatives_wait_for_a_pick_then_one_is_kept(session: Any,
+                                                        tiny_engine: Engine) -> None:
+    assert session.send("Hello", options(alternatives=2, temperature=1.0))
+    conv = session.conversation_id
+    pump(session)
+    assert session.view.said("alternatives_ready") == [conv]
+    results = dict(session.finished_alternatives(conv))
+    assert sorted(results) == [0, 1]
+    assert [m.role for m in session.store.messages(conv)] == ["user"]  # nothing kept yet
+    assert session.keep_alternative(1)
+    assert not session.keep_alternative(1)  # the set is gone
+    kept = session.store.messages(conv)[-1]
+    assert kept.content == results[1].text and kept.role == "assistant"
+    assert conv in tiny_engine.prefix_cache.conversations()  # alternative 1's prefix, adopted
+
+
+def test_a_failed_request_gives_the_text_back(session: Any) -> None:
+    assert session.send("Hello", options(temperature=-1.0))  # invalid: the engine refuses
+    conv = session.conversation_id
+    pump(session)
+    assert session.view.said("restore_text") == ["Hello"]
+    assert "temperature" in session.view.said("reply_failed")[0]
+    assert session.store.messages(conv) == []

@@ -1,0 +1,95 @@
+"""Model and draft-model loads started from the window.
+
+Choices go to the backend (which loads in its own thread); progress shows in the status line,
+failures in the notice bar, and what the backend can do (speculative decoding, draft models)
+in the controls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from PySide6.QtCore import QObject
+from PySide6.QtWidgets import QWidget
+
+from engine import DraftModelChanged, ModelInfo
+from engine.protocol import Backend
+from engine.remote import REMOTE_SPEC
+from ui.bridge import EngineBridge
+from ui.chat_pane import LoadStatus
+from ui.controls import ControlsPanel
+from ui.model_picker import ModelPickerDialog
+
+
+class ModelLoads(QObject):
+    """Starts loads on a backend and shows how they went."""
+
+    def __init__(self, window: QWidget, engine: Backend, bridge: EngineBridge,
+                 status: LoadStatus, controls: ControlsPanel, notify: Callable[[str], None],
+                 load_options: dict[str, Any]) -> None:
+        super().__init__(window)
+        self.window = window
+        self.engine = engine
+        self.status = status
+        self.controls = controls
+        self.notify = notify
+        self.load_options = load_options  # the app's (device, dtype, kernel, engine)
+        bridge.sig_model_loading.connect(status.loading)
+        bridge.sig_model_loaded.connect(self._on_model_loaded)
+        bridge.sig_model_load_failed.connect(self._on_model_load_failed)
+        bridge.sig_draft_changed.connect(self._on_draft_changed)
+        bridge.sig_draft_load_failed.connect(self._on_draft_load_failed)
+        controls.sig_draft_requested.connect(self.choose_draft_model)
+
+    def choose_model(self) -> None:
+        dialog = ModelPickerDialog(self.window)
+        if dialog.exec():
+            choice = dialog.choice()
+            self.load_model(choice.spec, **choice.options)
+
+    def load_model(self, spec: str, **options: Any) -> None:
+        """Ask the backend to load a model in its thread; progress shows in the status bar."""
+        self.status.loading(f"Loading {spec}…")
+        self.engine.load_model(spec, **(self.load_options | options))
+
+    def choose_draft_model(self) -> None:
+        """Pick a draft model for speculative decoding; the engine loads it in its thread."""
+        dialog = ModelPickerDialog(self.window)
+        dialog.setWindowTitle("Choose a draft model")
+        if not dialog.exec():
+            self.controls.keep_loaded_draft()
+            return
+        choice = dialog.choice()
+        if choice.spec == REMOTE_SPEC:
+            self.notify("A draft model runs locally: choose a folder, a .gguf file or a hub id.")
+            self.controls.keep_loaded_draft()
+            return
+        self.status.loading(f"Loading draft model {choice.spec}…")
+        self.engine.load_draft(choice.spec, **(self.load_options | choice.options))
+
+    def _on_model_loaded(self, info: ModelInfo) -> None:
+        self.status.done(f"Loaded {info.name}")
+        self.controls.set_capabilities(self.engine.capabilities)
+
+    def _on_model_load_failed(self, message: str) -> None:
+        self.status.done()
+        model = self.engine.model_info  # the old model stays
+        kept = f" Still using {model.name}." if model else ""
+        self.notify(f"Model not loaded: {message.rstrip('.')}.{kept}")
+
+    def _on_draft_changed(self, event: DraftModelChanged) -> None:
+        if event.name is not None:
+            self.status.done(f"Draft model {event.name} ({event.kernel})")
+        elif self.controls.draft_name is not None:
+            self.status.done("Draft model dropped (it was for the previous model)")
+        else:
+            self.status.done(self.status.load_label.text())
+        self.controls.set_draft_model(event.name)
+
+    def _on_draft_load_failed(self, message: str) -> None:
+        self.status.done()
+        kept = (f" Still drafting with {self.controls.draft_name}."
+                if self.controls.draft_name else "")
+        self.notify(f"Draft model not loaded: {message.rstrip('.')}.{kept}")
+        self.controls.keep_loaded_draft()

@@ -1,0 +1,442 @@
+"""The chat session: the flow of replies between the store and a Backend, without Qt.
+
+It saves the user's message, submits to the backend (never waiting on it), collects the
+streamed text, saves a streaming reply in batches when asked, and on the end writes the
+authoritative text, its settings and its metrics. Several replies may run at once: one per
+chat, or N alternatives in one chat, of which the user keeps one. What the screen should do
+about it goes to a SessionView (the window); tests can drive a session with a plain object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol, cast
+
+from engine import (
+    ChatMessage,
+    GenerationRequest,
+    GenerationResult,
+    ModelInfo,
+    RequestFailed,
+    RequestFinished,
+    SamplingParams,
+)
+from engine.params import Role, Speculative
+from engine.protocol import Backend
+from ui.store import DONE, STOPPED, STREAMING, ChatStore, Message, StoreError
+
+TITLE_CHARS = 48
+FINISH_STATUS = {"stop": DONE, "length": "length", "cancelled": STOPPED, "error": "error"}
+DEFAULT_ALTERNATIVES = 3  # the Alternatives link when the composer asks for one reply
+
+
+@dataclass
+class ActiveReply:
+    """A reply being generated. Several run at once: one per chat, or a chat's alternatives."""
+
+    request_id: str
+    conversation_id: str
+    message_id: int | None  # its saved row; None for an alternative (saved only if kept)
+    user_message_id: int | None  # set when this send created the user message
+    user_text: str
+    text: str = ""  # everything received so far, painted or not
+    label: str = "Assistant"
+    alternative: int | None = None  # its index among the chat's alternatives
+
+
+@dataclass
+class AlternativeSet:
+    """N alternatives of one reply in one chat: they stream, then wait for the user's pick."""
+
+    request_ids: list[str]
+    settings: dict[str, Any]
+    results: dict[int, GenerationResult] = field(default_factory=dict)
+    ended: int = 0  # finished or failed
+
+
+@dataclass(frozen=True)
+class ReplyOptions:
+    """What the controls and the composer say about the next reply."""
+
+    params: SamplingParams
+    speculative: Speculative | None = None
+    alternatives: int = 1  # the composer's "× N"
+    draft_loaded: bool = False
+    system_prompt: str = ""  # for a chat this send creates
+
+
+class SessionView(Protocol):
+    """What a session asks of the screen (the window; a recorder in tests)."""
+
+    def notify(self, message: str) -> None:
+        """Show a one-line message (a refusal, a failure, a note)."""
+
+    def conversation_created(self, conv_id: str, title: str) -> None: ...
+
+    def message_saved(self) -> None:
+        """The user's message is in the store: the composer may let go of the text."""
+
+    def reply_started(self, reply: ActiveReply) -> None: ...
+
+    def reply_ended(self, reply: ActiveReply) -> None: ...
+
+    def conversation_changed(self, conv_id: str) -> None:
+        """Its messages, live replies or alternatives changed: redraw it if it is shown."""
+
+    def reply_finished(self, result: GenerationResult) -> None: ...
+
+    def reply_failed(self, message: str) -> None: ...
+
+    def alternatives_ready(self, conv_id: str) -> None: ...
+
+    def restore_text(self, text: str) -> None:
+        """A failed send gives the user's text back (the composer takes it if empty)."""
+
+    def saving(self, active: bool) -> None:
+        """Whether streaming replies wait to be saved in batches (save_partial)."""
+
+
+def store_message(message: str) -> str:
+    return (f"Not saved: {message.rstrip('.')}. Chats saved earlier are safe; free some "
+            "disk space or check the file's permissions, then try again.")
+
+
+class ChatSession:
+    """Sends, regenerates, edits and keeps replies; turns the backend's ends into store rows."""
+
+    def __init__(self, backend: Backend, store: ChatStore, view: SessionView) -> None:
+        self.backend = backend
+        self.store = store
+        self.view = view
+        self.model_info: ModelInfo | None = backend.model_info
+        self.conversation_id: str | None = None  # the chat on screen
+        self.replies: dict[str, ActiveReply] = {}  # running, by request id, oldest first
+        self.alternative_sets: dict[str, AlternativeSet] = {}  # by conversation id
+        self.editing_message_id: int | None = None
+
+    # ----- queries ----------------------------------------------------------------------------
+    @property
+    def reply(self) -> ActiveReply | None:
+        """The most recently started reply still running (any chat), or None."""
+        return next(reversed(self.replies.values()), None)
+
+    def running(self, conv_id: str | None) -> list[ActiveReply]:
+        return [r for r in self.replies.values() if r.conversation_id == conv_id]
+
+    def visible_messages(self) -> list[Message]:
+        """The chat on screen's saved messages, less those still streaming."""
+        if self.conversation_id is None:
+            return []
+        streaming = {r.message_id for r in self.replies.values()}
+        return [m for m in self.store.messages(self.conversation_id) if m.id not in streaming]
+
+    def finished_alternatives(self, conv_id: str | None) -> list[tuple[int, GenerationResult]]:
+        alts = self.alternative_sets.get(conv_id) if conv_id else None
+        return sorted(alts.results.items()) if alts else []
+
+    def history(self, conv_id: str) -> list[ChatMessage]:
+        conv = self.store.conversation(conv_id)
+        history = []
+        if conv is not None and conv.system_prompt.strip():
+            history.append(ChatMessage("system", conv.system_prompt))
+        for m in self.store.messages(conv_id):
+            if m.content and m.status != "error" and m.role in ("user", "assistant"):
+                history.append(ChatMessage(cast(Role, m.role), m.content))
+        return history
+
+    # ----- starting replies -------------------------------------------------------------------
+    def send(self, text: str, options: ReplyOptions) -> bool:
+        """Send text (or resend an edited message). False if refused (the view was told)."""
+        if self._busy_refusal():
+            return False
+        if not text.strip():
+            return self._refuse("Type a message first.")
+        if self.model_info is None:
+            return self._refuse("No model is loaded yet: wait for loading to finish, "
+                                "or choose one with Model….")
+        if self._draft_refusal(options, options.alternatives):
+            return False
+        try:  # nothing is sent unless the message is saved; the composer keeps the text
+            conv_id = self._ensure_conversation(text, options.system_prompt)
+            if self.editing_message_id is not None:
+                self.store.delete_from(conv_id, self.editing_message_id)
+                self.editing_message_id = None
+            user_id = self.store.add_message(conv_id, "user", text)
+        except StoreError as exc:
+            return self._refuse(store_message(str(exc)))
+        self.view.message_saved()
+        return self._start_reply(conv_id, user_id, text, options, options.alternatives)
+
+    def regenerate(self, message_id: int, options: ReplyOptions,
+                   alternatives: int | None = None) -> None:
+        """Replace a reply with a new one (or `alternatives` of them) from the same history
+        (the prompt is all cached)."""
+        if self._busy_refusal():
+            return
+        message = self.store.message(message_id)
+        if message is None or message.role != "assistant":
+            return
+        count = alternatives or options.alternatives
+        if self._draft_refusal(options, count):
+            return  # before the old reply is deleted
+        try:
+            self.store.delete_from(message.conversation_id, message_id)
+        except StoreError as exc:
+            self.view.notify(store_message(str(exc)))
+            return
+        self._start_reply(message.conversation_id, None, "", options, count)
+
+    def generate_alternatives(self, message_id: int, options: ReplyOptions) -> None:
+        """Replace a reply with N alternatives streaming at once (N from the composer, at
+        least two); the user keeps one."""
+        count = options.alternatives
+        self.regenerate(message_id, options, count if count > 1 else DEFAULT_ALTERNATIVES)
+
+    def begin_edit(self, message_id: int) -> str | None:
+        """A user message's text to edit (sending replaces it and what followed); None if
+        refused or not a user message."""
+        if self._busy_refusal():
+            return None
+        message = self.store.message(message_id)
+        if message is None or message.role != "user":
+            return None
+        self.editing_message_id = message_id
+        return message.content
+
+    def _start_reply(self, conv_id: str, user_id: int | None, user_text: str,
+                     options: ReplyOptions, count: int) -> bool:
+        request = GenerationRequest(self.history(conv_id), options.params,
+                                    conversation_id=conv_id, speculative=options.speculative)
+        settings = asdict(options.params) | {"model": self.model_info.name
+                                             if self.model_info else ""}
+        if count > 1:
+            self._start_alternatives(request, count, user_id, user_text, settings)
+        elif not self._start_single(request, user_id, user_text, settings):
+            return False
+        self.view.conversation_changed(conv_id)
+        return True
+
+    def _start_single(self, request: GenerationRequest, user_id: int | None, user_text: str,
+                      settings: dict[str, Any]) -> bool:
+        conv_id = request.conversation_id or ""
+        try:
+            reply_id = self.store.add_message(conv_id, "assistant", "", status=STREAMING,
+                                              settings=settings)
+        except StoreError as exc:
+            self.view.notify(store_message(str(exc)))
+            self.view.conversation_changed(conv_id)
+            return False
+        reply = ActiveReply(request.request_id, conv_id, reply_id, user_id, user_text)
+        self.replies[request.request_id] = reply
+        self.view.saving(True)
+        self.backend.submit(request)
+        self.view.reply_started(reply)
+        return True
+
+    def _start_alternatives(self, request: GenerationRequest, count: int, user_id: int | None,
+                            user_text: str, settings: dict[str, Any]) -> None:
+        """N replies to one prompt, streaming at once; nothing is saved until one is kept.
+        The local engine prefills once for all; a remote backend sends N requests."""
+        conv_id = request.conversation_id or ""
+        ids = [h.request_id for h in self.backend.submit_alternatives(request, count)]
+        self.alternative_sets[conv_id] = AlternativeSet(ids, settings)
+        for i, request_id in enumerate(ids):
+            # each knows the user message: if the whole set fails, the last one takes it back
+            reply = ActiveReply(request_id, conv_id, None, user_id, user_text,
+                                label=f"Alternative {i + 1}", alternative=i)
+            self.replies[request_id] = reply
+            self.view.reply_started(reply)
+
+    def _ensure_conversation(self, first_text: str, system_prompt: str) -> str:
+        if self.conversation_id is None:
+            first_line = first_text.strip().splitlines()[0]
+            title = first_line if len(first_line) <= TITLE_CHARS else (
+                first_line[: TITLE_CHARS - 1].rstrip() + "…")
+            self.conversation_id = self.store.create_conversation(title, system_prompt)
+            self.view.conversation_created(self.conversation_id, title)
+        return self.conversation_id
+
+    # ----- keeping, stopping, deleting --------------------------------------------------------
+    def keep_alternative(self, index: int) -> bool:
+        """Save alternative `index` of the chat on screen as its reply; discard the others
+        (any still running are stopped). False if there is no such finished alternative."""
+        conv_id = self.conversation_id
+        alts = self.alternative_sets.get(conv_id) if conv_id else None
+        result = alts.results.get(index) if alts else None
+        if alts is None or result is None or conv_id is None:
+            return False
+        for request_id in alts.request_ids:
+            reply = self.replies.pop(request_id, None)
+            if reply is not None:
+                self.backend.cancel(request_id)
+                self.view.reply_ended(reply)
+        del self.alternative_sets[conv_id]
+        self.backend.keep_alternative(conv_id, index, len(alts.request_ids))
+        status = FINISH_STATUS.get(result.finish_reason, DONE)
+        try:
+            message_id = self.store.add_message(conv_id, "assistant", result.text,
+                                                status=status, settings=alts.settings)
+            self.store.finish_message(message_id, result.text, status, metrics_dict(result))
+        except StoreError as exc:
+            self.view.notify(store_message(str(exc)))
+        self.view.conversation_changed(conv_id)
+        return True
+
+    def stop(self, conv_id: str | None) -> None:
+        """Stop a chat's running replies; the backend stops within one decode step."""
+        for reply in self.running(conv_id):
+            self.backend.cancel(reply.request_id)
+
+    def delete_conversation(self, conv_id: str) -> bool:
+        """Stop and forget a chat; False if the store refused (the view was told)."""
+        self.stop(conv_id)
+        self.alternative_sets.pop(conv_id, None)
+        try:
+            self.store.delete_conversation(conv_id)
+        except StoreError as exc:
+            self.view.notify(store_message(str(exc)))
+            return False
+        self.backend.drop_conversation(conv_id)
+        return True
+
+    def set_system_prompt(self, text: str) -> None:
+        if self.conversation_id is not None:
+            try:
+                self.store.set_system_prompt(self.conversation_id, text)
+            except StoreError as exc:
+                self.view.notify(store_message(str(exc)))
+
+    def close(self) -> None:
+        """Cancel running replies, keeping their partial text (marked stopped). Alternatives
+        nobody kept are discarded."""
+        for reply in list(self.replies.values()):
+            self.backend.cancel(reply.request_id)
+            self._end(reply)
+            if reply.message_id is not None:
+                with contextlib.suppress(StoreError):  # else the next start marks it stopped
+                    self.store.finish_message(reply.message_id, reply.text, STOPPED)
+
+    # ----- the backend's events ---------------------------------------------------------------
+    def add_text(self, request_id: str, text: str) -> ActiveReply | None:
+        """Streamed text of a running reply (None: not ours, or no longer running)."""
+        reply = self.replies.get(request_id)
+        if reply is not None:
+            reply.text += text
+        return reply
+
+    def on_finished(self, event: RequestFinished) -> None:
+        reply, result = self.replies.get(event.request_id), event.result
+        if reply is None:
+            return
+        self._end(reply)
+        if reply.message_id is None:
+            self._alternative_ended(reply, result)
+            self.view.reply_finished(result)
+            return
+        status = FINISH_STATUS.get(result.finish_reason, DONE)
+        try:
+            self.store.finish_message(reply.message_id, result.text, status,
+                                      metrics_dict(result))
+        except StoreError as exc:
+            # The full reply stays on screen (not redrawn from the store); what was saved
+            # before stays saved and is marked stopped on the next start.
+            self.view.notify(store_message(str(exc)))
+        else:
+            self.view.conversation_changed(reply.conversation_id)
+        if result.error:  # a remote reply broke off: its partial text was saved above
+            self.view.notify(f"The reply broke off: {result.error}. The partial reply was "
+                             "kept.")
+        elif result.notice:
+            self.view.notify(f"Note: {result.notice}.")
+        self.view.reply_finished(result)
+
+    def on_failed(self, event: RequestFailed) -> None:
+        reply = self.replies.get(event.request_id)
+        if reply is None:
+            return
+        self._end(reply)
+        if reply.message_id is None and not self._alternative_ended(reply, None):
+            return  # other alternatives of the set are still good
+        try:
+            if reply.message_id is not None:
+                self.store.delete_message(reply.message_id)
+            if reply.user_message_id is not None:
+                # The request never ran (e.g. too long for the context) or broke off (out of
+                # memory): take the message back into the composer so nothing typed is lost.
+                self.store.delete_message(reply.user_message_id)
+        except StoreError:
+            pass  # the notice below matters more; a leftover row is marked stopped later
+        if reply.user_message_id is not None:
+            self.view.restore_text(reply.user_text)
+        self.view.conversation_changed(reply.conversation_id)
+        self.view.notify(event.message)
+        self.view.reply_failed(event.message)
+
+    def save_partial(self) -> None:
+        """Write every streaming reply's text so far (the view calls this in batches)."""
+        for reply in list(self.replies.values()):
+            if reply.message_id is None:
+                continue
+            try:
+                self.store.save_partial(reply.message_id, reply.text)
+            except StoreError as exc:  # keep streaming; the next batch tries again
+                self.view.notify(store_message(str(exc)))
+                return
+
+    def _end(self, reply: ActiveReply) -> None:
+        self.replies.pop(reply.request_id, None)
+        self.view.reply_ended(reply)
+        if not any(r.message_id is not None for r in self.replies.values()):
+            self.view.saving(False)
+
+    def _alternative_ended(self, reply: ActiveReply, result: GenerationResult | None) -> bool:
+        """Record an alternative's end; True if its whole set failed (then it is dropped)."""
+        alts = self.alternative_sets.get(reply.conversation_id)
+        if alts is None or reply.alternative is None:
+            return False
+        alts.ended += 1
+        if result is not None:
+            alts.results[reply.alternative] = result
+        complete = alts.ended == len(alts.request_ids)
+        if complete and not alts.results:
+            del self.alternative_sets[reply.conversation_id]
+            return True
+        self.view.conversation_changed(reply.conversation_id)
+        if complete:
+            self.view.alternatives_ready(reply.conversation_id)
+        return False
+
+    # ----- refusals ---------------------------------------------------------------------------
+    def _refuse(self, message: str) -> bool:
+        self.view.notify(message)
+        return False
+
+    def _draft_refusal(self, options: ReplyOptions, count: int) -> bool:
+        """Refuse a single reply in Draft model mode while no draft is loaded (alternatives
+        decode plainly, in one batch)."""
+        if count == 1 and options.speculative == "draft" and not options.draft_loaded:
+            self._refuse("No draft model is loaded yet: wait for it, or set Speculative to Off "
+                         "(Generation → Advanced).")
+            return True
+        return False
+
+    def _busy_refusal(self) -> bool:
+        """Refuse to start in the chat on screen while it is writing or awaiting a pick
+        (other chats may be writing: their replies run alongside)."""
+        if self.running(self.conversation_id):
+            self._refuse("A reply is still being written: press Esc to stop it first.")
+            return True
+        if self.conversation_id in self.alternative_sets:
+            self._refuse("Keep one of the alternatives first (the Keep this one link).")
+            return True
+        return False
+
+
+def metrics_dict(result: GenerationResult) -> dict[str, Any]:
+    """What a saved reply records: its metrics plus the model that wrote it."""
+    metrics = result.metrics.to_dict()
+    if result.model is not None:
+        metrics.update(model=result.model.name, device=result.model.device,
+                       dtype=result.model.dtype, context_length=result.model.context_length)
+    return metrics
