@@ -48,13 +48,8 @@ gpu-check: $(STAMP)
 # (ignored): this venv's transformers (the engine passes `cache=`, new in 5.24) and gguf as
 # wheels, and the bundled GGUF as two parts, each small enough for one call's 64 MiB carry.
 # benchmarks/gpu_check.py unpacks the wheels and joins the parts there.
-GPU_WHEELS := transformers gguf
 gpu-wheels: $(STAMP)
-	rm -rf .gpu && mkdir -p .gpu/wheels
-	$(PIP) download --quiet --no-deps --only-binary=:all: -d .gpu/wheels $$($(PY) -c \
-		"import importlib.metadata as m; print(' '.join(f'{n}=={m.version(n)}' for n in '$(GPU_WHEELS)'.split()))")
-	$(PY) benchmarks/gpu_check.py --split-bundled .gpu
-	du -sh .gpu/*
+	$(PY) benchmarks/gpu_check.py --prepare .gpu
 
 # llama.cpp (GGUF engine, `bench --vs llama.cpp`, the llama.cpp server tests), compiled from
 # llama-cpp-python's source PORTABLY: never -march=native (a binary built on one CPU must run on

@@ -28,9 +28,16 @@ TTFT <= 0.1x cold, batch 64 >= 20x batch 1.
 
 On a lent GPU machine (torch and transformers preinstalled, nothing fetchable): `make gpu-wheels`
 here puts what it lacks under .gpu/ (ignored): the project's transformers and gguf wheels, which
-this script unpacks and puts first on sys.path when the installed version differs, and the
-bundled GGUF in two parts (.gpu/model/), joined when both are present. Never imports Qt.
-Measures and reports; the exit status is 1 only when a correctness check fails.
+this script unpacks and puts first on sys.path where the installed version differs, and the
+bundled GGUF in two parts (.gpu/model-1, .gpu/model-2), joined when both are there. A call
+carries at most 64 MiB, so the bundled model needs two calls on one warm machine:
+    run  carry [.gpu/wheels, .gpu/model-1]  timeout_s 540
+         PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --out $OUT
+    run  carry [.gpu/wheels, .gpu/model-2]  timeout_s 300   (at once: the machine keeps part 1)
+         PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --sizes none --out $OUT
+The first alone checks correctness on the tiny model and says so. The report on disk is
+rewritten after every step. Never imports Qt. Exit status 1: a setup or correctness check
+failed (timings and targets are reported, never asserted).
 """
 
 from __future__ import annotations
@@ -45,7 +52,9 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -65,6 +74,8 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parents[1]
 CARRIED = ROOT / ".gpu"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Not on the GPU machine, or too old there: transformers < 5.24 ignores the engine's `cache=`.
+CARRIED_PACKAGES = ("transformers", "gguf")
 SECTIONS = ("setup", "correctness", "speed", "hud")
 # Llama-3.1-8B and Llama-3.2-1B shapes; tiny ones stand in on a CPU.
 SHAPES: dict[str, dict[str, Any]] = {
@@ -211,6 +222,21 @@ def split_gguf(source: Path, folder: Path, parts: int = 2) -> list[Path]:
         (sub / f"{source.name}.json").write_text(manifest, "utf-8")
         folders.append(sub)
     return folders
+
+
+def prepare(folder: Path) -> None:
+    """Fill folder (make gpu-wheels: .gpu/) with what the GPU machine lacks: pure-Python wheels
+    of this environment's CARRIED_PACKAGES (pip download, the same versions) and the bundled
+    GGUF split in two (each part plus the wheels fits one call's 64 MiB)."""
+    from engine.loader import default_gguf_path
+
+    shutil.rmtree(folder, ignore_errors=True)
+    pins = [f"{name}=={importlib.metadata.version(name)}" for name in CARRIED_PACKAGES]
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                    "--only-binary=:all:", "-d", str(folder / "wheels"), *pins], check=True)
+    for sub in [folder / "wheels", *split_gguf(default_gguf_path(), folder)]:
+        size = sum(f.stat().st_size for f in sub.iterdir())
+        print(f"{sub}: {size / 2**20:.1f} MiB")
 
 
 def carried_gguf(folder: Path, target: Path) -> tuple[Path | None, str]:
@@ -668,8 +694,9 @@ def build_random(ctx: Context, shape: str) -> LoadedModel:
     from engine.loader import LoadedModel, model_info
 
     dtype = getattr(torch, ctx.args.dtype)
-    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=8192, rope_theta=500000.0,
-                         bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=8192, bos_token_id=0,
+                         eos_token_id=0, pad_token_id=0,
+                         rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -985,8 +1012,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--wheels", type=Path, default=CARRIED / "wheels",
                         help="carried wheels to use where the installed version differs")
     parser.add_argument("--no-wheels", action="store_true", help="ignore carried wheels")
-    parser.add_argument("--split-bundled", type=Path, metavar="DIR",
-                        help="only write the bundled GGUF as two carryable parts under DIR")
+    parser.add_argument("--prepare", type=Path, metavar="DIR",
+                        help="only fill DIR (.gpu) with what a GPU machine lacks: wheels of "
+                        "this environment's transformers and gguf, the bundled GGUF in parts")
     return parser.parse_args(argv)
 
 
@@ -1061,11 +1089,8 @@ def speed_model(ctx: Context, shape: str, *, largest: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sys.path.insert(0, str(ROOT))  # engine/ and tests/ without an installed package
-    if args.split_bundled:
-        from engine.loader import default_gguf_path
-
-        for folder in split_gguf(default_gguf_path(), args.split_bundled):
-            print(f"{folder}: {sum(f.stat().st_size for f in folder.iterdir()) >> 20} MiB")
+    if args.prepare:
+        prepare(args.prepare)
         return 0
     with tempfile.TemporaryDirectory(prefix="phasewise-gpu-check-") as tmp:
         workdir = Path(tmp)
