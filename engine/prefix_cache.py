@@ -7,8 +7,10 @@ All entries form one pool, evicted least-recently-used under a byte budget.
 
 Every cache comes from new_cache(), whose layers can be cut back to any earlier length
 (sliding-window layers keep every position; short-convolution layers record their input).
-Layers with a recurrent state cannot be cut back: a prompt that shares only part of such an
-entry is computed cold, and the ledger says why ("recurrent_state").
+Layers with a recurrent state cannot be cut back. For them each prefill stops one token short
+of the prompt's end and keeps a Checkpoint of the states there: a regenerate, or a next turn
+whose reply re-tokenized differently, restores it and recomputes only what follows; a prompt
+that shares less than that is computed cold, and the ledger says why ("recurrent_state").
 
 Only the engine thread touches this object.
 """
@@ -107,6 +109,49 @@ def model_rollback_blocker(config: Any) -> str | None:
     return None
 
 
+@dataclass
+class Checkpoint:
+    """A recurrent cache's layer states after `length` positions: what a rollback restores
+    (the attention layers' KV is cropped instead)."""
+
+    length: int
+    states: list[tuple[int, dict[int, Any], dict[int, Any]]]  # layer, conv, recurrent states
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [t for _, conv, rec in self.states for t in (*conv.values(), *rec.values())]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def take_checkpoint(cache: Any, length: int) -> Checkpoint:
+    states = [(i, _cloned(layer.conv_states), _cloned(layer.recurrent_states))
+              for i, layer in enumerate(cache.layers)
+              if isinstance(layer, LinearAttentionCacheLayerMixin)]
+    return Checkpoint(length, states)
+
+
+def _cloned(states: dict[int, Any]) -> dict[int, Any]:
+    return {k: None if v is None else v.clone() for k, v in states.items()}
+
+
+def cut_to(cache: Any, checkpoint: Checkpoint | None, length: int) -> None:
+    """Cut the cache back to `length` positions: crop_to, or for a recurrent cache, restore
+    the checkpoint taken there (its states are copied: the layers update theirs in place)."""
+    if cache.get_seq_length() <= length:
+        return
+    restorable = not any(isinstance(layer, DynamicSlidingWindowLayer) for layer in cache.layers)
+    if checkpoint is None or checkpoint.length != length or not restorable:
+        crop_to(cache, length)
+        return
+    extra = cache.get_seq_length() - length
+    for layer in cache.layers:
+        if isinstance(layer, CacheLayerMixin):
+            DynamicLayer.crop(layer, -extra)
+    for i, conv, recurrent in checkpoint.states:
+        cache.layers[i].conv_states.update(_cloned(conv))
+        cache.layers[i].recurrent_states.update(_cloned(recurrent))
+
+
 def cache_nbytes(cache: Any) -> int:
     total = 0
     for layer in getattr(cache, "layers", []):
@@ -146,6 +191,15 @@ class CacheEntry:
     ids: list[int]
     cache: Any
     nbytes: int
+    checkpoint: Checkpoint | None = None  # recurrent caches: where they can go back to
+
+    def reach(self, shared: int) -> int:
+        """How many of the `shared` leading tokens this entry can lend: all of them, where
+        its cache can be cut back there (or needs no cut), else its checkpoint, else none."""
+        if shared >= len(self.ids) or rollback_blocker(self.cache) is None:
+            return shared
+        cp = self.checkpoint
+        return cp.length if cp is not None and cp.length <= shared else 0
 
 
 @dataclass
@@ -157,6 +211,18 @@ class CacheLease:
     cache: Any
     cached_tokens: int
     miss_reason: str
+    checkpoint: Checkpoint | None = None
+    checkpoint_at: int | None = None  # recurrent caches: take a checkpoint at this length
+
+    def chunk_limit(self, tokens: int) -> int:
+        """A prefill chunk's size: at most `tokens`, ending where a checkpoint is due."""
+        due = self.checkpoint_at - len(self.ids) if self.checkpoint_at is not None else 0
+        return due if 0 < due < tokens else tokens
+
+    def fed(self) -> None:
+        """After each prefill forward: take the checkpoint if the cache has reached it."""
+        if self.checkpoint_at is not None and len(self.ids) == self.checkpoint_at:
+            self.checkpoint = take_checkpoint(self.cache, self.checkpoint_at)
 
 
 @dataclass(frozen=True)
@@ -171,6 +237,7 @@ class PromptLayout:
 class PrefixCache:
     def __init__(self, config: Any, budget_bytes: int) -> None:
         self._config = config
+        self._checkpoints = model_rollback_blocker(config) == "recurrent_state"
         self.budget_bytes = budget_bytes
         self._entries: OrderedDict[str, CacheEntry] = OrderedDict()  # LRU order: oldest first
         self._evicted: set[str] = set()
@@ -189,6 +256,7 @@ class PrefixCache:
         """Drop every entry (on a model switch the next turn of each chat says why)."""
         if config is not None:
             self._config = config
+            self._checkpoints = model_rollback_blocker(config) == "recurrent_state"
         if model_changed:
             self._model_changed |= set(self._entries) | self._evicted
         self._entries.clear()
@@ -229,30 +297,33 @@ class PrefixCache:
         self._leased.add(conv)
         limit = len(prompt_ids) - 1
         own = self._entries.pop(conv, None)
-        own_len = min(common_prefix_len(own.ids, prompt_ids), limit) if own else 0
-        blocked = None  # why own's cache could not be cut back to what the prompt shares
-        if own is not None and own_len < len(own.ids):
-            blocked = rollback_blocker(own.cache)
+        shared = min(common_prefix_len(own.ids, prompt_ids), limit) if own else 0
+        own_len = own.reach(shared) if own else 0
         donor_id, donor_len = self._best_donor(prompt_ids, limit)
-        if own is not None and blocked is None and own_len >= donor_len:
-            crop_to(own.cache, own_len)
-            cache, ids = own.cache, own.ids[:own_len]
+        checkpoint = None
+        if own is not None and own_len > 0 and own_len >= donor_len:
+            cache, ids, checkpoint = own.cache, own.ids[:own_len], own.checkpoint
+            cut_to(cache, checkpoint, own_len)
         elif donor_id is not None and donor_len > 0:
             self._entries.move_to_end(donor_id)
-            cache = copy.deepcopy(self._entries[donor_id].cache)
-            crop_to(cache, donor_len)
+            donor = self._entries[donor_id]
+            cache, checkpoint = copy.deepcopy(donor.cache), donor.checkpoint
+            cut_to(cache, checkpoint, donor_len)
             ids = list(prompt_ids[:donor_len])
         else:
             cache, ids = new_cache(self._config), []
         if own is None:
             reason = self._fresh_reason(conv)
         else:
-            reason = self._own_reason(own.ids, prompt_ids, own_len, limit, layout)
-            if blocked is not None and len(ids) < own_len:
-                reason = blocked
+            reason = self._own_reason(own.ids, prompt_ids, shared, limit, layout)
+            if len(ids) < shared:  # what the prompt shares, the cache could not go back to
+                reason = rollback_blocker(own.cache) or reason
         if layout is not None and layout.dropped_messages and reason != "first_turn":
             reason = "dropped_old_turns"
-        return CacheLease(conv, ids, cache, len(ids), reason)
+        if checkpoint is not None and checkpoint.length > len(ids):
+            checkpoint = None
+        due = limit if self._checkpoints and limit > len(ids) else None
+        return CacheLease(conv, ids, cache, len(ids), reason, checkpoint, due)
 
     def cold_lease(self, conversation_id: str | None) -> CacheLease:
         """An empty cache for a request that must not reuse anything."""
@@ -264,10 +335,14 @@ class PrefixCache:
     def release(self, lease: CacheLease) -> None:
         """Give a lease's cache back to the pool, then evict down to the budget."""
         self._leased.discard(lease.conversation_id)
-        nbytes = cache_nbytes(lease.cache)
         if not lease.ids or lease.cache.get_seq_length() != len(lease.ids):
             return
-        self._entries[lease.conversation_id] = CacheEntry(list(lease.ids), lease.cache, nbytes)
+        checkpoint = lease.checkpoint
+        if checkpoint is not None and checkpoint.length > len(lease.ids):
+            checkpoint = None
+        nbytes = cache_nbytes(lease.cache) + (checkpoint.nbytes if checkpoint else 0)
+        self._entries[lease.conversation_id] = CacheEntry(list(lease.ids), lease.cache, nbytes,
+                                                          checkpoint)
         self._entries.move_to_end(lease.conversation_id)
         self._evicted.discard(lease.conversation_id)
         self._model_changed.discard(lease.conversation_id)
@@ -282,9 +357,7 @@ class PrefixCache:
     def _best_donor(self, prompt_ids: Sequence[int], limit: int) -> tuple[str | None, int]:
         best_id, best_len = None, 0
         for conv, entry in self._entries.items():
-            n = min(common_prefix_len(entry.ids, prompt_ids), limit)
-            if n < len(entry.ids) and rollback_blocker(entry.cache) is not None:
-                continue  # its cache cannot be cut back to the shared part
+            n = entry.reach(min(common_prefix_len(entry.ids, prompt_ids), limit))
             if n > best_len:
                 best_id, best_len = conv, n
         return best_id, best_len

@@ -22,6 +22,7 @@ from engine.prefix_cache import (
     PrefixCache,
     RollbackError,
     crop_to,
+    cut_to,
     model_rollback_blocker,
     new_cache,
 )
@@ -102,8 +103,9 @@ def test_cached_chat_matches_cold_prompts_past_the_window(arch: Arch) -> None:
     if arch.rolls_back:
         assert last.cached_tokens > 2 * TINY_WINDOW
         assert last.cache_miss_reason in ("none", "template_mismatch")
-    else:  # an exact continuation reuses the state; a re-tokenized reply cannot
+    else:  # at least the last prompt but one token comes back, from its checkpoint
         assert last.cache_miss_reason in ("none", "recurrent_state")
+        assert last.cached_tokens >= turns[-2][1].metrics.prompt_tokens - 1
 
 
 def test_regenerate_and_edit_match_cold(arch: Arch) -> None:
@@ -111,15 +113,15 @@ def test_regenerate_and_edit_match_cold(arch: Arch) -> None:
     messages, first = turns[-1]
     again = arch.ask(messages, "edit")  # regenerate: the cache goes back past a whole reply
     assert again.token_ids == first.token_ids
+    assert again.metrics.cached_tokens == again.metrics.prompt_tokens - 1
+    assert again.metrics.cache_miss_reason == "none"
     edited = [SYSTEM, ChatMessage("user", "Hello, how are you? Tell me about Berlin."),
               *messages[2:]]
     warm = arch.ask(edited, "edit")
     assert warm.token_ids == arch.cold(edited).token_ids
-    if not arch.rolls_back:
-        assert again.metrics.cache_miss_reason == warm.metrics.cache_miss_reason \
-            == "recurrent_state"
+    if not arch.rolls_back:  # the edit is before the checkpoint: computed cold, and said why
+        assert warm.metrics.cache_miss_reason == "recurrent_state"
         return
-    assert again.metrics.cached_tokens == again.metrics.prompt_tokens - 1
     assert warm.metrics.cache_miss_reason == "edited_history"
     assert 0 < warm.metrics.cached_tokens < warm.metrics.prompt_tokens - TINY_WINDOW
 
@@ -176,7 +178,8 @@ def test_speculation_matches_plain_and_rolls_back(arch: Arch, monkeypatch) -> No
 
 
 def test_cache_crops_back_past_the_window_exactly(arch: Arch) -> None:
-    """The cache itself: cut back past the window, then extended, gives cold logits."""
+    """The cache itself: cut back past the window (a recurrent one: to its checkpoint), then
+    extended, gives cold logits."""
     model = arch.reference
     ids = torch.randint(3, model.config.vocab_size, (3 * TINY_WINDOW,)).tolist()
     pool = PrefixCache(model.config, budget_bytes=1 << 30)
@@ -184,12 +187,16 @@ def test_cache_crops_back_past_the_window_exactly(arch: Arch) -> None:
     with torch.inference_mode():
         model(input_ids=torch.tensor([ids[:-1]]), cache=lease.cache, use_cache=True)
         lease.ids.extend(ids[:-1])
+        lease.fed()
         keep = TINY_WINDOW // 2
         if not arch.rolls_back:
             with pytest.raises(RollbackError, match="recurrent_state"):
                 crop_to(lease.cache, keep)
-            return
-        crop_to(lease.cache, keep)
+            keep = len(ids) - 1  # its checkpoint, taken when the prefill passed there
+            model(input_ids=torch.tensor([[1, 2, 3]]), cache=lease.cache, use_cache=True)
+            cut_to(lease.cache, lease.checkpoint, keep)
+        else:
+            crop_to(lease.cache, keep)
         assert lease.cache.get_seq_length() == keep
         warm = model(input_ids=torch.tensor([ids[keep:]]), cache=lease.cache,
                      use_cache=True).logits[0, -1]

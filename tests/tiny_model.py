@@ -138,5 +138,9 @@ def build_tiny_architecture(folder: Path, model_type: str, *, seed: int = 0) -> 
     fields = {**_SHAPE, **_special_ids(tokenizer), **ARCHITECTURES[model_type]}
     config = AutoConfig.for_model(model_type, **fields)
     model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # a slow decay, so the recurrent state carries the whole past
+        for name, param in model.named_parameters():
+            if name.endswith(".A_log"):
+                param.fill_(-4.0)
     model.save_pretrained(folder)
     return folder
