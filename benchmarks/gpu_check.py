@@ -68,7 +68,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from engine import Engine, GenerationResult
+    from engine import ChatMessage, Engine, GenerationRequest, GenerationResult
     from engine.loader import LoadedModel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -180,9 +180,6 @@ class Report:
             data = {"traceback": traceback.format_exc(limit=8)}
         return Step(section, name, status, line, time.perf_counter() - start, data)
 
-    def step(self, name: str) -> Step | None:
-        return next((s for s in self.steps if s.name == name), None)
-
 
 # ----- carried wheels and files ------------------------------------------------------------------
 def use_carried_wheels(folder: Path, target: Path) -> list[str]:
@@ -275,9 +272,7 @@ class Context:
     copy_gb_s: float = 0.0
     engine: Engine | None = None
     reference: LoadedModel | None = None  # the correctness model, for the calling thread
-    model_spec: str = ""
     model_label: str = ""
-    model_dtype: str = ""
     device_name: str = ""
     baseline: dict[str, list[int]] = field(default_factory=dict)  # prompt -> engine tokens
     speed: dict[str, dict[str, Any]] = field(default_factory=dict)  # model -> decode rows
@@ -298,13 +293,18 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def chat_request(text: str, max_tokens: int, **kw: Any) -> Any:
+def chat_request(text: str, max_tokens: int, *, temperature: float = 0.0,
+                 seed: int | None = None, ignore_eos: bool = False,
+                 messages: list[ChatMessage] | None = None,
+                 **request: Any) -> GenerationRequest:
+    """One user message (or the given messages) as a request; request: GenerationRequest's
+    other fields (conversation_id, reuse_cache)."""
     from engine import ChatMessage, GenerationRequest, SamplingParams
 
-    params = SamplingParams(temperature=kw.pop("temperature", 0.0), max_tokens=max_tokens,
-                            ignore_eos=kw.pop("ignore_eos", False), seed=kw.pop("seed", None))
-    messages = kw.pop("messages", None) or [ChatMessage("user", text)]
-    return GenerationRequest(messages=messages, params=params, **kw)
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                            ignore_eos=ignore_eos, seed=seed)
+    return GenerationRequest(messages=messages or [ChatMessage("user", text)], params=params,
+                             **request)
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -436,7 +436,7 @@ def step_load(ctx: Context) -> tuple[str, str, dict[str, Any]]:
 
     spec, dtype, label, why = resolve_model(ctx)
     note = f" ({why})" if why else ""
-    ctx.model_spec, ctx.model_dtype, ctx.model_label = spec, dtype, label
+    ctx.model_label = label
     start = time.perf_counter()
     ctx.reference = load_model(spec, device=str(ctx.device), dtype=dtype)
     load_s = time.perf_counter() - start
@@ -451,7 +451,8 @@ def step_load(ctx: Context) -> tuple[str, str, dict[str, Any]]:
         "parameters": info.parameters, "load_s": load_s, "why_not_bundled": why}
 
 
-def engine_run(ctx: Context, request: Any, timeout: float = 300) -> GenerationResult:
+def engine_run(ctx: Context, request: GenerationRequest, timeout: float = 300
+               ) -> GenerationResult:
     assert ctx.engine is not None
     return ctx.engine.submit(request).wait(timeout)
 
