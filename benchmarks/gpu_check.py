@@ -519,7 +519,8 @@ def step_alternatives(ctx: Context) -> tuple[str, str, dict[str, Any]]:
     n, count = ctx.args.tokens_check, 3
     request = chat_request(CHAT_PROMPTS[1], n, temperature=0.8, seed=11)
     together = [h.wait(300).token_ids for h in ctx.engine.submit_alternatives(request, count)]
-    alone = [engine_run(ctx, r).token_ids for r in request.alternatives(count)]
+    alone = [engine_run(ctx, dataclasses.replace(r, request_id=f"{r.request_id}-alone")).token_ids
+             for r in request.alternatives(count)]
     diffs = [first_difference(a, b) for a, b in zip(together, alone, strict=True)]
     distinct = len({tuple(t) for t in together})
     data = {"first_difference": diffs, "distinct_replies": distinct}
