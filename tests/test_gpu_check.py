@@ -18,6 +18,7 @@ from types import ModuleType
 
 import pytest
 
+pytestmark = pytest.mark.timeout(960)  # the CPU run's own limit is 900 s
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 STATUSES = {"pass", "fail", "measured", "skipped", "error"}
