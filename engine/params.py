@@ -13,6 +13,9 @@ Role = Literal["system", "user", "assistant"]
 Speculative = Literal["ngram", "draft"]  # a speculative decoding method
 _request_ids = itertools.count(1)
 MAX_ALTERNATIVES = 8  # one decode batch
+# Seeds are 0 <= seed < 2**63: what torch.Generator.manual_seed and a signed 64-bit field on a
+# remote server both accept. Alternatives use (seed + i) mod SEED_LIMIT, staying in range.
+SEED_LIMIT = 2**63
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,16 @@ class SamplingParams:
             raise InvalidRequestError(f"max tokens must be >= 1 (got {self.max_tokens})")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty")
+        self._validate_seed()
+
+    def _validate_seed(self) -> None:
+        seed = self.seed
+        if seed is None:
+            return
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise InvalidRequestError(f"seed must be a whole number (got {seed!r})")
+        if not 0 <= seed < SEED_LIMIT:
+            raise InvalidRequestError(f"seed must be from 0 to 2**63 - 1 (got {seed})")
 
     @property
     def greedy(self) -> bool:
@@ -106,7 +119,8 @@ class GenerationRequest:
                 self,
                 request_id=f"{self.request_id}.{i}",
                 params=dataclasses.replace(self.params,
-                                           seed=None if seed is None else seed + i),
+                                           seed=None if seed is None
+                                           else (seed + i) % SEED_LIMIT),
                 speculative=None,
             )
             for i in range(n)

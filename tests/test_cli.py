@@ -63,6 +63,8 @@ def test_bench_turns_json(capsys, tiny_model_dir: Path) -> None:
         (["ask", "--top-p", "0", "hi"], "top-p must be in (0, 1]"),
         (["ask", "--top-p", "1.5", "hi"], "top-p must be in (0, 1]"),
         (["ask", "   "], "prompt is empty"),
+        (["ask", "--seed", "99999999999999999999999", "hi"], "seed must be from 0 to 2**63 - 1"),
+        (["ask", "--seed", "-1", "hi"], "seed must be from 0 to 2**63 - 1"),
         (["ask", "--model", "/no/such/model", "hi"], "model not found"),
         (["ask", "--model", "someone/not-cached-model", "hi"], "--allow-download"),
     ],
