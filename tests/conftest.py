@@ -14,7 +14,10 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from engine import Engine
+from tests.serving import TOKEN
 from tests.tiny_model import build_tiny_model
+
+REMOTE_WAIT_MS = 30_000
 
 # Fuzz tests: modest and repeatable in CI; HYPOTHESIS_PROFILE=deep digs further by hand.
 settings.register_profile(
@@ -108,3 +111,69 @@ def qasync_loop(_qasync_session_loop: Any) -> Iterator[Any]:
     yield _qasync_session_loop
     restore()
     asyncio._set_running_loop(None)
+
+
+# ----- servers on loopback, and windows chatting through them ------------------------------------
+@pytest.fixture(scope="module")
+def served_engine(tiny_model_dir: Path) -> Iterator[Engine]:
+    with Engine(cache_budget_bytes=64 << 20) as engine:
+        engine.load_model_sync(str(tiny_model_dir), kernel="fp32-eager")
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def phasewise_server(served_engine: Engine) -> Iterator[Any]:
+    """`phasewise serve` on a free loopback port, no token."""
+    from app.serve import ServerThread, create_app
+
+    with ServerThread(create_app(served_engine)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def token_server(served_engine: Engine) -> Iterator[Any]:
+    """The same engine served again, this time requiring a bearer token (tests.serving.TOKEN)."""
+    from app.serve import ServerThread, create_app
+
+    with ServerThread(create_app(served_engine, token=TOKEN)) as server:
+        yield server
+
+
+@pytest.fixture
+def router(qtbot, qasync_loop, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The app's backend (app.gui.build_backend) on the GUI's qasync loop, no local model."""
+    from app.gui import build_backend
+
+    monkeypatch.setenv("PHASEWISE_API_KEY", "test-key")  # keep the user's keyring out
+    backends = build_backend(loop=qasync_loop).start()
+    yield backends
+    remote = backends.remote
+    backends.shutdown()  # on the loop's thread: the remote's closing is only scheduled
+    if remote is not None:
+        qtbot.waitUntil(remote.closed.is_set, timeout=REMOTE_WAIT_MS)
+
+
+@pytest.fixture
+def remote_window(qtbot, router: Any, tmp_path: Path) -> Iterator[Callable[[str], Any]]:
+    """Windows (app.gui.build_window on `router`) connected to a server at a base URL."""
+    from PySide6.QtCore import QSettings
+
+    from app.gui import build_window
+    from engine.remote import REMOTE_SPEC
+    from ui.store import ChatStore
+
+    stores: list[ChatStore] = []
+
+    def connect(base_url: str) -> Any:
+        store = ChatStore(tmp_path / "chats.sqlite3")
+        stores.append(store)
+        settings = QSettings(str(tmp_path / "settings.ini"), QSettings.Format.IniFormat)
+        window = build_window(router, store, settings, hud_calibrate=False)
+        qtbot.addWidget(window)
+        with qtbot.waitSignal(window.bridge.sig_model_loaded, timeout=REMOTE_WAIT_MS):
+            window.load_model(REMOTE_SPEC, base_url=base_url)
+        return window
+
+    yield connect
+    for store in stores:
+        store.close()

@@ -17,10 +17,8 @@ from engine import ChatMessage, Engine, GenerationRequest, SamplingParams
 from engine.backends import BackendRouter
 from engine.remote import RemoteConfig, RemoteEngine
 from tests.fake_servers import PARTIAL, fake_app
-from tests.serving import phasewise_server, served_engine
 from ui.compare import MISSING, TABLE_ROWS, UNKNOWN, CompareDialog, format_value
 
-__all__ = ["phasewise_server", "served_engine"]  # fixtures used below
 WAIT_MS = 30_000
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 ROLE = Qt.ItemDataRole.UserRole

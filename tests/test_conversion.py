@@ -82,6 +82,7 @@ def test_changed_content_converts_again(tmp_path: Path, fake_conversion: dict) -
 
 
 @pytest.mark.real_model
+@pytest.mark.timeout(660)  # the child's own limit is 600 s
 def test_bundled_gguf_converts_exactly_within_its_memory(tmp_path: Path) -> None:
     """In a child (fresh cache dir): the streamed conversion gives transformers' own GGUF
     weights, and its peak resident memory grows by about one converted model, not three."""

@@ -24,6 +24,7 @@ needs_llama_cpp = pytest.mark.skipif(
     importlib.util.find_spec("llama_cpp") is None,
     reason="llama-cpp-python is not installed (make llama-cpp)")
 CHILD_TIMEOUT_S = 600
+pytestmark = pytest.mark.timeout(CHILD_TIMEOUT_S + 60)  # a child's own limit comes first
 PROMPT = "Write two sentences about the sea."
 
 

@@ -34,9 +34,7 @@ from engine.remote import (
     request_body,
 )
 from tests.fake_servers import PARTIAL, fake_app
-from tests.serving import TOKEN, phasewise_server, served_engine, token_server
-
-__all__ = ["phasewise_server", "served_engine", "token_server"]  # fixtures used below
+from tests.serving import TOKEN
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 

@@ -9,9 +9,6 @@ import pytest
 from app.cli import main
 from app.serve import ServerThread
 from tests.fake_servers import PARTIAL, fake_app
-from tests.serving import phasewise_server, served_engine
-
-__all__ = ["phasewise_server", "served_engine"]  # fixtures used below
 
 
 @pytest.fixture(autouse=True)

@@ -12,9 +12,7 @@ import pytest
 from app.cli import main
 from app.serve import ServerThread, check_bind, conversation_key, is_loopback
 from engine import ChatMessage, Engine, PhasewiseError, RequestFinished, TokenEmitted
-from tests.serving import TOKEN, phasewise_server, served_engine, token_server
-
-__all__ = ["phasewise_server", "served_engine", "token_server"]  # fixtures used below
+from tests.serving import TOKEN
 
 MESSAGES = [{"role": "system", "content": "You are terse."},
             {"role": "user", "content": "Hello, how are you today?"}]

@@ -5,57 +5,18 @@ As in run_gui, remote backends stream on the qasync loop (the Qt event loop, GUI
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
-from PySide6.QtCore import QSettings
 
 from app.serve import ServerThread
-from engine import Engine
 from engine.backends import BackendRouter
 from engine.events import TokenEmitted
 from engine.remote import REMOTE_SPEC
 from tests.fake_servers import PARTIAL, fake_app
-from tests.serving import phasewise_server, served_engine
 from ui.main_window import MainWindow
 from ui.model_picker import ModelPickerDialog
-from ui.store import ChatStore
 
-__all__ = ["phasewise_server", "served_engine"]  # fixtures used below
 WAIT_MS = 30_000
-
-
-@pytest.fixture
-def router(qtbot, qasync_loop, monkeypatch: pytest.MonkeyPatch) -> Iterator[BackendRouter]:
-    """A window's engine front on the GUI's qasync loop, no local model loaded."""
-    monkeypatch.setenv("PHASEWISE_API_KEY", "test-key")  # keep the user's keyring out
-    backends = BackendRouter(Engine(), loop=qasync_loop).start()
-    yield backends
-    remote = backends.remote
-    backends.shutdown()  # on the loop's thread: the remote's closing is only scheduled
-    if remote is not None:
-        qtbot.waitUntil(remote.closed.is_set, timeout=WAIT_MS)
-
-
-@pytest.fixture
-def remote_window(qtbot, router: BackendRouter,
-                  tmp_path: Path) -> Iterator[Callable[[str], MainWindow]]:
-    stores: list[ChatStore] = []
-
-    def connect(base_url: str) -> MainWindow:
-        store = ChatStore(tmp_path / "chats.sqlite3")
-        stores.append(store)
-        settings = QSettings(str(tmp_path / "settings.ini"), QSettings.Format.IniFormat)
-        window = MainWindow(router, store, settings, hud_calibrate=False)
-        qtbot.addWidget(window)
-        with qtbot.waitSignal(window.bridge.sig_model_loaded, timeout=WAIT_MS):
-            window.load_model(REMOTE_SPEC, base_url=base_url)
-        return window
-
-    yield connect
-    for store in stores:
-        store.close()
 
 
 def send_and_wait(qtbot, window: MainWindow, text: str):

@@ -11,6 +11,7 @@ import pytest
 
 
 @pytest.mark.real_model
+@pytest.mark.timeout(960)  # the child's own limit is 900 s (a first start converts the model)
 def test_smoke_test_answers_through_the_gui(tmp_path) -> None:
     env = os.environ | {"QT_QPA_PLATFORM": "offscreen", "PHASEWISE_DATA_DIR": str(tmp_path)}
     proc = subprocess.run(
