@@ -33,7 +33,10 @@ from engine.metrics import NS, RequestMetrics, percentiles
 
 DOMINANT_SHARE = 0.6  # a phase "owns" the time above this share of e2e
 THROUGHPUT_WINDOW = 16  # tokens in the rolling decode tok/s window
-MIN_TOKENS_FOR_CAP = 24  # below this, advising a max_tokens cap is noise
+# A max_tokens cap is advised only for a finished reply this long, when it saves this much:
+# a live reply's length is not known yet, and a cap on a short reply saves nothing worth a knob.
+MIN_TOKENS_FOR_CAP = 96
+MIN_CAP_SAVING_S = 2.0
 # Session-wide plot points kept (one per token, plus a gap between replies): 10,000 tokens of
 # history fit; beyond that the oldest points drop, so memory and redraw cost stay bounded.
 PLOT_HISTORY = 16_384
@@ -122,6 +125,11 @@ class Breakdown:
         return max(self.output_tokens - 1, 0)
 
     @property
+    def has_first_token(self) -> bool:
+        """False for a reply stopped (or failed) before its first token: no TTFT to show."""
+        return self.output_tokens > 0
+
+    @property
     def ms_per_token_s(self) -> float:
         """Seconds per decoded token (1 / decode tok/s)."""
         return self.decode_s / self.decode_steps if self.decode_steps else 0.0
@@ -139,7 +147,8 @@ class Breakdown:
             ("queue", "waiting for the engine", self.queue_s, self.share(self.queue_s)),
             ("prefill", f"{self.prompt_tokens:,} prompt tokens, {self.cached_tokens:,} cached",
              self.prefill_s, self.share(self.prefill_s)),
-            ("decode", f"{self.decode_steps:,} tokens x {fmt_ms(self.ms_per_token_s)}",
+            ("decode", f"{self.decode_steps:,} gaps after the first token x "
+             f"{fmt_ms(self.ms_per_token_s)}",
              self.decode_s, self.share(self.decode_s)),
             ("other", "first sample + finish", self.other_s, self.share(self.other_s)),
         ]
@@ -254,9 +263,15 @@ class ContextForecast:
 
 @dataclass(frozen=True)
 class SettingMarker:
-    name: str
-    value: object
+    """The settings changed between two replies (net of drags back and forth), at t_ns."""
+
+    changes: dict[str, object]
     t_ns: int
+
+    def label(self) -> str:
+        """"temperature=1.1, max_tokens=256"."""
+        return ", ".join(f"{name}={value:g}" if isinstance(value, float) else f"{name}={value}"
+                         for name, value in self.changes.items())
 
 
 # ----- advisor -----------------------------------------------------------------------------
@@ -278,13 +293,13 @@ def advise(b: Breakdown | None) -> str:
 
 
 def _advise_decode(b: Breakdown, share: float) -> str:
-    head = (f"Decode owns {share:.0%} ({b.decode_steps:,} tokens x "
+    head = (f"Decode owns {share:.0%} ({b.output_tokens:,} tokens: {b.decode_steps:,} gaps x "
             f"{fmt_ms(b.ms_per_token_s)}).")
     perceived = f"streaming already makes the perceived wait {fmt_seconds(b.ttft_s)}."
-    if b.output_tokens < MIN_TOKENS_FOR_CAP:
-        return f"{head} Each token is one full read of the weights; {perceived}"
     cap = nice_cap(b.output_tokens)
     saving = (b.output_tokens - cap) * b.ms_per_token_s
+    if not b.final or b.output_tokens < MIN_TOKENS_FOR_CAP or saving < MIN_CAP_SAVING_S:
+        return f"{head} Each token is one full read of the weights; {perceived}"
     return (f"{head} A cap of {cap:,} tokens would save about {fmt_seconds(saving)}; "
             f"{perceived}")
 
@@ -395,11 +410,27 @@ class SessionModel:
         if result.model is not None:
             self.model = result.model
 
-    def mark_setting(self, name: str, value: object, t_ns: int) -> SettingMarker:
+    def mark_setting(self, name: str, value: object, t_ns: int) -> SettingMarker | None:
+        """Record a setting; return the marker of the gap since the latest reply, if any.
+
+        Settings before the first reply are the starting state (restored at start-up), not
+        changes: no marker. After it, every change until the next reply folds into one marker
+        listing the net changes against the settings the latest reply used; changes that
+        return to those values leave no marker.
+        """
+        self.settings[name] = value
+        latest = self.latest()
+        if latest is None:
+            return None
         if self.t0_ns is None:
             self.t0_ns = t_ns
-        self.settings[name] = value
-        marker = SettingMarker(name, value, t_ns)
+        same_gap = bool(self.markers) and self.markers[-1].t_ns >= latest.queued_ns
+        start_ns = self.markers.pop().t_ns if same_gap else t_ns
+        changes = {k: v for k, v in self.settings.items()
+                   if k not in latest.settings or latest.settings[k] != v}
+        if not changes:
+            return None
+        marker = SettingMarker(changes, start_ns)
         self.markers.append(marker)
         return marker
 
@@ -543,8 +574,8 @@ class SessionModel:
             "device_peaks": self.peaks,
             "settings": self.settings,
             "setting_changes": [
-                {"name": m.name, "value": m.value, "t_s": self.session_s(m.t_ns)}
-                for m in self.markers
+                {"name": name, "value": value, "t_s": self.session_s(m.t_ns)}
+                for m in self.markers for name, value in m.changes.items()
             ],
             "replies": replies,
         }

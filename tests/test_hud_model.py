@@ -40,7 +40,7 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 def test_advisor_decode_dominated_matches_the_seed_example() -> None:
     b = breakdown(0.0, 1.5, 1200 * 0.0237, prompt=40, output=1201)
     assert advise(b) == (
-        "Decode owns 95% (1,200 tokens x 23.7 ms). A cap of 400 tokens would save about "
+        "Decode owns 95% (1,201 tokens: 1,200 gaps x 23.7 ms). A cap of 400 tokens would save about "
         "19 s; streaming already makes the perceived wait 1.5 s."
     )
 
@@ -164,12 +164,12 @@ def test_csv_export_round_trips_replies_and_tokens(tmp_path: Path) -> None:
 def test_json_export_round_trips(tmp_path: Path) -> None:
     model = session()
     model.peaks = DevicePeaks("cpu: test", 20.0, 0.1, "calibrated").to_dict()
-    model.mark_setting("temperature", 1.1, 40_000 * MS)
+    model.mark_setting("temperature", 1.3, 40_000 * MS)  # the last reply ran at 1.1
     data = json.loads(model.export_json(tmp_path / "s.json").read_text("utf-8"))
     assert data["model"]["device"] == "cpu"
     assert data["device_peaks"]["source"] == "calibrated"
     assert data["setting_changes"][0]["name"] == "temperature"
-    assert data["settings"] == {"temperature": 1.1}
+    assert data["settings"] == {"temperature": 1.3}
     first = data["replies"][0]
     reply = model.replies["req-1"]
     assert first["itl_s"] == reply.metrics.itl_s

@@ -62,13 +62,13 @@ def test_panels_show_the_engine_numbers(hud: HudWidget) -> None:
     assert list(cache._reused.opts["height"]) == [r.cached_tokens for r in finished]
     assert "1,058 reused, 42 recomputed (full hit)" in cache.caption.text()
     table = hud.panels["breakdown"].table.text()
-    assert "1,100 prompt tokens, 1,058 cached" in table and "299 tokens x 34.0 ms" in table
+    assert "1,100 prompt tokens, 1,058 cached" in table and "299 gaps after the first token x 34.0 ms" in table
     assert "more turns fit" in hud.panels["context"].caption.text()
     roof = hud.panels["roofline"].caption.text()
     assert f"{finished[-1].metrics.achieved_gb_s:,.1f} GB/s of 28" in roof
     assert "calibrated (cached)" in roof
     assert hud.advice_label.text() == hud.advice_text()
-    assert hud.advice_text().startswith("Decode owns 99% (299 tokens x 34.0 ms).")
+    assert hud.advice_text().startswith("Decode owns 99% (300 tokens: 299 gaps x 34.0 ms).")
     assert hud.reply_combo.count() == 1 + len(finished)
 
 
@@ -91,7 +91,8 @@ def test_past_replies_are_selectable(hud: HudWidget) -> None:
     assert len(itl_y) == hud.model.replies["req-2"].metrics.output_tokens - 1
     assert "Reply #2" in hud.panels["breakdown"].caption.text()
     assert hud.reply_combo.currentData() == "req-2"
-    hud.reply_combo.setCurrentIndex(0)  # back to following the live reply
+    hud.reply_combo.setCurrentIndex(0)  # the user picks "Live reply": follow it again
+    hud.reply_combo.activated.emit(0)
     assert hud.selected_reply().request_id == "req-4"
 
 
@@ -104,7 +105,8 @@ def test_sampler_view_shows_candidates_cut_and_drawn_token(hud: HudWidget) -> No
     assert panel.snapshot_index == snap.index == 5
     assert list(panel._bars.opts["width"]) == [p for _, _, p in snap.candidates]
     assert panel._cut.isVisible() and panel._cut.value() == snap.kept - 0.5
-    assert "temperature 0.80, top-p 0.80 keeps 4" in panel.caption.text()
+    assert ("temperature 0.80, top-p 0.80; top-k, top-p and min-p together keep 4 of these 10"
+            in panel.caption.text())
     assert "drew “·a”" in panel.caption.text()  # index 5 draws the runner-up in hud_events
     assert panel.hover_text(0.1, 0) == "“·Paris”: p = 0.4100 after temperature"
 
@@ -133,9 +135,9 @@ def test_setting_changes_drop_markers_on_time_plots(hud: HudWidget) -> None:
     feed_conversation(hud)
     hud.mark_setting_change("temperature", 1.1, 30_000 * MS)
     hud.mark_setting_change("temperature", 1.2, 30_100 * MS)  # a slider drag: one marker
-    hud.mark_setting_change("max_tokens", 256, 30_200 * MS)
-    assert hud.panels["throughput"].marker_labels() == ["temperature=1.2", "max_tokens=256"]
-    assert hud.panels["ttft"].marker_labels() == ["temperature=1.2", "max_tokens=256"]
+    hud.mark_setting_change("max_tokens", 256, 30_200 * MS)  # same gap: the same marker
+    assert hud.panels["throughput"].marker_labels() == ["temperature=1.2, max_tokens=256"]
+    assert hud.panels["ttft"].marker_labels() == ["temperature=1.2, max_tokens=256"]
     assert hud.model.settings == {"temperature": 1.2, "max_tokens": 256}
 
 

@@ -7,12 +7,13 @@ Panels only read engine.hud_model; they never compute timings from a UI clock.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QPointF, Qt, Signal
+from PySide6.QtCore import QEvent, QObject, QPointF, Qt, Signal
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QToolButton, QVBoxLayout
 
 from engine.calibrate import DevicePeaks
@@ -30,6 +31,8 @@ from ui.hud import style
 from ui.hud.live_label import LiveLabel
 
 MAX_TURNS_SHOWN = 40  # per-turn bar plots show the latest turns only
+MARKER_LABEL_GAP_PX = 8  # a marker label shows only if it clears the next one by this much
+NO_HOVER = " "  # the readout's resting text (keeps its line's height)
 SAMPLER_ROWS = 10
 DASH = Qt.PenStyle.DashLine
 
@@ -52,9 +55,26 @@ def prefill_caption(p: PrefillProgress) -> str:
     return text + (f", {fmt_seconds(p.eta_s)} left" if p.done_tokens < p.total_tokens else "")
 
 
+_CONTROL_TOKEN = re.compile(r"^<\|?([A-Za-z0-9_./-]+)\|?>$")  # <|im_end|>, <s>, </s> ...
+_BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
+
+
 def short_token(text: str, limit: int = 10) -> str:
-    """A token as a readable label: visible whitespace, escaped control chars, clipped."""
-    shown = repr(text)[1:-1].replace(" ", "·") or "∅"
+    """A token as a readable label: visible whitespace, escaped control chars, clipped.
+
+    Control tokens read as ⟨im_end⟩; a byte token (part of a multi-byte character, which
+    decodes alone to U+FFFD) shows its byte, <0xE2>, when the engine sent it that way, and
+    "<byte>" when all that arrived is the replacement character.
+    """
+    if _BYTE_TOKEN.match(text):
+        return text.upper().replace("0X", "0x")
+    control = _CONTROL_TOKEN.match(text)
+    if control:
+        shown = f"⟨{control.group(1)}⟩"
+    elif "\ufffd" in text:
+        shown = text.replace("\ufffd", "<byte>").replace(" ", "·")
+    else:
+        shown = repr(text)[1:-1].replace(" ", "·") or "∅"
     return shown if len(shown) <= limit else shown[: limit - 1] + "…"
 
 
@@ -72,7 +92,7 @@ class Panel(QFrame):
         super().__init__()
         self.setObjectName("hudCard")
         self.plot = style.make_plot(self.plot_height)
-        self.readout = self._live_label("hudReadout", " ")
+        self.readout = self._live_label("hudReadout", NO_HOVER)
         self.caption = self._live_label("hudCaption", "Waiting for a reply.")
         layout = self._column = QVBoxLayout(self)
         layout.setContentsMargins(10, 8, 10, 8)
@@ -81,8 +101,9 @@ class Panel(QFrame):
         layout.addWidget(self.plot)
         layout.addWidget(self.readout)
         layout.addWidget(self.caption)
-        self._markers: dict[tuple[str, float], pg.InfiniteLine] = {}
+        self._markers: list[tuple[float, str, pg.InfiniteLine]] = []
         self.plot.scene().sigMouseMoved.connect(self._on_mouse_moved)
+        self.plot.viewport().installEventFilter(self)  # the pointer leaving clears the readout
 
     def _label(self, name: str, text: str) -> QLabel:
         label = QLabel(text)
@@ -117,31 +138,59 @@ class Panel(QFrame):
         return None
 
     # ----- shared -----
-    def set_marker(self, name: str, value: object, x: float, merge_within: float) -> None:
-        """A vertical slider-change marker; a change of the same setting nearby replaces it."""
-        for (other, ox), line in list(self._markers.items()):
-            if other == name and abs(ox - x) <= merge_within:
-                self.plot.removeItem(line)
-                del self._markers[(other, ox)]
-        label = f"{name}={value:g}" if isinstance(value, float) else f"{name}={value}"
-        line = pg.InfiniteLine(
-            pos=x, angle=90, pen=style.pen(style.MARKER, 1, DASH), label=label,
-            labelOpts={"position": 0.95, "color": style.MARKER, "anchors": [(1, 0), (1, 0)]},
-        )
-        self.plot.addItem(line, ignoreBounds=True)
-        self._markers[(name, x)] = line
+    def set_markers(self, markers: Sequence[tuple[float, str]]) -> None:
+        """The settings-change markers (x, label), oldest first: the plot's one marker layer.
+
+        Unchanged markers keep their items; labels that would overlap are hidden by
+        layout_markers (the line stays, the newest label wins).
+        """
+        if [(x, text) for x, text, _ in self._markers] == list(markers):
+            return
+        for _x, _text, line in self._markers:
+            self.plot.removeItem(line)
+        self._markers = []
+        for x, text in markers:
+            line = pg.InfiniteLine(
+                pos=x, angle=90, pen=style.pen(style.MARKER, 1, DASH), label=text,
+                labelOpts={"position": 0.95, "color": style.MARKER,
+                           "anchors": [(1, 0), (1, 0)]},
+            )
+            self.plot.addItem(line, ignoreBounds=True)
+            self._markers.append((x, text, line))
+        self.layout_markers()
+
+    def layout_markers(self) -> None:
+        """Show a marker's label only where it clears the newer one's (labels sit left of
+        their line), so changes close together on the axis never smear into each other."""
+        vb = self.plot.getPlotItem().vb
+        (x0, x1), width = vb.viewRange()[0], vb.width() or self.plot.width()
+        scale = width / (x1 - x0) if x1 > x0 else 0.0
+        left_edge = math.inf  # the left end of the newest label shown so far, in pixels
+        for x, _text, line in reversed(self._markers):
+            px = (x - x0) * scale
+            shown = px <= left_edge - MARKER_LABEL_GAP_PX
+            line.label.setVisible(shown)
+            if shown:
+                left_edge = px - line.label.boundingRect().width()
 
     def marker_labels(self) -> list[str]:
-        return [line.label.toPlainText() for line in self._markers.values()]
+        return [text for _x, text, _line in self._markers]
+
+    def visible_marker_labels(self) -> list[str]:
+        return [text for _x, text, line in self._markers if line.label.isVisible()]
 
     def _on_mouse_moved(self, pos: QPointF) -> None:
         vb = self.plot.getPlotItem().vb
-        if not vb.sceneBoundingRect().contains(pos):
-            return
-        point = vb.mapSceneToView(pos)
-        text = self.hover_text(point.x(), point.y())
-        if text:
-            self.readout.setText(text)
+        text = None
+        if vb.sceneBoundingRect().contains(pos):
+            point = vb.mapSceneToView(pos)
+            text = self.hover_text(point.x(), point.y())
+        self.readout.setText(text or NO_HOVER)
+
+    def eventFilter(self, watched: QObject, event: QEvent) -> bool:
+        if event.type() == QEvent.Type.Leave:
+            self.readout.setText(NO_HOVER)
+        return False
 
 
 def key_html(pairs: list[tuple[str, str]]) -> str:
@@ -244,6 +293,7 @@ class TtftPanel(Panel):
         self._cached.setData(x=x, y=ttft * share)
         integer_ticks(self.plot, [r.number for r in self._rows])
         if not m:
+            self._live_caption(ctx.reply)
             return
         p50, p90, p99 = ctx.model.ttft_percentiles()
         self.caption.setText(
@@ -253,12 +303,21 @@ class TtftPanel(Panel):
             f"p99 {fmt_seconds(p99)}."
         )
 
+    def _live_caption(self, reply: ReplyRecord | None) -> None:
+        """Before any reply finishes: the live reply's TTFT once its first token is out."""
+        b = reply.breakdown() if reply is not None else None
+        if reply is not None and b is not None and b.has_first_token:
+            self.caption.setText(f"Reply #{reply.number}: TTFT {fmt_seconds(b.ttft_s)} (live); "
+                                 "its bar appears when the reply finishes.")
+
     def hover_text(self, x: float, y: float) -> str | None:
         i = _nearest([r.number for r in self._rows], x)
         r = self._rows[i] if i is not None else None
         m = r.metrics if r is not None else None
         if r is None or m is None:
             return None
+        if not m.output_tokens:
+            return f"turn {r.number}: stopped before its first token (no TTFT)"
         return (f"turn {r.number}: TTFT {fmt_seconds(m.ttft_s)} = queue {fmt_seconds(m.queue_s)}"
                 f" + prefill {fmt_seconds(m.prefill_s)}; {m.cached_tokens:,}/"
                 f"{m.prompt_tokens:,} prompt tokens cached")
@@ -304,16 +363,25 @@ class ItlPanel(Panel):
             line.setVisible(True)
         state = "live" if not reply.done else "finished"
         self.caption.setText(
-            f"Reply #{reply.number} ({state}): {len(self._itl):,} gaps · p50 {fmt_ms(pcts[0])} "
-            f"· p90 {fmt_ms(pcts[1])} · p99 {fmt_ms(pcts[2])}. Decode is one weight read per "
-            f"token, so ITL stays flat."
-        )
+            f"Reply #{reply.number} ({state}): {reply.output_tokens:,} tokens, "
+            f"{len(self._itl):,} gaps between them · p50 {fmt_ms(pcts[0])} · p90 "
+            f"{fmt_ms(pcts[1])} · p99 {fmt_ms(pcts[2])}. " + burst_note(reply))
 
     def hover_text(self, x: float, y: float) -> str | None:
         i = _nearest(np.arange(1, len(self._itl) + 1), x)
         if i is None:
             return None
         return f"token {i + 1}: {fmt_ms(self._itl[i])} after token {i}"
+
+
+def burst_note(reply: ReplyRecord) -> str:
+    """Why ITL looks the way it does: flat per token, or bursty with speculation."""
+    method = reply.result.speculative if reply.result is not None else None
+    if method:
+        return (f"Speculative decoding ({method}): tokens arrive in accepted bursts, so most "
+                "gaps are near zero and ITL p50 understates the time per token; compare "
+                "decode tok/s instead.")
+    return "Decode is one weight read per token, so ITL stays flat."
 
 
 # ----- 3. Throughput over time ---------------------------------------------------------------
@@ -355,7 +423,7 @@ class ThroughputPanel(Panel):
             self.caption.setText(
                 f"Rolling over {THROUGHPUT_WINDOW} tokens; ◆ = reply mean. Last reply "
                 f"{m.decode_tok_s:,.1f} tok/s over {m.output_tokens:,} tokens "
-                "(TTFT excluded)."
+                f"({max(m.output_tokens - 1, 0):,} gaps; TTFT excluded)."
             )
 
     def hover_text(self, x: float, y: float) -> str | None:
@@ -414,8 +482,9 @@ class BreakdownPanel(Panel):
         reply = ctx.reply
         assert reply is not None  # it gave the breakdown
         path = reply.path_text()
+        ttft = fmt_seconds(b.ttft_s) if b.has_first_token else "– (stopped before a token)"
         self.caption.setText(f"Reply #{reply.number}: {fmt_seconds(b.e2e_s)} {state}; "
-                             f"TTFT {fmt_seconds(b.ttft_s)}." + (f" {path}." if path else ""))
+                             f"TTFT {ttft}." + (f" {path}." if path else ""))
 
     def _draw_prefill(self, reply: ReplyRecord, p: PrefillProgress) -> None:
         """Queue, the prefill so far and (faded) what is left of it, before the first token."""
@@ -614,12 +683,12 @@ class SamplerPanel(Panel):
         item = self.plot.getPlotItem()
         style.axis_label(self.plot, "bottom", "probability after temperature")
         item.getAxis("bottom").enableAutoSIPrefix(False)
-        item.getAxis("left").setWidth(62)
+        item.getAxis("left").setWidth(78)
         item.invertY(True)
         self._bars = pg.BarGraphItem(x0=[], y=[], width=[], height=0.72, pen=None)
         self.plot.addItem(self._bars)
         self._cut = pg.InfiniteLine(angle=0, pen=style.pen(style.CHOSEN, 1.2, DASH),
-                                    label="top-p cut",
+                                    label="filter cut",
                                     labelOpts={"position": 0.85, "color": style.CHOSEN})
         self._cut.setVisible(False)
         self.plot.addItem(self._cut, ignoreBounds=True)
@@ -656,8 +725,10 @@ class SamplerPanel(Panel):
         chosen = next(((t, p) for tid, t, p in snap.candidates if tid == snap.chosen_id), None)
         drew = (f"drew “{short_token(chosen[0], 16)}” (p = {chosen[1]:.2f})" if chosen
                 else "drew a token outside the top list")
+        # kept counts what top-k, top-p and min-p leave together, not top-p alone.
         mode = "greedy (temperature 0)" if snap.temperature == 0 else (
-            f"temperature {snap.temperature:.2f}, top-p {snap.top_p:.2f} keeps {snap.kept}")
+            f"temperature {snap.temperature:.2f}, top-p {snap.top_p:.2f}; top-k, top-p and "
+            f"min-p together keep {snap.kept} of these {len(snap.candidates)}")
         return f"Token {snap.index}: {mode}; {drew}. Red = drawn, grey = cut."
 
     def hover_text(self, x: float, y: float) -> str | None:

@@ -41,6 +41,7 @@ QLabel#hudTitle {{ font-weight: 600; font-size: 10.5pt; }}
 #hudKpiValue {{ font-size: 13pt; font-weight: 600; }}
 QLabel#hudKpiName {{ color: {MUTED}; font-size: 8pt; }}
 #hudAdvice {{ font-size: 9.5pt; }}
+QLabel#hudPinned {{ color: {P90}; font-size: 8.5pt; }}
 QToolButton, QComboBox {{
     color: {TEXT}; background: {CARD}; border: 1px solid {BORDER}; border-radius: 5px;
     padding: 3px 8px;

@@ -3,6 +3,7 @@
 - on_engine_event(event): every engine event (engine.events dataclasses), on the GUI thread.
 - on_token_painted(request_id, index, painted_ns): the view painted token `index`.
 - mark_setting_change(name, value, t_ns): a slider changed (marker on time plots).
+- name_reply(request_id, chat, turn): which chat and turn a reply answers (picker labels).
 
 Events only update the session model (cheap appends) and mark panels dirty; a single-shot
 QTimer redraws the dirty, visible panels at most 4 times a second while a reply streams, and
@@ -73,6 +74,7 @@ _DIRTY_BY_EVENT: dict[type, frozenset[str]] = {
 }
 _TIME_MARKER_PANELS = ("throughput",)
 _TURN_MARKER_PANELS = ("ttft", "cache")
+LIVE_ITEM = "Live reply (follows the newest)"
 
 
 class HudWidget(QWidget):
@@ -86,6 +88,8 @@ class HudWidget(QWidget):
         self._calibrate = calibrate
         self._calibrated_device: str | None = None
         self._selected_id: str | None = None  # None follows the live (latest) reply
+        self._pinned = False  # the user picked a past reply: keep it when a new one streams
+        self._names: dict[str, tuple[str, int]] = {}  # request id -> (chat title, turn)
         self._dirty: set[str] = set()
         self._text_interval_s = 0.0
         self._prefill: dict[str, PrefillProgress] = {}  # replies whose prompt is being read
@@ -107,6 +111,11 @@ class HudWidget(QWidget):
         column.setContentsMargins(8, 8, 8, 8)
         column.setSpacing(8)
         column.addLayout(self._toolbar())
+        self.pin_label = QLabel()
+        self.pin_label.setObjectName("hudPinned")
+        self.pin_label.setWordWrap(True)
+        self.pin_label.hide()
+        column.addWidget(self.pin_label)
         column.addWidget(self._advisor_card())
         for panel in self.panels.values():
             panel.sig_hide_requested.connect(lambda key: self.set_panel_visible(key, False))
@@ -124,9 +133,10 @@ class HudWidget(QWidget):
     def _toolbar(self) -> QHBoxLayout:
         row = QHBoxLayout()
         self.reply_combo = QComboBox()
-        self.reply_combo.addItem("Live reply", None)
-        self.reply_combo.setToolTip("Which reply the ITL, breakdown and advisor describe")
-        self.reply_combo.currentIndexChanged.connect(self._on_combo_changed)
+        self.reply_combo.addItem(LIVE_ITEM, None)
+        self.reply_combo.setToolTip("Which reply the ITL, breakdown and advisor describe; "
+                                    "picking a past reply pins it")
+        self.reply_combo.activated.connect(self._on_combo_activated)
         row.addWidget(self.reply_combo, 1)
         row.addWidget(self._menu_button("Panels", self._panels_menu()))
         row.addWidget(self._menu_button("Export", self._export_menu()))
@@ -164,6 +174,7 @@ class HudWidget(QWidget):
         grid = QGridLayout()
         grid.setHorizontalSpacing(12)
         self._kpis: dict[str, LiveLabel] = {}
+        self._kpi_names: dict[str, QLabel] = {}
         for col, name in enumerate(("TTFT", "decode", "ITL p50", "total")):
             value = LiveLabel("–")
             value.setObjectName("hudKpiValue")
@@ -172,6 +183,7 @@ class HudWidget(QWidget):
             grid.addWidget(value, 0, col)
             grid.addWidget(caption, 1, col)
             self._kpis[name] = value
+            self._kpi_names[name] = caption
         layout.addLayout(grid)
         self.advice_label = LiveLabel("Send a message to see where the time goes.",
                                       word_wrap=True)
@@ -183,6 +195,8 @@ class HudWidget(QWidget):
     def on_engine_event(self, event: EngineEvent) -> None:
         """Fold one engine event in; the redraw happens on the throttle timer."""
         self.model.apply(event)
+        if isinstance(event, RequestQueued) and not self._pinned and self._selected_id:
+            self.select_reply(None)  # a new reply streams: follow it
         if isinstance(event, PrefillProgress):
             self._prefill[event.request_id] = event
         elif isinstance(event, TokenEmitted | RequestFinished | RequestFailed):
@@ -201,12 +215,34 @@ class HudWidget(QWidget):
             self._mark_dirty({"render"})
 
     def mark_setting_change(self, name: str, value: object, t_ns: int) -> None:
-        """A slider changed: record it and drop a marker on the time and per-turn plots."""
-        marker = self.model.mark_setting(name, value, t_ns)
+        """A slider changed: record it; the changes between two replies share one marker on
+        the time and per-turn plots (none for the settings restored before the first reply)."""
+        self.model.mark_setting(name, value, t_ns)
+        markers = self.model.markers
         for key in _TIME_MARKER_PANELS:
-            self.panels[key].set_marker(name, value, self.model.session_s(marker.t_ns), 1.0)
+            self.panels[key].set_markers(
+                [(self.model.session_s(m.t_ns), m.label()) for m in markers])
         for key in _TURN_MARKER_PANELS:
-            self.panels[key].set_marker(name, value, self.model.turn_position(marker.t_ns), 0.0)
+            self.panels[key].set_markers(
+                [(self.model.turn_position(m.t_ns), m.label()) for m in markers])
+
+    def name_reply(self, request_id: str, chat: str, turn: int) -> None:
+        """The window says which chat and turn a reply answers: the picker shows that."""
+        self._names[request_id] = (chat, turn)
+        index = self.reply_combo.findData(request_id)
+        reply = self.model.replies.get(request_id)
+        if index >= 0 and reply is not None:
+            self.reply_combo.setItemText(index, self.reply_title(reply))
+
+    def reply_title(self, reply: ReplyRecord) -> str:
+        """"Trip ideas · turn 3" when the window named it, else "Reply 11 (turn 3)"."""
+        alternative = reply.request_id.rpartition(".")[2] if "." in reply.request_id else ""
+        suffix = f" · alternative {int(alternative) + 1}" if alternative.isdigit() else ""
+        named = self._names.get(reply.request_id)
+        if named is not None:
+            chat, turn = named
+            return f"{chat} · turn {turn}{suffix}"
+        return f"Reply {reply.number}{suffix}"
 
     def set_text_interval(self, seconds: float) -> None:
         """The chat view paints streaming text this often: render lag is judged against it."""
@@ -220,14 +256,37 @@ class HudWidget(QWidget):
         self._mark_dirty({"roofline"})
 
     # ----- selection and visibility --------------------------------------------------------
-    def select_reply(self, request_id: str | None) -> None:
-        """Show a past reply in the per-reply panels; None follows the live one."""
+    def select_reply(self, request_id: str | None, *, pin: bool = False) -> None:
+        """Show a past reply in the per-reply panels; None follows the live one.
+
+        Unpinned, the next reply to start takes over again; pinned (the user's pick in the
+        picker), it stays, with a visible cue, until the user picks the live reply.
+        """
         self._selected_id = request_id if request_id in self.model.replies else None
+        self._pinned = pin and self._selected_id is not None
         self._refresh_combo()
         index = self.reply_combo.findData(self._selected_id)
         if index >= 0 and index != self.reply_combo.currentIndex():
             self.reply_combo.setCurrentIndex(index)
+        self._refresh_pin_cue()
         self._mark_dirty({"all"})
+
+    @property
+    def pinned(self) -> bool:
+        return self._pinned
+
+    def _refresh_pin_cue(self) -> None:
+        reply = self.selected_reply() if self._pinned else None
+        if reply is None:
+            self.pin_label.hide()
+            return
+        latest = self.model.latest()
+        newer = latest is not None and latest is not reply
+        self.pin_label.setText(
+            f"📌 Pinned to {self.reply_title(reply)}"
+            + (f"; {self.reply_title(latest)} is newer" if newer and latest else "")
+            + ". Pick “Live reply” to follow the newest.")
+        self.pin_label.show()
 
     def selected_reply(self) -> ReplyRecord | None:
         if self._selected_id is not None:
@@ -270,6 +329,7 @@ class HudWidget(QWidget):
         ctx = self._context()
         if everything or "header" in dirty:
             self._refresh_combo()
+            self._refresh_pin_cue()
         self._refresh_summary(ctx.reply)
         for key, panel in self.panels.items():
             if panel.isHidden() or not (everything or key in dirty):
@@ -278,6 +338,7 @@ class HudWidget(QWidget):
                 self._dirty.add(key)
                 continue
             panel.refresh(ctx)
+            panel.layout_markers()  # the range may have moved: labels must not overlap
         # The painting of the previous redraw happened after it returned; count it here.
         painted_s = sum(panel.plot.take_paint_s() for panel in self.panels.values())
         cost_ms = (time.perf_counter() - started + painted_s) * 1000
@@ -300,7 +361,7 @@ class HudWidget(QWidget):
         combo = self.reply_combo
         combo.blockSignals(True)
         for reply in self.model.replies_after(combo.count() - 1):
-            combo.addItem(f"Reply #{reply.number} · {reply.request_id}", reply.request_id)
+            combo.addItem(self.reply_title(reply), reply.request_id)
         combo.blockSignals(False)
 
     def _refresh_summary(self, reply: ReplyRecord | None) -> None:
@@ -308,10 +369,18 @@ class HudWidget(QWidget):
             return
         b = reply.breakdown()
         m = reply.metrics
-        self._kpis["TTFT"].setText(fmt_seconds(b.ttft_s) if b else "–")
+        # A reply stopped before its first token has no TTFT, and one without two tokens no
+        # gap: "–", never a 0.0 ms that reads as instant.
+        self._kpis["TTFT"].setText(fmt_seconds(b.ttft_s) if b and b.has_first_token else "–")
         tok_s = m.decode_tok_s if m else (1 / b.ms_per_token_s if b and b.ms_per_token_s else 0)
         self._kpis["decode"].setText(f"{tok_s:,.1f} tok/s" if tok_s else "–")
-        self._kpis["ITL p50"].setText(fmt_ms(reply.itl_percentiles()[0]) if b else "–")
+        has_gap = bool(reply.itl_s())
+        bursts = reply.result is not None and bool(reply.result.speculative)
+        self._kpi_names["ITL p50"].setText("ITL p50 (bursts)" if bursts else "ITL p50")
+        self._kpi_names["ITL p50"].setToolTip(
+            "Speculative decoding: tokens arrive in accepted bursts, so most gaps are near "
+            "zero; decode tok/s is the rate per token." if bursts else "")
+        self._kpis["ITL p50"].setText(fmt_ms(reply.itl_percentiles()[0]) if has_gap else "–")
         self._kpis["total"].setText(fmt_seconds(b.e2e_s) if b else "–")
         prefill = self._prefill.get(reply.request_id)
         if reply.error:
@@ -323,8 +392,10 @@ class HudWidget(QWidget):
             prefix = "" if b.final else "Live: "
             self.advice_label.setText(prefix + advice)
 
-    def _on_combo_changed(self, index: int) -> None:
-        self.select_reply(self.reply_combo.itemData(index))
+    def _on_combo_activated(self, index: int) -> None:
+        """The user picked in the picker: a past reply is pinned, "Live reply" follows."""
+        request_id = self.reply_combo.itemData(index)
+        self.select_reply(request_id, pin=request_id is not None)
 
     # ----- calibration ---------------------------------------------------------------------
     def _start_calibration(self, device: str) -> None:
@@ -357,6 +428,7 @@ class HudWidget(QWidget):
 
         panel = self.panels[key]
         panel.refresh(self._context())
+        panel.layout_markers()
         exporter = ImageExporter(panel.plot.getPlotItem())
         exporter.parameters()["width"] = width
         path = Path(path)
@@ -368,19 +440,26 @@ class HudWidget(QWidget):
         folder.mkdir(parents=True, exist_ok=True)
         return [self.export_plot_png(key, folder / f"hud-{key}.png") for key in self.panels]
 
+    def _dialog_parent(self) -> QWidget | None:
+        """Dialogs belong to the window, not the HUD: a child of the HUD would inherit its
+        dark style sheet (faint labels, black combo boxes, invisible icons)."""
+        window = self.window()
+        return None if window is self else window
+
     def _ask_export_csv(self) -> None:
-        path, _ = QFileDialog.getSaveFileName(self, "Export CSV", "phasewise-session.csv",
-                                              "CSV (*.csv)")
+        path, _ = QFileDialog.getSaveFileName(self._dialog_parent(), "Export CSV",
+                                              "phasewise-session.csv", "CSV (*.csv)")
         if path:
             self.export_csv(path)
 
     def _ask_export_json(self) -> None:
-        path, _ = QFileDialog.getSaveFileName(self, "Export JSON", "phasewise-session.json",
-                                              "JSON (*.json)")
+        path, _ = QFileDialog.getSaveFileName(self._dialog_parent(), "Export JSON",
+                                              "phasewise-session.json", "JSON (*.json)")
         if path:
             self.export_json(path)
 
     def _ask_export_pngs(self) -> None:
-        folder = QFileDialog.getExistingDirectory(self, "Export plots to folder")
+        folder = QFileDialog.getExistingDirectory(self._dialog_parent(),
+                                                  "Export plots to folder")
         if folder:
             self.export_all_pngs(folder)
