@@ -26,7 +26,7 @@ from engine.generate import now_ns, prepare_prompt
 from engine.loader import LoadedModel
 from engine.metrics import RequestTimeline, percentiles
 from engine.native import NativeCrashError
-from engine.params import ChatMessage, GenerationRequest, SamplingParams
+from engine.params import ChatMessage, GenerationRequest, SamplingParams, Speculative
 from engine.peers import LlamaCppPeer, PeerResult, gguf_for, result_from_stamps
 from engine.prefix_cache import PrefixCache
 
@@ -59,7 +59,7 @@ def run_ours(
     cache: PrefixCache | None = None,
     conversation_id: str | None = None,
     reuse_cache: bool = True,
-    speculative: str | None = None,
+    speculative: Speculative | None = None,
     draft: DraftModel | None = None,
 ) -> GenerationResult:
     """One greedy request of exactly max_tokens tokens through the engine's decode loop."""
@@ -74,7 +74,9 @@ def run_ours(
     )
     timeline = RequestTimeline(submitted_ns=now_ns())
     session = runtimes.new_session(loaded, pool, draft)
-    return session.run(request, timeline, threading.Event(), lambda _e: None)
+    result: GenerationResult = session.run(request, timeline, threading.Event(),
+                                           lambda _e: None)
+    return result
 
 
 class _TokenClock:
@@ -380,7 +382,7 @@ def bench_turns(
 
 
 def fixed_text(loaded: LoadedModel, n_tokens: int) -> str:
-    return loaded.tokenizer.decode(fixed_prompt_ids(loaded, n_tokens))
+    return str(loaded.tokenizer.decode(fixed_prompt_ids(loaded, n_tokens)))
 
 
 @torch.inference_mode()

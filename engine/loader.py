@@ -462,7 +462,7 @@ class SafetensorsStream:
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         flat = tensor.contiguous().reshape(-1).view(torch.uint8)
-        self._data.write(memoryview(flat.numpy()))
+        self._data.write(flat.numpy().data)
         end = self._offset + flat.numel()
         self._header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype],
                               "shape": list(tensor.shape),
@@ -539,8 +539,8 @@ def _gguf_parts(gguf: Path, reader: Any,
             skeleton = AutoModelForCausalLM.from_config(config)
         config.architectures = [type(skeleton).__name__]
         architecture = hf_gguf.read_field(reader, "general.architecture")[0]
-        processor = hf_gguf.TENSOR_PROCESSORS.get(architecture, hf_gguf.TensorProcessor)(
-            config=config.to_dict())
+        processor = hf_gguf.TENSOR_PROCESSORS.get(  # type: ignore[no-untyped-call]
+            architecture, hf_gguf.TensorProcessor)(config=config.to_dict())
         names = hf_gguf.get_gguf_hf_weights_map(skeleton, processor)
     parsed: dict[str, Any] = {"tensors": {}}  # where a processor merges tensors (MoE experts)
 
@@ -575,17 +575,20 @@ def _read_gguf_once(path: str, reader: Any) -> Iterator[None]:
 
     def parse_once(file: Any, return_tensors: bool = False, **kwargs: Any) -> Any:
         if str(file) != path or return_tensors or kwargs:
-            return parse(file, return_tensors=return_tensors, **kwargs)
+            return parse(file, return_tensors=return_tensors,  # type: ignore[no-untyped-call]
+                         **kwargs)
         if not parsed:
-            parsed.update(parse(file))
+            parsed.update(parse(file))  # type: ignore[no-untyped-call]
         return copy.deepcopy(parsed)
 
-    gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = shared_reader, parse_once
+    gguf.GGUFReader = shared_reader  # type: ignore[misc, assignment]
+    hf_gguf.load_gguf_checkpoint = parse_once  # type: ignore[assignment]
     gguf.get_tensor_name_map = functools.lru_cache(maxsize=8)(name_map)
     try:
         yield
     finally:
-        gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = make_reader, parse
+        gguf.GGUFReader = make_reader  # type: ignore[misc]
+        hf_gguf.load_gguf_checkpoint = parse
         gguf.get_tensor_name_map = name_map
 
 

@@ -146,7 +146,7 @@ def cut_to(cache: Any, checkpoint: Checkpoint | None, length: int) -> None:
     extra = cache.get_seq_length() - length
     for layer in cache.layers:
         if isinstance(layer, CacheLayerMixin):
-            DynamicLayer.crop(layer, -extra)
+            DynamicLayer.crop(layer, -extra)  # type: ignore[arg-type]  # any layer with keys
     for i, conv, recurrent in checkpoint.states:
         cache.layers[i].conv_states.update(_cloned(conv))
         cache.layers[i].recurrent_states.update(_cloned(recurrent))

@@ -97,16 +97,16 @@ def load(spec: str, engine: str = AUTO, *, kernel: str = AUTO, device: str = AUT
     from engine.llamacpp.model import load_gguf, warm_up_llama
 
     path, name, source = gguf_path(spec)
-    loaded = load_gguf(path, name=name, source=source, context_length=context_length,
-                       progress=progress)
+    gguf_model = load_gguf(path, name=name, source=source, context_length=context_length,
+                           progress=progress)
     if progress:
         progress("warming up")
-    warm_up_llama(loaded)
-    return loaded
+    warm_up_llama(gguf_model)
+    return gguf_model
 
 
 def is_llama_cpp(loaded: Model) -> bool:
-    return loaded.info.engine == LLAMA_CPP
+    return bool(loaded.info.engine == LLAMA_CPP)
 
 
 def new_prefix_cache(loaded: Model, budget_bytes: int) -> PrefixCache:
@@ -118,7 +118,7 @@ def new_prefix_cache(loaded: Model, budget_bytes: int) -> PrefixCache:
     return PrefixCache(loaded.model.config, budget_bytes)
 
 
-def new_session(loaded: Model, prefix_cache: PrefixCache, draft: Any = None) -> Any:
+def new_session(loaded: Model, prefix_cache: Any, draft: Any = None) -> Any:
     """The decode loop for one request (DecodeSession or LlamaSession: run(request,
     timeline, cancel, emit) -> GenerationResult)."""
     if is_llama_cpp(loaded):
@@ -140,7 +140,7 @@ def supports_batching(loaded: Model) -> bool:
     return cache_supports_batching(loaded)
 
 
-def new_batcher(loaded: Model, prefix_cache: PrefixCache, emit: Any, done: Any) -> Any:
+def new_batcher(loaded: Model, prefix_cache: Any, emit: Any, done: Any) -> Any:
     """The continuous batcher for this model (admit / step / rows / room)."""
     if is_llama_cpp(loaded):
         from engine.llamacpp.batcher import LlamaBatcher

@@ -248,7 +248,8 @@ class Engine(EventSource, Backend):
         if self.last_load_error is not None:
             raise ModelLoadError(self.last_load_error)
         assert self._loaded is not None
-        return self._loaded.info
+        info: ModelInfo = self._loaded.info
+        return info
 
     def load_draft_sync(self, spec: str | None, timeout: float | None = None,
                         **options: Any) -> None:
@@ -382,7 +383,7 @@ class Engine(EventSource, Backend):
                 self._end_job(job, None, exc)
             return blocked
 
-    def _pull_joinable(self, waiting: deque) -> Any:
+    def _pull_joinable(self, waiting: deque[Any]) -> Any:
         """Move queued requests that may join into `waiting`; return the first that may not."""
         while True:
             try:

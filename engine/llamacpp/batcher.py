@@ -155,10 +155,10 @@ class LlamaBatcher:
                 self._take_token(row, logits[i])
             except Exception as exc:
                 failed.append((row, exc))
-        for row, exc in failed:
+        for row, error in failed:
             self.rows.remove(row)
             self.prefix_cache.discard(row.lease)
-            self._done(row.job, None, exc)
+            self._done(row.job, None, error)
         self._leave([r for r in self.rows if r.finish is not None], None)
 
     def _take_token(self, row: Row, logits: torch.Tensor) -> None:

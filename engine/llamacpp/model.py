@@ -56,7 +56,7 @@ def _init_backend(llama_cpp: Any) -> None:
     if _backend_ready:
         return
 
-    @llama_cpp.llama_log_callback
+    @llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]
     def on_log(level: int, text: bytes, _user: Any) -> None:
         line = text.decode("utf-8", "replace").strip()
         if line:
@@ -271,7 +271,7 @@ def _kv_bytes_per_token(llama_cpp: Any, model: Any) -> int:
     n_head = max(1, llama_cpp.llama_model_n_head(model))
     head_dim = llama_cpp.llama_model_n_embd(model) // n_head
     kv_heads = llama_cpp.llama_model_n_head_kv(model)
-    return int(llama_cpp.llama_model_n_layer(model)) * 2 * kv_heads * head_dim * 2
+    return int(llama_cpp.llama_model_n_layer(model) * 2 * kv_heads * head_dim * 2)
 
 
 def weight_bytes_per_step(path: Path, total: int) -> int:
@@ -333,12 +333,12 @@ def _string(data: mmap.mmap, pos: int) -> tuple[str, int]:
 def _skip_value(data: mmap.mmap, pos: int, kind: int) -> int:
     if kind == _STRING:
         (n,) = struct.unpack_from("<Q", data, pos)
-        return pos + 8 + n
+        return pos + 8 + int(n)
     if kind == _ARRAY:
         item, count = struct.unpack_from("<IQ", data, pos)
         pos += 12
         if item in _SCALAR_SIZES:
-            return pos + count * _SCALAR_SIZES[item]
+            return pos + int(count) * _SCALAR_SIZES[item]
         for _ in range(count):
             pos = _skip_value(data, pos, item)
         return pos

@@ -112,7 +112,7 @@ class SeqPrefixCache(PrefixCache):
             donor = self._entries[donor_id] if donor_id is not None and donor_len else None
             seq = self.take_seq(keep=donor.cache if donor else None)
             ids = []
-            if donor is not None and donor_id in self._entries:
+            if donor is not None and donor_id is not None and donor_id in self._entries:
                 self._entries.move_to_end(donor_id)
                 self._lib.llama_memory_seq_cp(self._memory, donor.cache, seq, 0, donor_len)
                 ids = list(prompt_ids[:donor_len])

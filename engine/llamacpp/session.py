@@ -107,6 +107,7 @@ class LlamaSession:
                 # (then row j + 1 was computed on the right prefix).
                 accepted = 0
                 outcome: FinishReason | None = None
+                assert rows is not None  # only a cancelled prefill has no rows
                 for j in range(rows.shape[0]):
                     logits = rows[j]
                     seen = prompt_ids + generated if params.repetition_penalty != 1.0 else ()

@@ -49,9 +49,9 @@ class LlamaCppTokenizer:
         source = chat_template or self.chat_template
         if source is None:
             raise ValueError("this model has no chat template")
-        return _compile(source).render(
+        return str(_compile(source).render(
             messages=list(messages), add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token, eos_token=self.eos_token)
+            bos_token=self.bos_token, eos_token=self.eos_token))
 
     # ----- tokens ----------------------------------------------------------------------------
     def encode(self, text: str, *, add_bos: bool = False, parse_special: bool = True) -> list[int]:
