@@ -22,7 +22,7 @@ def test_times_two_after_a_cached_turn_shares_one_prefill_and_the_chats_cache(
     """The issue's case: a chat turn, then "× 2" and Send. Both alternatives come from one
     prefill that reused the chat's cached prefix; neither waits behind the other's prefill."""
     window: MainWindow = make_window()
-    window.controls.temperature.setValue(0.8)
+    window.controls.temperature.setValue(80)  # 0.80: sampled alternatives
     window.controls.max_tokens.setValue(8)
     with qtbot.waitSignal(window.sig_reply_finished, timeout=WAIT_MS):
         assert window.send("Hello there, how are you today?")
