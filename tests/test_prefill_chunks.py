@@ -163,7 +163,7 @@ def stream_then_long_prompt(loaded: LoadedModel, interleave: bool) -> tuple[Reco
     """Row A streams; then B's 180-token prompt joins. Returns the recorder and both ids."""
     rec = Recorder()
     batcher = Batcher(loaded, pool(loaded), rec.emit, rec.done, prefill_chunk=64,
-                      interleave=interleave, step_token_budget=24)
+                      interleave=interleave, step_token_budget=40)
     a, b = job(prompt(loaded, 20), max_tokens=40), job(prompt(loaded, 180, 5), max_tokens=8)
     batcher.admit([a])
     for _ in range(3):
@@ -178,7 +178,7 @@ def test_streaming_row_decodes_between_prefill_chunks(sharp: LoadedModel) -> Non
     rec, a, b = stream_then_long_prompt(sharp, interleave=True)
     progress = [i for i, e in enumerate(rec.events)
                 if isinstance(e, PrefillProgress) and e.request_id == b]
-    assert len(progress) == 8  # 180 tokens in chunks of 24 - 1 streaming row
+    assert len(progress) == 5  # 180 tokens in chunks of 40 - 1 streaming row
     for start, end in itertools.pairwise(progress):
         between = rec.events[start:end]
         assert any(isinstance(e, TokenEmitted) and e.request_id == a for e in between)
