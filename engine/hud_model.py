@@ -425,12 +425,13 @@ class SessionModel:
         if self.t0_ns is None:
             self.t0_ns = t_ns
         same_gap = bool(self.markers) and self.markers[-1].t_ns >= latest.queued_ns
-        start_ns = self.markers.pop().t_ns if same_gap else t_ns
-        changes = {k: v for k, v in self.settings.items()
-                   if k not in latest.settings or latest.settings[k] != v}
+        previous = self.markers.pop() if same_gap else SettingMarker({}, t_ns)
+        names = dict.fromkeys([*previous.changes, name])  # in the order they were changed
+        changes = {k: self.settings[k] for k in names
+                   if k not in latest.settings or latest.settings[k] != self.settings[k]}
         if not changes:
             return None
-        marker = SettingMarker(changes, start_ns)
+        marker = SettingMarker(changes, previous.t_ns)
         self.markers.append(marker)
         return marker
 

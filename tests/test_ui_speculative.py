@@ -70,7 +70,9 @@ def test_prompt_lookup_runs_and_the_hud_says_how_it_did(qtbot, make_window) -> N
             "drafted tokens accepted") in caption
     row = window.hud.model.reply_rows()[-1]  # the export says it too
     assert (row["speculative"], row["spec_accepted"]) == ("ngram", result.spec_accepted)
-    assert "speculative=ngram" in window.hud.panels["throughput"].marker_labels()
+    # Set before the first reply: the reply's settings, not a change marker on the plots.
+    assert row["setting_speculative"] == "ngram"
+    assert window.hud.panels["throughput"].marker_labels() == []
 
 
 def test_off_decodes_plainly(qtbot, make_window) -> None:

@@ -111,6 +111,9 @@ class BackendChoice:
 class BackendPicker(QGroupBox):
     """Pick one side's backend: the local model, or a remote server."""
 
+    sig_changed = Signal()
+    """The kind or a remote input changed: what the last check or run said may be stale."""
+
     def __init__(self, name: str, local_info: ModelInfo | None,
                  parent: QWidget | None = None) -> None:
         super().__init__(f"Backend {name}", parent)
@@ -121,6 +124,9 @@ class BackendPicker(QGroupBox):
         self.remote = RemoteBackendInputs()
         self.remote.key.setPlaceholderText("API key (optional; used for this run only)")
         self.kind.currentIndexChanged.connect(self._show_inputs)
+        self.kind.currentIndexChanged.connect(self.sig_changed)
+        for edit in self.remote.edits():
+            edit.textChanged.connect(self.sig_changed)
         layout = QVBoxLayout(self)
         layout.addWidget(self.kind)
         layout.addWidget(self.remote)
@@ -267,6 +273,8 @@ class CompareDialog(QDialog):
         local_info = local.model_info if local is not None else None
         self.pickers = [BackendPicker(name, local_info) for name in SIDE_NAMES]
         self.pickers[1].set_kind(REMOTE)
+        for i, picker in enumerate(self.pickers):
+            picker.sig_changed.connect(lambda i=i: self._on_choice_changed(i))
         self.prompt = QPlainTextEdit(prompt)
         self.prompt.setPlaceholderText("The prompt both backends answer")
         self.prompt.setMaximumHeight(70)
@@ -371,9 +379,7 @@ class CompareDialog(QDialog):
         if self.running:
             return False
         try:
-            choices = [picker.choice() for picker in self.pickers]
-            if not self.prompt.toPlainText().strip():
-                raise ValueError("Type a prompt first.")
+            choices = self._check_inputs()
         except ValueError as exc:
             self.error.setText(str(exc))
             return False
@@ -389,6 +395,28 @@ class CompareDialog(QDialog):
             side.connect_backend()
         self.refresh()
         return True
+
+    def _check_inputs(self) -> list[BackendChoice]:
+        """Both choices and the prompt; ValueError with the first one-line reason."""
+        choices = [picker.choice() for picker in self.pickers]
+        if not self.prompt.toPlainText().strip():
+            raise ValueError("Type a prompt first.")
+        return choices
+
+    def _on_choice_changed(self, index: int) -> None:
+        """A shown error clears once its cause does (e.g. B switched from a bad URL to
+        Local); the last run's status for a side whose backend changed no longer applies."""
+        if self.running:
+            return
+        if self.error.text():
+            try:
+                self._check_inputs()
+            except ValueError as exc:
+                self.error.setText(str(exc))
+            else:
+                self.error.clear()
+        if index < len(self.sides) and self.sides[index].error:
+            self.reply_status[index].clear()
 
     def stop(self) -> None:
         """Cancel both replies (each keeps what it has); a side still connecting never starts."""
