@@ -279,3 +279,27 @@ def test_hud_draws_the_prefill_while_the_prompt_is_read(qtbot) -> None:
     hud.flush()
     assert "reading the prompt" not in panel.caption.text()
     assert panel._prefill_left.opts["width"][0] == 0
+
+
+# ----- in the window ---------------------------------------------------------------------------
+def test_window_shows_prompt_progress_then_the_reply_stats_line(qtbot, make_window,
+                                                                monkeypatch) -> None:
+    from engine.generate import PREFILL_CHUNK_ENV
+
+    monkeypatch.setenv(PREFILL_CHUNK_ENV, "8")  # several chunks even for a short prompt
+    window = make_window()
+    statuses: list[str] = []
+    # Connected after the window's own slots: sees the placeholder as they left it.
+    window.bridge.sig_event.connect(
+        lambda e: statuses.append(window.chat.status_text(e.request_id))
+        if isinstance(e, PrefillProgress) else None)
+
+    with qtbot.waitSignal(window.sig_reply_finished, timeout=60_000):
+        assert window.send("The capital of France is Paris. Hello, how are you today?")
+
+    reading = [s for s in statuses if s.startswith("· Reading your prompt: ")]
+    assert len(reading) >= 3 and reading[-1] == "· Reading your prompt: 100%"
+    saved = [m for m in window.store.messages(window.conversation_id) if m.role == "assistant"]
+    assert saved[-1].stats is not None and saved[-1].stats.engine == "torch"
+    line = saved[-1].stats.summary()
+    assert "s to first token" in line and line in window.chat.toPlainText()

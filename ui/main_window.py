@@ -14,18 +14,28 @@ from collections.abc import Callable
 from typing import Any
 
 from PySide6.QtCore import QByteArray, QCoreApplication, QSettings, Qt, QTimer, Signal
-from PySide6.QtGui import QAction, QCloseEvent, QGuiApplication, QKeySequence, QShortcut
+from PySide6.QtGui import (
+    QAction,
+    QCloseEvent,
+    QCursor,
+    QGuiApplication,
+    QKeySequence,
+    QShortcut,
+)
 from PySide6.QtWidgets import (
     QDockWidget,
     QMainWindow,
     QMessageBox,
     QSplitter,
+    QToolTip,
     QWidget,
 )
 
 from engine import (
+    EngineEvent,
     GenerationResult,
     ModelInfo,
+    PrefillProgress,
     TextFlushed,
     TokenEmitted,
 )
@@ -187,6 +197,7 @@ class MainWindow(QMainWindow):
     def _wire(self) -> None:
         b = self.bridge
         b.sig_event.connect(self.hud.on_engine_event)
+        b.sig_event.connect(self._on_prefill_progress)
         b.sig_token.connect(self._on_token)
         b.sig_text_flushed.connect(self._on_text_flushed)
         b.sig_request_finished.connect(self.session.on_finished)
@@ -307,11 +318,18 @@ class MainWindow(QMainWindow):
             QGuiApplication.clipboard().setText(message.content)
             self.statusBar().showMessage("Copied to the clipboard", 2000)
 
+    def show_reply_stats(self, message_id: int) -> None:
+        """The full breakdown of a saved reply (a click on its stats line)."""
+        message = self.store.message(message_id)
+        if message is not None and message.stats is not None:
+            QToolTip.showText(QCursor.pos(), message.stats.details(), self.chat)
+
     def _on_message_action(self, action: str, message_id: int) -> None:
         """A link under a message (keep's argument is the alternative's index)."""
         handlers: dict[str, Callable[[int], object]] = {
             "copy": self.copy, "edit": self.edit, "regenerate": self.regenerate,
-            "alternatives": self.generate_alternatives, "keep": self.keep_alternative}
+            "alternatives": self.generate_alternatives, "keep": self.keep_alternative,
+            "stats": self.show_reply_stats}
         if action in handlers:
             handlers[action](message_id)
 
@@ -373,6 +391,11 @@ class MainWindow(QMainWindow):
     def _on_token(self, event: TokenEmitted) -> None:
         if self.session.add_text(event.request_id, event.text) is not None:
             self.chat.push_token(event.request_id, event.index, event.text)
+
+    def _on_prefill_progress(self, event: EngineEvent) -> None:
+        """A live reply's prompt is being read: its placeholder says how far."""
+        if isinstance(event, PrefillProgress):
+            self.chat.show_prefill_progress(event)
 
     def _on_text_flushed(self, event: TextFlushed) -> None:
         if self.session.add_text(event.request_id, event.text) is not None:

@@ -24,7 +24,15 @@ from engine import (
 )
 from engine.params import Role, Speculative
 from engine.protocol import Backend
-from ui.store import DONE, STOPPED, STREAMING, ChatStore, Message, StoreError
+from ui.store import (
+    DONE,
+    STOPPED,
+    STREAMING,
+    ChatStore,
+    Message,
+    StoreError,
+    metrics_record,
+)
 
 TITLE_CHARS = 48
 FINISH_STATUS = {"stop": DONE, "length": "length", "cancelled": STOPPED, "error": "error"}
@@ -434,9 +442,6 @@ class ChatSession:
 
 
 def metrics_dict(result: GenerationResult) -> dict[str, Any]:
-    """What a saved reply records: its metrics plus the model that wrote it."""
-    metrics = result.metrics.to_dict()
-    if result.model is not None:
-        metrics.update(model=result.model.name, device=result.model.device,
-                       dtype=result.model.dtype, context_length=result.model.context_length)
-    return metrics
+    """What a saved reply records: its metrics plus the model, engine and kernel that wrote
+    it (the store also files the headline numbers in columns)."""
+    return metrics_record(result)
