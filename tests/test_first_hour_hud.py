@@ -122,6 +122,9 @@ def test_a_live_ttft_replaces_waiting_for_a_reply(hud: HudWidget) -> None:
     assert "Waiting" not in caption
     assert caption.startswith("Reply #1: TTFT ") and "(live)" in caption
     assert hud._kpis["TTFT"].text() != "–"
+    feed(hud, events[first + 3: first + 25])
+    hud.flush()
+    assert "tok/s now (live)" in hud.panels["throughput"].caption.text()
 
 
 def test_a_reply_stopped_during_prefill_shows_dashes_not_zero(hud: HudWidget) -> None:
@@ -196,6 +199,7 @@ def test_marker_labels_never_overlap_on_screen_or_in_the_png(
         hud.mark_setting_change("temperature", 0.1 * (n + 1), int((start + 1) * 1000) * MS)
         start += 1.5
     hud.flush()
+    QApplication.processEvents()  # the plots settle their ranges and label positions
     panel = hud.panels["throughput"]
     assert len(panel.marker_labels()) == 8
     shown = visible_label_rects(panel)
@@ -203,6 +207,14 @@ def test_marker_labels_never_overlap_on_screen_or_in_the_png(
     assert panel.visible_marker_labels()[-1] == panel.marker_labels()[-1]
     for a, b in itertools.pairwise(shown):
         assert not a.intersects(b)
+    for key in ("ttft",):  # a per-turn plot: no label runs off the left edge either
+        area = hud.panels[key].plot.getPlotItem().vb.sceneBoundingRect()
+        rects = visible_label_rects(hud.panels[key])
+        assert all(r.left() >= area.left() - 1 for r in rects), (area, rects)
+    vb = panel.plot.getPlotItem().vb
+    x, text, _line = panel._markers[0]  # an unlabelled marker still reads out on hover
+    panel._on_mouse_moved(vb.mapViewToScene(QPointF(x, 20)))
+    assert panel.readout.text() == f"settings changed: {text}"
     hud.export_plot_png("throughput", tmp_path / "throughput.png")
     shown = visible_label_rects(panel)
     for a, b in itertools.pairwise(shown):

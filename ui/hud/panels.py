@@ -104,6 +104,9 @@ class Panel(QFrame):
         self._markers: list[tuple[float, str, pg.InfiniteLine]] = []
         self.plot.scene().sigMouseMoved.connect(self._on_mouse_moved)
         self.plot.viewport().installEventFilter(self)  # the pointer leaving clears the readout
+        vb = self.plot.getPlotItem().vb  # labels are laid out in pixels: redo it as the view moves
+        vb.sigXRangeChanged.connect(self._relayout_markers)
+        vb.sigResized.connect(self._relayout_markers)
 
     def _label(self, name: str, text: str) -> QLabel:
         label = QLabel(text)
@@ -160,18 +163,38 @@ class Panel(QFrame):
         self.layout_markers()
 
     def layout_markers(self) -> None:
-        """Show a marker's label only where it clears the newer one's (labels sit left of
-        their line), so changes close together on the axis never smear into each other."""
-        vb = self.plot.getPlotItem().vb
-        (x0, x1), width = vb.viewRange()[0], vb.width() or self.plot.width()
-        scale = width / (x1 - x0) if x1 > x0 else 0.0
+        """Show a marker's label only where it clears the newer one's and the plot's left
+        edge (labels sit left of their line), so changes close together on the axis never
+        smear into each other. The newest is always labelled, right of its line if need be;
+        hovering a line reads out any marker's changes."""
         left_edge = math.inf  # the left end of the newest label shown so far, in pixels
-        for x, _text, line in reversed(self._markers):
-            px = (x - x0) * scale
-            shown = px <= left_edge - MARKER_LABEL_GAP_PX
+        for n, (x, _text, line) in enumerate(reversed(self._markers)):
+            px, width = self._marker_px(x), line.label.boundingRect().width()
+            anchor = (0, 0) if n == 0 and px < width else (1, 0)
+            line.label.anchors = [anchor, anchor]
+            line.label.setAnchor(anchor)
+            left = px if anchor == (0, 0) else px - width
+            shown = n == 0 or (px <= left_edge - MARKER_LABEL_GAP_PX and left >= 0)
             line.label.setVisible(shown)
             if shown:
-                left_edge = px - line.label.boundingRect().width()
+                left_edge = left
+
+    def _relayout_markers(self, *_args: object) -> None:
+        if self._markers:
+            self.layout_markers()
+
+    def _marker_px(self, x: float) -> float:
+        """A view x as pixels from the plot area's left edge."""
+        vb = self.plot.getPlotItem().vb
+        (x0, x1), width = vb.viewRange()[0], vb.width() or self.plot.width()
+        return (x - x0) * width / (x1 - x0) if x1 > x0 else 0.0
+
+    def marker_text(self, x: float) -> str | None:
+        """The settings change whose line is within a few pixels of view x, if any."""
+        px = self._marker_px(x)
+        near = [(abs(self._marker_px(mx) - px), text) for mx, text, _line in self._markers]
+        best = min(near, default=None)
+        return f"settings changed: {best[1]}" if best and best[0] <= 4 else None
 
     def marker_labels(self) -> list[str]:
         return [text for _x, text, _line in self._markers]
@@ -184,7 +207,7 @@ class Panel(QFrame):
         text = None
         if vb.sceneBoundingRect().contains(pos):
             point = vb.mapSceneToView(pos)
-            text = self.hover_text(point.x(), point.y())
+            text = self.marker_text(point.x()) or self.hover_text(point.x(), point.y())
         self.readout.setText(text or NO_HOVER)
 
     def eventFilter(self, watched: QObject, event: QEvent) -> bool:
@@ -425,6 +448,10 @@ class ThroughputPanel(Panel):
                 f"{m.decode_tok_s:,.1f} tok/s over {m.output_tokens:,} tokens "
                 f"({max(m.output_tokens - 1, 0):,} gaps; TTFT excluded)."
             )
+        elif np.isfinite(self._v).any():  # the first reply is still streaming
+            live = float(self._v[np.isfinite(self._v)][-1])
+            self.caption.setText(f"Rolling over {THROUGHPUT_WINDOW} tokens: {live:,.1f} tok/s "
+                                 "now (live); ◆ marks each finished reply's mean.")
 
     def hover_text(self, x: float, y: float) -> str | None:
         finite = np.isfinite(self._t)

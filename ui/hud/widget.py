@@ -283,7 +283,7 @@ class HudWidget(QWidget):
         latest = self.model.latest()
         newer = latest is not None and latest is not reply
         self.pin_label.setText(
-            f"📌 Pinned to {self.reply_title(reply)}"
+            f"Pinned to {self.reply_title(reply)}"
             + (f"; {self.reply_title(latest)} is newer" if newer and latest else "")
             + ". Pick “Live reply” to follow the newest.")
         self.pin_label.show()
