@@ -1,0 +1,122 @@
+"""The llama.cpp engine against llama-cpp-python's own Llama.generate(), in one process.
+
+Same GGUF, same threads, same prompt ids; runs alternate (ours, theirs, ours, ...) so drift
+in machine load hits both alike. Prints medians and ratios (above 1: ours is better), the
+prefix cache's multi-turn TTFT against a cold prompt, and prompt-lookup speculation. Measures,
+never asserts.
+
+    .venv/bin/python benchmarks/llamacpp_engine.py [--repeats 5] [--max-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import threading
+import time
+from typing import Any
+
+from engine.bench import fixed_prompt_ids
+from engine.generate import now_ns
+from engine.loader import default_gguf_path
+from engine.metrics import RequestTimeline
+from engine.params import GenerationRequest, SamplingParams
+from engine.peers import result_from_stamps
+from engine.runtimes import LLAMA_CPP, load, new_prefix_cache, new_session
+
+
+def ours(loaded: Any, ids: list[int], max_tokens: int, speculative: str | None = None,
+         pool: Any = None, conversation: str | None = None, reuse: bool = False) -> Any:
+    request = GenerationRequest(
+        [], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+        prompt_token_ids=ids, reuse_cache=reuse, speculative=speculative,
+        conversation_id=conversation)
+    pool = pool or new_prefix_cache(loaded, 1 << 40)
+    return new_session(loaded, pool).run(request, RequestTimeline(now_ns()), threading.Event(),
+                                         lambda _e: None)
+
+
+def theirs(llm: Any, ids: list[int], max_tokens: int) -> Any:
+    llm.reset()
+    stamps, tokens = [], []
+    start = time.perf_counter_ns()
+    for token in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0,
+                              repeat_penalty=1.0):
+        stamps.append(time.perf_counter_ns())
+        tokens.append(token)
+        if len(tokens) >= max_tokens:
+            break
+    result = result_from_stamps(start, stamps)
+    result.token_ids = tokens
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    args = parser.parse_args()
+    import llama_cpp
+
+    loaded = load("default", LLAMA_CPP)
+    llm = llama_cpp.Llama(model_path=str(default_gguf_path()), n_ctx=2048,
+                          n_threads=loaded.n_threads, n_threads_batch=loaded.n_threads,
+                          verbose=False)
+    ids = fixed_prompt_ids(loaded, args.prompt_tokens)
+    ours(loaded, ids[:16], 4)
+    theirs(llm, ids[:16], 4)
+    mine, peer, spec = [], [], []
+    for _ in range(args.repeats):
+        mine.append(ours(loaded, ids, args.max_tokens))
+        peer.append(theirs(llm, ids, args.max_tokens))
+        spec.append(ours(loaded, ids, args.max_tokens, speculative="ngram"))
+    med = statistics.median
+    decode = med(r.metrics.decode_tok_s for r in mine)
+    ttft = med(r.metrics.ttft_s for r in mine)
+    peer_decode = med(r.decode_tok_s for r in peer)
+    peer_ttft = med(r.ttft_s for r in peer)
+    report = {
+        "cpu": platform.processor() or platform.machine(), "threads": loaded.n_threads,
+        "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "decode_tok_s": decode, "llama_cpp_decode_tok_s": peer_decode,
+        "decode_ratio_vs_llama_cpp": decode / peer_decode,
+        "ttft_s": ttft, "llama_cpp_ttft_s": peer_ttft, "ttft_ratio_vs_llama_cpp": peer_ttft / ttft,
+        "greedy_identical": all(r.token_ids == peer[0].token_ids for r in mine),
+        "spec_decode_tok_s": med(r.metrics.decode_tok_s for r in spec),
+        "spec_accept_rate": sum(r.spec_accepted for r in spec)
+        / max(1, sum(r.spec_proposed for r in spec)),
+        "spec_identical": all(r.token_ids == mine[0].token_ids for r in spec),
+    }
+    report["spec_speedup"] = report["spec_decode_tok_s"] / decode
+    report.update(turns(loaded, llm, ids, args))
+    llm.close()
+    print(json.dumps(report, indent=1))
+
+
+def turns(loaded: Any, llm: Any, ids: list[int], args: argparse.Namespace) -> dict[str, Any]:
+    """Turn 2 of a chat whose turn 1 is cached, against llama.cpp prefilling it cold."""
+    pool = new_prefix_cache(loaded, 1 << 40)
+    first = ours(loaded, ids, 16, pool=pool, conversation="chat", reuse=True)
+    second_prompt = ids + first.token_ids[:-1] + ids[:32]
+    cached, cold = [], []
+    for _ in range(args.repeats):
+        pool.drop("chat")
+        ours(loaded, ids, 16, pool=pool, conversation="chat", reuse=True)
+        cached.append(ours(loaded, second_prompt, 2, pool=pool, conversation="chat",
+                           reuse=True))
+        cold.append(theirs(llm, second_prompt, 2))
+    med = statistics.median
+    return {"turn2_prompt_tokens": len(second_prompt),
+            "turn2_cached_tokens": cached[0].metrics.cached_tokens,
+            "turn2_ttft_s": med(r.metrics.ttft_s for r in cached),
+            "llama_cpp_cold_ttft_s": med(r.ttft_s for r in cold),
+            "turn2_ttft_ratio_vs_llama_cpp_cold": med(r.ttft_s for r in cold)
+            / med(r.metrics.ttft_s for r in cached)}
+
+
+if __name__ == "__main__":
+    main()
