@@ -290,9 +290,8 @@ def test_window_shows_prompt_progress_then_the_reply_stats_line(qtbot, make_wind
     window = make_window()
     statuses: list[str] = []
     # Connected after the window's own slots: sees the placeholder as they left it.
-    window.bridge.sig_event.connect(
-        lambda e: statuses.append(window.chat.status_text(e.request_id))
-        if isinstance(e, PrefillProgress) else None)
+    window.bridge.sig_prefill_progress.connect(
+        lambda e: statuses.append(window.chat.status_text(e.request_id)))
 
     with qtbot.waitSignal(window.sig_reply_finished, timeout=60_000):
         assert window.send("The capital of France is Paris. Hello, how are you today?")

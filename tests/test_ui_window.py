@@ -296,11 +296,12 @@ def test_about_box_shows_version_and_model(make_window, qtbot) -> None:
     from PySide6.QtCore import QCoreApplication
 
     from app import __version__
+    from ui.about import about_text
 
     QCoreApplication.setApplicationVersion(__version__)
     window = make_window()
     qtbot.waitUntil(lambda: window.model_info is not None)
-    text = window.about_text()
+    text = about_text(window.model_info)
     assert f"Phasewise {__version__}" in text
     assert window.model_info.name in text
     help_menu = [a.text() for a in window.menuBar().actions()]

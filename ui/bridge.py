@@ -23,6 +23,7 @@ from engine import (
     ModelLoaded,
     ModelLoadFailed,
     ModelLoading,
+    PrefillProgress,
     PrefillStarted,
     RequestFailed,
     RequestFinished,
@@ -45,6 +46,8 @@ class EngineBridge(QObject):
     """A TextFlushed: text held back until the end of a reply."""
     sig_prefill_started = Signal(object)
     """A PrefillStarted: prompt size and how much of it came from the cache."""
+    sig_prefill_progress = Signal(object)
+    """A PrefillProgress: one chunk of a long prompt was read (how far it got)."""
     sig_request_finished = Signal(object)
     """A RequestFinished: the reply is complete (stop, length or cancelled)."""
     sig_request_failed = Signal(object)
@@ -123,6 +126,8 @@ class EngineBridge(QObject):
             self.sig_text_flushed.emit(event)
         elif isinstance(event, PrefillStarted):
             self.sig_prefill_started.emit(event)
+        elif isinstance(event, PrefillProgress):
+            self.sig_prefill_progress.emit(event)
         elif isinstance(event, RequestFinished):
             self.sig_request_finished.emit(event)
         elif isinstance(event, RequestFailed):

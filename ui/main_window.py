@@ -8,12 +8,11 @@ or N alternatives in one chat, of which the user keeps one.
 
 from __future__ import annotations
 
-import html
 import time
 from collections.abc import Callable
 from typing import Any
 
-from PySide6.QtCore import QByteArray, QCoreApplication, QSettings, Qt, QTimer, Signal
+from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer, Signal
 from PySide6.QtGui import (
     QAction,
     QCloseEvent,
@@ -25,21 +24,19 @@ from PySide6.QtGui import (
 from PySide6.QtWidgets import (
     QDockWidget,
     QMainWindow,
-    QMessageBox,
     QSplitter,
     QToolTip,
     QWidget,
 )
 
 from engine import (
-    EngineEvent,
     GenerationResult,
     ModelInfo,
-    PrefillProgress,
     TextFlushed,
     TokenEmitted,
 )
 from engine.protocol import Backend
+from ui.about import show_about
 from ui.bridge import EngineBridge
 from ui.chat_pane import ChatPane, LoadStatus
 from ui.chat_view import CPU_FLUSH_INTERVAL_MS, FLUSH_INTERVAL_MS, Alternative, ChatView
@@ -173,31 +170,14 @@ class MainWindow(QMainWindow):
         view_menu.addAction(self.settings_dock.toggleViewAction())
         view_menu.addAction(self.hud_dock.toggleViewAction())
         help_menu = self.menuBar().addMenu("&Help")
-        help_menu.addAction("About Phasewise", self.show_about)
+        help_menu.addAction("About Phasewise", lambda: show_about(self, self.model_info))
         self.addAction(self.new_action)
         QShortcut(QKeySequence(Qt.Key.Key_Escape), self, self.composer.escape)
-
-    def about_text(self) -> str:
-        """The About box: version (set by the app from pyproject) and the loaded model."""
-        version = QCoreApplication.applicationVersion() or "development build"
-        model = self.model_info
-        running = (
-            f"<p>Model: {html.escape(model.name)} on {model.device} ({model.dtype})</p>"
-            if model else ""
-        )
-        return (
-            f"<h3>Phasewise {version}</h3>"
-            "<p>Chat with local language models and see where the time goes: queue, "
-            "prefill and decode, live.</p>" + running
-        )
-
-    def show_about(self) -> None:
-        QMessageBox.about(self, "About Phasewise", self.about_text())
 
     def _wire(self) -> None:
         b = self.bridge
         b.sig_event.connect(self.hud.on_engine_event)
-        b.sig_event.connect(self._on_prefill_progress)
+        b.sig_prefill_progress.connect(self.chat.show_prefill_progress)
         b.sig_token.connect(self._on_token)
         b.sig_text_flushed.connect(self._on_text_flushed)
         b.sig_request_finished.connect(self.session.on_finished)
@@ -391,11 +371,6 @@ class MainWindow(QMainWindow):
     def _on_token(self, event: TokenEmitted) -> None:
         if self.session.add_text(event.request_id, event.text) is not None:
             self.chat.push_token(event.request_id, event.index, event.text)
-
-    def _on_prefill_progress(self, event: EngineEvent) -> None:
-        """A live reply's prompt is being read: its placeholder says how far."""
-        if isinstance(event, PrefillProgress):
-            self.chat.show_prefill_progress(event)
 
     def _on_text_flushed(self, event: TextFlushed) -> None:
         if self.session.add_text(event.request_id, event.text) is not None:
