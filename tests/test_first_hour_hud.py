@@ -304,3 +304,33 @@ def test_compare_error_tracks_its_current_cause(compare: CompareDialog) -> None:
     first = compare.error.text()
     compare.pickers[1].set_kind(LOCAL)  # the URL is no longer the problem; the prompt is
     assert compare.error.text() == "Type a prompt first." != first
+
+
+# ----- item 3 (the HUD's own exports): feedback, and dialogs that open somewhere useful ---------
+def test_hud_export_to_a_missing_folder_says_so(hud: HudWidget, tmp_path: Path,
+                                                 monkeypatch) -> None:
+    feed(hud, reply("req-1", 2))
+    missing = tmp_path / "no" / "such" / "folder" / "s.csv"
+    monkeypatch.setattr(QFileDialog, "getSaveFileName",
+                        lambda *_a, **_k: (str(missing), "CSV (*.csv)"))
+    hud._ask_export_csv()
+    assert not missing.parent.exists()
+    text = hud.export_label.text()
+    assert text.startswith("Export failed:") and str(missing) in text and "\n" not in text
+
+
+def test_hud_export_says_what_it_wrote_and_remembers_the_folder(
+        hud: HudWidget, tmp_path: Path, monkeypatch) -> None:
+    feed(hud, reply("req-1", 2))
+    starts = []
+
+    def dialog(_parent: object, _title: str, start: str, _filter: str) -> tuple[str, str]:
+        starts.append(start)
+        return str(tmp_path / "s.csv"), "CSV (*.csv)"
+
+    monkeypatch.setattr(QFileDialog, "getSaveFileName", dialog)
+    hud._ask_export_csv()
+    hud._ask_export_csv()
+    assert starts[0] == str(Path.home() / "phasewise-session.csv")
+    assert starts[1] == str(tmp_path / "phasewise-session.csv")
+    assert hud.export_label.text() == f"Saved s.csv, s-tokens.csv in {tmp_path}."

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from PySide6.QtCore import QTimer, Signal
@@ -90,6 +91,7 @@ class HudWidget(QWidget):
         self._selected_id: str | None = None  # None follows the live (latest) reply
         self._pinned = False  # the user picked a past reply: keep it when a new one streams
         self._names: dict[str, tuple[str, int]] = {}  # request id -> (chat title, turn)
+        self.export_dir = Path.home()  # where export dialogs open: home, then the last used
         self._dirty: set[str] = set()
         self._text_interval_s = 0.0
         self._prefill: dict[str, PrefillProgress] = {}  # replies whose prompt is being read
@@ -116,6 +118,11 @@ class HudWidget(QWidget):
         self.pin_label.setWordWrap(True)
         self.pin_label.hide()
         column.addWidget(self.pin_label)
+        self.export_label = QLabel()  # what the last export wrote, or why it could not
+        self.export_label.setObjectName("hudExport")
+        self.export_label.setWordWrap(True)
+        self.export_label.hide()
+        column.addWidget(self.export_label)
         column.addWidget(self._advisor_card())
         for panel in self.panels.values():
             panel.sig_hide_requested.connect(lambda key: self.set_panel_visible(key, False))
@@ -448,18 +455,40 @@ class HudWidget(QWidget):
 
     def _ask_export_csv(self) -> None:
         path, _ = QFileDialog.getSaveFileName(self._dialog_parent(), "Export CSV",
-                                              "phasewise-session.csv", "CSV (*.csv)")
+                                              str(self.export_dir / "phasewise-session.csv"),
+                                              "CSV (*.csv)")
         if path:
-            self.export_csv(path)
+            self.run_export(lambda: self.export_csv(path))
 
     def _ask_export_json(self) -> None:
         path, _ = QFileDialog.getSaveFileName(self._dialog_parent(), "Export JSON",
-                                              "phasewise-session.json", "JSON (*.json)")
+                                              str(self.export_dir / "phasewise-session.json"),
+                                              "JSON (*.json)")
         if path:
-            self.export_json(path)
+            self.run_export(lambda: [self.export_json(path)])
 
     def _ask_export_pngs(self) -> None:
         folder = QFileDialog.getExistingDirectory(self._dialog_parent(),
-                                                  "Export plots to folder")
+                                                  "Export plots to folder", str(self.export_dir))
         if folder:
-            self.export_all_pngs(folder)
+            self.run_export(lambda: self.export_all_pngs(folder))
+
+    def run_export(self, write: Callable[[], list[Path]]) -> bool:
+        """Run one export and say what it wrote, or in one line why it could not (a missing
+        folder, no permission): never a silent close with a traceback on stderr."""
+        try:
+            written = write()
+        except OSError as exc:
+            where = f" {exc.filename}" if exc.filename else ""
+            self._show_export(f"Export failed:{where}: {exc.strerror or exc}.", failed=True)
+            return False
+        self.export_dir = written[0].parent
+        names = ", ".join(path.name for path in written[:3])
+        more = f" and {len(written) - 3} more" if len(written) > 3 else ""
+        self._show_export(f"Saved {names}{more} in {self.export_dir}.", failed=False)
+        return True
+
+    def _show_export(self, text: str, *, failed: bool) -> None:
+        self.export_label.setText(text)
+        self.export_label.setStyleSheet(f"color: {style.CHOSEN if failed else style.MUTED};")
+        self.export_label.show()
