@@ -40,8 +40,8 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 def test_advisor_decode_dominated_matches_the_seed_example() -> None:
     b = breakdown(0.0, 1.5, 1200 * 0.0237, prompt=40, output=1201)
     assert advise(b) == (
-        "Decode owns 95% (1,201 tokens: 1,200 gaps x 23.7 ms). A cap of 400 tokens would save about "
-        "19 s; streaming already makes the perceived wait 1.5 s."
+        "Decode owns 95% (1,201 tokens: 1,200 gaps x 23.7 ms). A cap of 400 tokens would save "
+        "about 19 s; streaming already makes the perceived wait 1.5 s."
     )
 
 
