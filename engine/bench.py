@@ -135,10 +135,10 @@ def _peer_runners(peers: Sequence[str], hf_model: LoadedModel, loaded: LoadedMod
             about["hf_kernel"] = hf_model.info.kernel
             continue
         gguf = gguf_for(loaded.info)
-        about.update(llama_cpp_threads=torch.get_num_threads(), llama_cpp_gguf=gguf.name)
+        threads = runtimes.cpu_threads(loaded)
+        about.update(llama_cpp_threads=threads, llama_cpp_gguf=gguf.name)
         try:
-            llama = stack.enter_context(LlamaCppPeer(
-                gguf, n_threads=torch.get_num_threads(), n_ctx=n_ctx))
+            llama = stack.enter_context(LlamaCppPeer(gguf, n_threads=threads, n_ctx=n_ctx))
         except NativeCrashError as exc:
             _peer_crashed(peer, exc, about, progress)
             continue
