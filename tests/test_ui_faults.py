@@ -6,6 +6,7 @@ from pathlib import Path
 
 from PySide6.QtCore import QSettings
 
+from app.gui import build_backend, build_window
 from engine import Engine
 from tests.fault_injection import ForwardFault
 from tests.test_ui_window import LONG, WAIT_MS, greedy, send_and_wait
@@ -156,7 +157,7 @@ def test_missing_chat_template_is_announced(qtbot, tiny_model_no_template_dir, t
         engine.load_model_sync(str(tiny_model_no_template_dir))
         store = ChatStore(tmp_path / "c.sqlite3")
         settings = QSettings(str(tmp_path / "s.ini"), QSettings.Format.IniFormat)
-        window = MainWindow(engine, store, settings, hud_calibrate=False)
+        window = build_window(build_backend(engine), store, settings, hud_calibrate=False)
         qtbot.addWidget(window)
         assert "no chat template" in window.notice_label.text()
         assert window.notice.isVisibleTo(window)
