@@ -29,7 +29,9 @@ if TYPE_CHECKING:
     from ui.main_window import MainWindow
     from ui.store import ChatStore
 
-SMOKE_PROMPT = "What is the capital of France?"
+# The instruction matters: on the bare question, the 4-bit GGUF through llama.cpp (its own
+# generate() too) answers "L'Étoile, la Marseillaise..."; fp32 weights answer Paris either way.
+SMOKE_PROMPT = "What is the capital of France? Answer in one sentence."
 SMOKE_MAX_TOKENS = 64
 SMOKE_TIMEOUT_MS = 600_000  # the first start converts the GGUF (tens of seconds)
 
