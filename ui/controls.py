@@ -9,6 +9,7 @@ a draft model the user picks (the window loads it; this panel shows which one is
 from __future__ import annotations
 
 from PySide6.QtCore import QSettings, Qt, Signal
+from PySide6.QtGui import QValidator
 from PySide6.QtWidgets import (
     QComboBox,
     QDoubleSpinBox,
@@ -27,7 +28,7 @@ from PySide6.QtWidgets import (
 )
 
 from engine import SamplingParams
-from engine.params import Speculative
+from engine.params import SEED_LIMIT, Speculative
 from engine.protocol import Capabilities
 
 DEFAULT_CONTEXT = 2048
@@ -38,6 +39,19 @@ SPECULATIVE_MODES = (
     ("Prompt lookup (greedy replies)", "ngram"),
     ("Draft model", "draft"),
 )
+
+
+class SeedValidator(QValidator):
+    """A seed is empty (random) or a whole number 0..2**63 - 1, what SamplingParams takes:
+    letters, signs and out-of-range numbers cannot be typed or pasted."""
+
+    def validate(self, text: str, pos: int) -> tuple[QValidator.State, str, int]:
+        stripped = text.strip()
+        if not stripped:
+            return QValidator.State.Acceptable, text, pos
+        if stripped.isdigit() and stripped.isascii() and int(stripped) < SEED_LIMIT:
+            return QValidator.State.Acceptable, text, pos
+        return QValidator.State.Invalid, text, pos
 
 
 def _slider(lo: int, hi: int, value: int) -> QSlider:
@@ -72,6 +86,8 @@ class ControlsPanel(QWidget):
         self.min_p.setSpecialValueText("off")
         self.seed = QLineEdit()
         self.seed.setPlaceholderText("random")
+        self.seed.setValidator(SeedValidator(self.seed))
+        self.seed.setToolTip("Blank for random, or a whole number from 0 to 2**63 - 1")
         self.speculative = QComboBox()
         for label, mode in SPECULATIVE_MODES:
             self.speculative.addItem(label, mode)
@@ -212,8 +228,13 @@ class ControlsPanel(QWidget):
         self.sig_setting_changed.emit("speculative", self.speculative_mode() or "off")
 
     def _seed(self) -> int | None:
+        """The seed field's number (the request validates its range), None when blank. setText
+        bypasses the validator, so a bad value can only come from a file: it is sent as typed
+        and refused with a one-line reason, never read as random."""
         text = self.seed.text().strip()
-        return int(text) if text.lstrip("-").isdigit() else None
+        if not text:
+            return None
+        return int(text) if text.lstrip("-").isdigit() and text.isascii() else -1
 
     def set_context_length(self, context_length: int) -> None:
         """Max tokens ranges up to the loaded model's context length."""
@@ -257,7 +278,9 @@ class ControlsPanel(QWidget):
         min_p = settings.value("min_p")
         if min_p is not None:
             self.min_p.setValue(float(min_p))
-        self.seed.setText(str(settings.value("seed", "") or ""))
+        seed = str(settings.value("seed", "") or "")
+        if self.seed.validator().validate(seed, 0)[0] == QValidator.State.Acceptable:
+            self.seed.setText(seed)  # a hand-edited settings file may hold anything
         if settings.value("speculative") == "ngram":
             self.speculative.setCurrentIndex(self.speculative.findData("ngram"))
         settings.endGroup()

@@ -17,6 +17,7 @@ from engine import (
     ChatMessage,
     GenerationRequest,
     GenerationResult,
+    InvalidRequestError,
     ModelInfo,
     RequestFailed,
     RequestFinished,
@@ -163,7 +164,7 @@ class ChatSession:
         if self.model_info is None:
             return self._refuse("No model is loaded yet: wait for loading to finish, "
                                 "or choose one with Model….")
-        if self._draft_refusal(options, options.alternatives):
+        if self._draft_refusal(options, options.alternatives) or self._params_refusal(options):
             return False
         try:  # nothing is sent unless the message is saved; the composer keeps the text
             conv_id = self._ensure_conversation(text, options.system_prompt)
@@ -186,7 +187,7 @@ class ChatSession:
         if message is None or message.role != "assistant":
             return
         count = alternatives or options.alternatives
-        if self._draft_refusal(options, count):
+        if self._draft_refusal(options, count) or self._params_refusal(options):
             return  # before the old reply is deleted
         try:
             self.store.delete_from(message.conversation_id, message_id)
@@ -426,6 +427,16 @@ class ChatSession:
         if count == 1 and options.speculative == "draft" and not options.draft_loaded:
             self._refuse("No draft model is loaded yet: wait for it, or set Speculative to Off "
                          "(Generation → Advanced).")
+            return True
+        return False
+
+    def _params_refusal(self, options: ReplyOptions) -> bool:
+        """Refuse settings the request would reject (a seed out of range), before anything
+        is saved or deleted."""
+        try:
+            options.params.validate()
+        except InvalidRequestError as exc:
+            self._refuse(f"Not sent: {exc} (Generation → Advanced).")
             return True
         return False
 

@@ -1,0 +1,58 @@
+"""Issue 20's first-hour findings in the window (items 1, 2, 4, 5, 6, 10), through the app's
+own wiring (app.gui's build_window over the tiny engine)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtCore import Qt
+
+WAIT_MS = 30_000
+HUGE_SEED = "99999999999999999999999"
+
+
+def greedy(window: Any, max_tokens: int = 8) -> None:
+    window.controls.temperature.setValue(0)
+    window.controls.max_tokens.setValue(max_tokens)
+
+
+def send_and_wait(qtbot, window: Any, text: str) -> Any:
+    with qtbot.waitSignal(window.sig_reply_finished, timeout=WAIT_MS) as blocker:
+        assert window.send(text)
+    return blocker.args[0]
+
+
+def banner(window: Any) -> str:
+    return window.notice_label.text() if window.notice.isVisibleTo(window) else ""
+
+
+# ----- item 1: the seed field ------------------------------------------------------------------
+def test_the_seed_field_takes_only_a_whole_number_in_range(qtbot, make_window) -> None:
+    window = make_window()
+    seed = window.controls.seed
+    qtbot.keyClicks(seed, "abc-1.5")
+    assert seed.text() == "15"  # letters, signs and points cannot be typed
+    seed.clear()
+    qtbot.keyClicks(seed, HUGE_SEED)
+    assert int(seed.text()) < 2**63  # the digit that would overflow is not taken
+    assert window.controls.params().seed == int(seed.text())
+    seed.clear()
+    assert window.controls.params().seed is None  # blank is random
+
+
+def test_a_bad_seed_is_refused_before_regenerate_deletes_the_reply(qtbot, make_window) -> None:
+    window = make_window()
+    greedy(window)
+    send_and_wait(qtbot, window, "Hello")
+    before = window.store.messages(window.conversation_id)
+    window.controls.seed.setText(HUGE_SEED)  # e.g. from a hand-edited settings file
+
+    window.regenerate(before[-1].id)
+
+    assert window.reply is None
+    assert window.store.messages(window.conversation_id) == before  # the reply is kept
+    text = banner(window)
+    assert text.startswith("Not sent: seed must be from 0 to 2**63 - 1")
+    assert "\n" not in text and "Overflow" not in text
+    assert not window.send("Another")  # a send is refused the same way, the text kept
+    assert window.store.messages(window.conversation_id) == before
