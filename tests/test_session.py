@@ -117,9 +117,12 @@ def test_alternatives_wait_for_a_pick_then_one_is_kept(session: Any,
 
 
 def test_a_failed_request_gives_the_text_back(session: Any) -> None:
-    assert session.send("Hello", options(temperature=-1.0))  # invalid: the engine refuses
+    # the view says a draft model is loaded but the engine has none: the engine refuses
+    failing = ReplyOptions(SamplingParams(temperature=0.0, max_tokens=6),
+                           speculative="draft", draft_loaded=True)
+    assert session.send("Hello", failing)
     conv = session.conversation_id
     pump(session)
     assert session.view.said("restore_text") == ["Hello"]
-    assert "temperature" in session.view.said("reply_failed")[0]
+    assert "draft model" in session.view.said("reply_failed")[0]
     assert session.store.messages(conv) == []
