@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from PySide6.QtCore import Qt
-
 WAIT_MS = 30_000
 HUGE_SEED = "99999999999999999999999"
 
@@ -56,3 +54,37 @@ def test_a_bad_seed_is_refused_before_regenerate_deletes_the_reply(qtbot, make_w
     assert "\n" not in text and "Overflow" not in text
     assert not window.send("Another")  # a send is refused the same way, the text kept
     assert window.store.messages(window.conversation_id) == before
+
+
+# ----- item 2: drafts are kept per chat ------------------------------------------------------
+def test_drafts_stay_with_their_chat_across_switches_and_a_restart(qtbot, make_window) -> None:
+    window = make_window()
+    greedy(window)
+    window.composer.alternatives.setValue(2)
+    with qtbot.waitSignal(window.sig_alternatives_ready, timeout=WAIT_MS):
+        assert window.send("Hello")
+    chat_a = window.conversation_id
+    window.composer.set_text("Thanks")
+    assert not window.send(window.composer.text())  # keep an alternative first
+    assert window.composer.text() == "Thanks"
+
+    window.new_action.trigger()  # Ctrl+N
+    assert window.composer.text() == ""  # A's draft stayed with A
+    window.composer.alternatives.setValue(1)
+    qtbot.keyClicks(window.composer.editor, "What is the capital of France?")
+    send_and_wait(qtbot, window, window.composer.text())
+    chat_b = window.conversation_id
+    assert window.store.conversation(chat_b).title == "What is the capital of France?"
+
+    window.composer.set_text("half a thought")
+    window.open_conversation(chat_a)
+    assert window.composer.text() == "Thanks"
+    window.open_conversation(chat_b)
+    assert window.composer.text() == "half a thought"
+    window.close()
+
+    restarted = make_window()
+    assert restarted.conversation_id == chat_b
+    assert restarted.composer.text() == "half a thought"
+    restarted.open_conversation(chat_a)
+    assert restarted.composer.text() == "Thanks"

@@ -55,6 +55,7 @@ from ui.sidebar import Sidebar
 from ui.store import DONE, ChatStore, Message
 
 SAVE_INTERVAL_MS = 500  # how often a streaming reply's text is written to the database
+DRAFTS_GROUP = "drafts"  # QSettings: unsent composer text by chat id ("new": the unsaved chat)
 
 
 class MainWindow(QMainWindow):
@@ -88,6 +89,7 @@ class MainWindow(QMainWindow):
         self.load_options = dict(load_options or {})
         self.bridge = EngineBridge(engine, self)
         self.session = ChatSession(engine, store, self)
+        self._draft_key: str | None = None  # whose draft the composer holds (None: nobody's)
 
         self._build_widgets()
         self._build_docks(hud_calibrate)
@@ -210,8 +212,10 @@ class MainWindow(QMainWindow):
 
     def new_chat(self) -> None:
         """Start an empty chat; it is saved when the first message is sent."""
+        self._stash_draft()
         self._leave_edit_mode()
         self.session.conversation_id = None
+        self._take_draft(None)
         self.pane.set_title("New chat")
         self.controls.set_system_prompt("")
         self.chat.show_messages([])
@@ -225,8 +229,10 @@ class MainWindow(QMainWindow):
         conv = self.store.conversation(conv_id)
         if conv is None:
             return
+        self._stash_draft()
         self._leave_edit_mode()
         self.session.conversation_id = conv_id
+        self._take_draft(conv_id)
         self.pane.set_title(conv.title)
         self.controls.set_system_prompt(conv.system_prompt)
         self._render_conversation()
@@ -236,10 +242,30 @@ class MainWindow(QMainWindow):
     def delete_conversation(self, conv_id: str) -> None:
         if not self.session.delete_conversation(conv_id):
             return
+        self.settings.remove(f"{DRAFTS_GROUP}/{conv_id}")
         if conv_id == self.conversation_id:
+            self._draft_key = None  # its draft goes with it
             self.new_chat()
         else:
             self.sidebar.refresh()
+
+    # ----- drafts: unsent text stays with its chat, across switches and restarts ----------------
+    def _stash_draft(self) -> None:
+        """Keep the composer's text as the shown chat's draft (an edit in progress is not a
+        draft: leaving the chat cancels it)."""
+        if self._draft_key is None:
+            return
+        text = "" if self.composer.editing else self.composer.text()
+        key = f"{DRAFTS_GROUP}/{self._draft_key}"
+        if text.strip():
+            self.settings.setValue(key, text)
+        else:
+            self.settings.remove(key)
+
+    def _take_draft(self, conv_id: str | None) -> None:
+        self._draft_key = conv_id or "new"
+        self.composer.set_text(str(self.settings.value(f"{DRAFTS_GROUP}/{self._draft_key}", "")
+                                   or ""))
 
     def _render_conversation(self) -> None:
         """Saved messages, finished alternatives, then this chat's live replies."""
@@ -323,12 +349,16 @@ class MainWindow(QMainWindow):
 
     # ----- SessionView: what the session reports -------------------------------------------------
     def conversation_created(self, conv_id: str, title: str) -> None:
+        self.settings.remove(f"{DRAFTS_GROUP}/new")  # the draft became its first message
+        self._draft_key = conv_id
         self.pane.set_title(title)
         self.sidebar.refresh(select=conv_id)
 
     def message_saved(self) -> None:
         self.pane.hide_notice()
         self.composer.clear()
+        if self._draft_key is not None:
+            self.settings.remove(f"{DRAFTS_GROUP}/{self._draft_key}")
         self._leave_edit_mode()
 
     def reply_started(self, reply: ActiveReply) -> None:
@@ -446,5 +476,6 @@ class MainWindow(QMainWindow):
         Alternatives nobody kept are discarded."""
         self.session.close()
         self.bridge.detach()
+        self._stash_draft()
         self.save_settings()
         super().closeEvent(event)
