@@ -71,15 +71,17 @@ LLAMA_KEY      := $(shell echo "$(LLAMA_CPP_VERSION) $(LLAMA_CMAKE_ARGS)" | sha2
 WHEEL_CACHE    ?= $(HOME)/.cache/phasewise/wheels
 LLAMA_WHEELDIR := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_KEY)
 LLAMA_STAMP    := $(VENV)/.llama-cpp-$(LLAMA_KEY)
+FLOCK          := $(shell command -v flock 2>/dev/null)
 
 $(LLAMA_WHEELDIR)/.built:
 	@echo "building llama-cpp-python $(LLAMA_CPP_VERSION) (portable: $(LLAMA_CMAKE_ARGS))"
 	mkdir -p $(LLAMA_WHEELDIR)
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+	# One build at a time per flags (a second make waits, then finds the wheel built).
+	$(if $(FLOCK),flock $(LLAMA_WHEELDIR)/.lock) sh -c 'test -f $@ || { \
+		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
 		$(PIP) wheel --quiet --no-deps --no-cache-dir --no-binary llama-cpp-python \
-		-w $(LLAMA_WHEELDIR) "llama-cpp-python==$(LLAMA_CPP_VERSION)"
-	echo "$(LLAMA_CMAKE_ARGS)" > $(LLAMA_WHEELDIR)/cmake-args.txt
-	touch $@
+		-w $(LLAMA_WHEELDIR) "llama-cpp-python==$(LLAMA_CPP_VERSION)" && \
+		echo "$(LLAMA_CMAKE_ARGS)" > $(LLAMA_WHEELDIR)/cmake-args.txt && touch $@; }'
 
 # The stamp's name carries the flags' hash: other flags, another stamp, a reinstall.
 $(LLAMA_STAMP): $(STAMP) $(LLAMA_WHEELDIR)/.built
