@@ -88,3 +88,37 @@ def test_drafts_stay_with_their_chat_across_switches_and_a_restart(qtbot, make_w
     assert restarted.composer.text() == "half a thought"
     restarted.open_conversation(chat_a)
     assert restarted.composer.text() == "Thanks"
+
+
+# ----- item 5: banners clear when their cause does -------------------------------------------
+def test_model_banners_clear_when_a_model_loads(qtbot, make_window, tiny_model_dir,
+                                                tmp_path) -> None:
+    window = make_window()
+    with qtbot.waitSignal(window.bridge.sig_model_load_failed, timeout=WAIT_MS):
+        window.load_model(str(tmp_path / "no-such-model"))
+    assert banner(window).startswith("Model not loaded")
+    with qtbot.waitSignal(window.bridge.sig_model_loaded, timeout=WAIT_MS):
+        window.load_model(str(tiny_model_dir))
+    assert banner(window) == ""
+
+    window.session.model_info = None  # as while the first model is still loading
+    assert not window.send("Hello")
+    assert banner(window).startswith("No model is loaded yet")
+    assert not banner(window).endswith("….")  # no stray period after the ellipsis
+    with qtbot.waitSignal(window.bridge.sig_model_loaded, timeout=WAIT_MS):
+        window.load_model(str(tiny_model_dir))
+    assert banner(window) == ""
+
+
+def test_the_busy_banner_clears_when_the_reply_ends(qtbot, make_window) -> None:
+    window = make_window()
+    greedy(window, 200)
+    with qtbot.waitSignal(window.sig_reply_finished, timeout=WAIT_MS):
+        assert window.send("Hello")
+        assert not window.send("Again")
+        assert banner(window).startswith("A reply is still being written")
+    assert banner(window) == ""
+
+    window.notify("Copied somewhere")  # a notice with no cause stays until dismissed
+    window.new_chat()
+    assert banner(window) == "Copied somewhere"

@@ -31,7 +31,7 @@ class RecordingView:
         self.calls: list[tuple[str, Any]] = []
 
     def __getattr__(self, name: str) -> Any:
-        return lambda *args: self.calls.append((name, args[0] if len(args) == 1 else args))
+        return lambda *args, **_kw: self.calls.append((name, args[0] if len(args) == 1 else args))
 
     def said(self, name: str) -> list[Any]:
         return [arg for called, arg in self.calls if called == name]

@@ -23,6 +23,7 @@ from PySide6.QtWidgets import (
 from engine import ModelInfo
 from ui.chat_view import ChatView
 from ui.composer import Composer
+from ui.session import Until
 
 
 class ChatPane(QWidget):
@@ -68,24 +69,33 @@ class ChatPane(QWidget):
         close = QToolButton()
         close.setText("✕")
         close.setAutoRaise(True)
-        close.clicked.connect(self.notice.hide)
+        close.clicked.connect(self.hide_notice)
         row = QHBoxLayout(self.notice)
         row.setContentsMargins(12, 6, 6, 6)
         row.addWidget(self.notice_label, 1)
         row.addWidget(close)
         self.notice.hide()
+        self._until: Until | None = None  # what makes the notice shown stale
         return self.notice
 
     def set_title(self, title: str) -> None:
         self.title_label.setText(title)
 
-    def notify(self, message: str) -> None:
-        """Show a one-line message above the composer until dismissed."""
+    def notify(self, message: str, until: Until | None = None) -> None:
+        """Show a one-line message above the composer until dismissed, replaced, or (with
+        `until`) that change happens."""
         self.notice_label.setText(message)
+        self._until = until
         self.notice.show()
 
     def hide_notice(self) -> None:
         self.notice.hide()
+        self._until = None
+
+    def cause_ended(self, cause: Until) -> None:
+        """What a notice was about is over: hide it if it waited for that."""
+        if self._until == cause:
+            self.hide_notice()
 
 
 class LoadStatus:

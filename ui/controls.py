@@ -86,7 +86,8 @@ class ControlsPanel(QWidget):
         self.min_p.setSpecialValueText("off")
         self.seed = QLineEdit()
         self.seed.setPlaceholderText("random")
-        self.seed.setValidator(SeedValidator(self.seed))
+        self._seed_validator = SeedValidator(self.seed)
+        self.seed.setValidator(self._seed_validator)
         self.seed.setToolTip("Blank for random, or a whole number from 0 to 2**63 - 1")
         self.speculative = QComboBox()
         for label, mode in SPECULATIVE_MODES:
@@ -279,7 +280,7 @@ class ControlsPanel(QWidget):
         if min_p is not None:
             self.min_p.setValue(float(min_p))
         seed = str(settings.value("seed", "") or "")
-        if self.seed.validator().validate(seed, 0)[0] == QValidator.State.Acceptable:
+        if self._seed_validator.validate(seed, 0)[0] == QValidator.State.Acceptable:
             self.seed.setText(seed)  # a hand-edited settings file may hold anything
         if settings.value("speculative") == "ngram":
             self.speculative.setCurrentIndex(self.speculative.findData("ngram"))

@@ -49,6 +49,7 @@ from ui.session import (
     ActiveReply,
     ChatSession,
     ReplyOptions,
+    Until,
     store_message,
 )
 from ui.sidebar import Sidebar
@@ -281,8 +282,14 @@ class MainWindow(QMainWindow):
         self._show_context_fill(messages)
 
     def _update_busy(self) -> None:
-        """The composer's Stop button follows the chat on screen."""
-        self.composer.set_busy(bool(self.session.running(self.conversation_id)))
+        """The composer's Stop button follows the chat on screen, and so do notices about it
+        (a refusal while it was writing or awaiting a pick)."""
+        running = bool(self.session.running(self.conversation_id))
+        self.composer.set_busy(running)
+        if not running:
+            self.pane.cause_ended("reply")
+        if self.conversation_id not in self.session.alternative_sets:
+            self.pane.cause_ended("pick")
 
     # ----- what users do (the session decides, the window shows) ---------------------------------
     def reply_options(self) -> ReplyOptions:
@@ -393,9 +400,10 @@ class MainWindow(QMainWindow):
         else:
             self._save_timer.stop()
 
-    def notify(self, message: str) -> None:
-        """Show a one-line message above the composer until dismissed."""
-        self.pane.notify(message)
+    def notify(self, message: str, until: Until | None = None) -> None:
+        """Show a one-line message above the composer until dismissed, replaced, or (with
+        `until`) its cause is over."""
+        self.pane.notify(message, until)
 
     # ----- engine events -----------------------------------------------------------------
     def _on_token(self, event: TokenEmitted) -> None:
@@ -434,6 +442,7 @@ class MainWindow(QMainWindow):
         self.status.show_model(info)
         if info is None:
             return
+        self.pane.cause_ended("model")  # before a note about this model
         if info.template_fallback:
             self.notify(f"{info.name} has no chat template; using a plain "
                         "'User: / Assistant:' format, so replies may be weaker.")

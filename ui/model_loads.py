@@ -7,8 +7,7 @@ in the controls.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from PySide6.QtCore import QObject
 from PySide6.QtWidgets import QWidget
@@ -20,13 +19,18 @@ from ui.bridge import EngineBridge
 from ui.chat_pane import LoadStatus
 from ui.controls import ControlsPanel
 from ui.model_picker import ModelPickerDialog
+from ui.session import Until
+
+
+class Notify(Protocol):
+    def __call__(self, message: str, until: Until | None = None) -> None: ...
 
 
 class ModelLoads(QObject):
     """Starts loads on a backend and shows how they went."""
 
     def __init__(self, window: QWidget, engine: Backend, bridge: EngineBridge,
-                 status: LoadStatus, controls: ControlsPanel, notify: Callable[[str], None],
+                 status: LoadStatus, controls: ControlsPanel, notify: Notify,
                  load_options: dict[str, Any]) -> None:
         super().__init__(window)
         self.window = window
@@ -76,7 +80,7 @@ class ModelLoads(QObject):
         self.status.done()
         model = self.engine.model_info  # the old model stays
         kept = f" Still using {model.name}." if model else ""
-        self.notify(f"Model not loaded: {message.rstrip('.')}.{kept}")
+        self.notify(f"Model not loaded: {message.rstrip('.')}.{kept}", "model")
 
     def _on_draft_changed(self, event: DraftModelChanged) -> None:
         if event.name is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, Literal, Protocol, cast
 
 from engine import (
     ChatMessage,
@@ -36,6 +36,9 @@ from ui.store import (
 )
 
 TITLE_CHARS = 48
+# What clears a notice (see SessionView.notify): a model loaded, the chat on screen's replies
+# ended, its alternatives were kept or dropped.
+Until = Literal["model", "reply", "pick"]
 FINISH_STATUS = {"stop": DONE, "length": "length", "cancelled": STOPPED, "error": "error"}
 DEFAULT_ALTERNATIVES = 3  # the Alternatives link when the composer asks for one reply
 
@@ -78,8 +81,9 @@ class ReplyOptions:
 class SessionView(Protocol):
     """What a session asks of the screen (the window; a recorder in tests)."""
 
-    def notify(self, message: str) -> None:
-        """Show a one-line message (a refusal, a failure, a note)."""
+    def notify(self, message: str, until: Until | None = None) -> None:
+        """Show a one-line message (a refusal, a failure, a note); `until` names the change
+        that makes it stale (None: it stays until dismissed or replaced)."""
 
     def conversation_created(self, conv_id: str, title: str) -> None: ...
 
@@ -163,7 +167,7 @@ class ChatSession:
             return self._refuse("Type a message first.")
         if self.model_info is None:
             return self._refuse("No model is loaded yet: wait for loading to finish, "
-                                "or choose one with Model….")
+                                "or choose one with the Model… button.", until="model")
         if self._draft_refusal(options, options.alternatives) or self._params_refusal(options):
             return False
         try:  # nothing is sent unless the message is saved; the composer keeps the text
@@ -417,8 +421,8 @@ class ChatSession:
         return False
 
     # ----- refusals ---------------------------------------------------------------------------
-    def _refuse(self, message: str) -> bool:
-        self.view.notify(message)
+    def _refuse(self, message: str, until: Until | None = None) -> bool:
+        self.view.notify(message, until=until)
         return False
 
     def _draft_refusal(self, options: ReplyOptions, count: int) -> bool:
@@ -444,10 +448,12 @@ class ChatSession:
         """Refuse to start in the chat on screen while it is writing or awaiting a pick
         (other chats may be writing: their replies run alongside)."""
         if self.running(self.conversation_id):
-            self._refuse("A reply is still being written: press Esc to stop it first.")
+            self._refuse("A reply is still being written: press Esc to stop it first.",
+                         until="reply")
             return True
         if self.conversation_id in self.alternative_sets:
-            self._refuse("Keep one of the alternatives first (the Keep this one link).")
+            self._refuse("Keep one of the alternatives first (the Keep this one link).",
+                         until="pick")
             return True
         return False
 
