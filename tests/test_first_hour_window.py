@@ -122,3 +122,26 @@ def test_the_busy_banner_clears_when_the_reply_ends(qtbot, make_window) -> None:
     window.notify("Copied somewhere")  # a notice with no cause stays until dismissed
     window.new_chat()
     assert banner(window) == "Copied somewhere"
+
+
+# ----- item 6: rename ----------------------------------------------------------------------------
+def test_rename_updates_the_header_and_an_empty_title_is_refused(qtbot, make_window) -> None:
+    window = make_window()
+    greedy(window, 2)
+    send_and_wait(qtbot, window, "Hello")
+    conv_id = window.conversation_id
+    item = window.sidebar.list.currentItem()
+
+    item.setText("  Greetings  ")  # what an inline edit (F2) commits
+    assert window.pane.title_label.text() == "Greetings"
+    assert window.store.conversation(conv_id).title == "Greetings"
+
+    item.setText("   ")
+    assert window.sidebar.list.currentItem().text() == "Greetings"  # no blank row
+    assert window.store.conversation(conv_id).title == "Greetings"
+    assert window.pane.title_label.text() == "Greetings"
+
+    window.sidebar.rename(conv_id, "")  # the context menu's dialog
+    assert window.store.conversation(conv_id).title == "Greetings"
+    window.sidebar.rename(conv_id, "Hi there")
+    assert window.pane.title_label.text() == "Hi there"

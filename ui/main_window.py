@@ -196,6 +196,7 @@ class MainWindow(QMainWindow):
         self.sidebar.sig_selected.connect(self.open_conversation)
         self.sidebar.sig_new.connect(self.new_chat)
         self.sidebar.sig_delete.connect(self.delete_conversation)
+        self.sidebar.sig_renamed.connect(self._on_renamed)
         self.sidebar.sig_store_error.connect(lambda message: self.notify(store_message(message)))
         self.controls.sig_setting_changed.connect(
             lambda name, value: self.hud.mark_setting_change(name, value, time.perf_counter_ns())
@@ -239,6 +240,10 @@ class MainWindow(QMainWindow):
         self._render_conversation()
         self.sidebar.refresh(select=conv_id)
         self._update_busy()
+
+    def _on_renamed(self, conv_id: str, title: str) -> None:
+        if conv_id == self.conversation_id:
+            self.pane.set_title(title)
 
     def delete_conversation(self, conv_id: str) -> None:
         if not self.session.delete_conversation(conv_id):

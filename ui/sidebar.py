@@ -30,6 +30,8 @@ class Sidebar(QWidget):
     """The user asked to delete a conversation (its id)."""
     sig_store_error = Signal(str)
     """A rename could not be saved; the argument is the one-line reason."""
+    sig_renamed = Signal(str, str)
+    """A chat's new title was saved: (conversation id, title)."""
 
     def __init__(self, store: ChatStore, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -84,10 +86,17 @@ class Sidebar(QWidget):
         return [self.list.item(i).data(ID_ROLE) for i in range(self.list.count())]
 
     def rename(self, conv_id: str, title: str) -> None:
+        """Save a new title; an empty one is refused (the old title stays)."""
         title = title.strip()
         if title:
             self._save_title(conv_id, title)
         self.refresh()
+
+    def start_rename(self) -> None:
+        """Edit the selected chat's title in place (as F2 does)."""
+        item = self.list.currentItem()
+        if item is not None and item.data(ID_ROLE) == self._current_id:
+            self.list.editItem(item)
 
     def _on_current(self, item: QListWidgetItem | None, _previous: object) -> None:
         if item is not None:
@@ -95,16 +104,24 @@ class Sidebar(QWidget):
             self.sig_selected.emit(self._current_id)
 
     def _on_item_edited(self, item: QListWidgetItem) -> None:
-        """Inline rename (double-click or F2); the item already shows the new title."""
-        title = item.text().strip()
+        """Inline rename (double-click or F2); the item already shows the new title. An empty
+        one is refused: the row shows the saved title again."""
+        conv_id, title = item.data(ID_ROLE), item.text().strip()
         if title:
-            self._save_title(item.data(ID_ROLE), title)
+            self._save_title(conv_id, title)
+        conv = self.store.conversation(conv_id)
+        if conv is not None and item.text() != conv.title:
+            blocked = self.list.blockSignals(True)
+            item.setText(conv.title)
+            self.list.blockSignals(blocked)
 
     def _save_title(self, conv_id: str, title: str) -> None:
         try:
             self.store.rename(conv_id, title)
         except StoreError as exc:
             self.sig_store_error.emit(str(exc))
+        else:
+            self.sig_renamed.emit(conv_id, title)
 
     def _context_menu(self, pos: QPoint) -> None:
         item = self.list.itemAt(pos)
