@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from PySide6.QtWidgets import QMessageBox
+
 WAIT_MS = 30_000
 HUGE_SEED = "99999999999999999999999"
 
@@ -145,3 +147,61 @@ def test_rename_updates_the_header_and_an_empty_title_is_refused(qtbot, make_win
     assert window.store.conversation(conv_id).title == "Greetings"
     window.sidebar.rename(conv_id, "Hi there")
     assert window.pane.title_label.text() == "Hi there"
+
+
+# ----- item 4: destructive actions ask first -----------------------------------------------------
+class Answers:
+    """QMessageBox.question, answered: records each question and its default button."""
+
+    def __init__(self, answer: QMessageBox.StandardButton) -> None:
+        self.answer = answer
+        self.asked: list[tuple[str, QMessageBox.StandardButton]] = []
+
+    def __call__(self, _parent, _title, text, _buttons, default) -> QMessageBox.StandardButton:
+        self.asked.append((text, default))
+        return self.answer
+
+
+def test_delete_chat_asks_first_and_no_keeps_it(qtbot, make_window, monkeypatch) -> None:
+    window = make_window()
+    greedy(window, 2)
+    send_and_wait(qtbot, window, "Keep me")
+    conv_id = window.conversation_id
+    answers = Answers(QMessageBox.StandardButton.No)
+    monkeypatch.setattr(QMessageBox, "question", answers)
+
+    window.sidebar.sig_delete.emit(conv_id)  # the context menu's Delete
+    assert "Keep me" in answers.asked[0][0]
+    assert answers.asked[0][1] == QMessageBox.StandardButton.No  # the default keeps the chat
+    assert window.store.conversation(conv_id) is not None
+    assert window.conversation_id == conv_id
+
+    answers.answer = QMessageBox.StandardButton.Yes
+    window.sidebar.sig_delete.emit(conv_id)
+    assert window.store.conversation(conv_id) is None
+
+
+def test_edit_and_resend_says_how_many_turns_it_drops(qtbot, make_window, monkeypatch) -> None:
+    window = make_window()
+    greedy(window, 2)
+    for text in ("First", "Second", "Third"):
+        send_and_wait(qtbot, window, text)
+    messages = window.store.messages(window.conversation_id)
+    answers = Answers(QMessageBox.StandardButton.No)
+    monkeypatch.setattr(QMessageBox, "question", answers)
+
+    window.edit(messages[0].id)
+    assert "2 later turns" in answers.asked[0][0]
+    assert answers.asked[0][1] == QMessageBox.StandardButton.No
+    assert not window.composer.editing and window.composer.text() == ""
+
+    window.edit(messages[-2].id)  # the last message: only its own reply is replaced
+    assert len(answers.asked) == 1 and window.composer.editing
+    window.composer.escape()
+
+    answers.answer = QMessageBox.StandardButton.Yes
+    window.edit(messages[0].id)
+    assert window.composer.editing and window.composer.text() == "First"
+    send_and_wait(qtbot, window, "First, again")
+    after = window.store.messages(window.conversation_id)
+    assert [m.role for m in after] == ["user", "assistant"] and after[0].content == "First, again"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from PySide6.QtCore import QSettings
+from PySide6.QtWidgets import QMessageBox
 
 from app.gui import build_backend, build_window
 from engine import Engine
@@ -81,7 +82,9 @@ def test_out_of_memory_mid_reply_says_so_and_next_turn_works(
     send_and_wait(qtbot, window, "And then?")
 
 
-def test_deleting_the_streaming_chat_stops_it_cleanly(qtbot, make_window, tiny_engine) -> None:
+def test_deleting_the_streaming_chat_stops_it_cleanly(qtbot, make_window, tiny_engine,
+                                                      monkeypatch) -> None:
+    monkeypatch.setattr(QMessageBox, "question", lambda *_a: QMessageBox.StandardButton.Yes)
     window = make_window()
     start_long_reply(qtbot, window)
     conv = window.conversation_id

@@ -6,6 +6,7 @@ import threading
 
 import pytest
 from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QMessageBox
 
 from engine import Engine, GenerationRequest, PrefillStarted, SamplingParams, TokenEmitted
 from ui.main_window import MainWindow
@@ -229,7 +230,9 @@ def test_sidebar_search_rename_delete(qtbot, make_window, tiny_engine) -> None:
     assert store.conversation(code).title == "Strings in Python"
     window.sidebar.list.setCurrentRow(window.sidebar.visible_ids().index(paris))
     assert window.conversation_id == paris
-    window.delete_conversation(paris)
+    with pytest.MonkeyPatch.context() as answer:  # the user confirms
+        answer.setattr(QMessageBox, "question", lambda *_a: QMessageBox.StandardButton.Yes)
+        window.delete_conversation(paris)
     assert store.conversation(paris) is None
     assert window.conversation_id is None
     assert window.sidebar.visible_ids() == [code]

@@ -24,6 +24,7 @@ from PySide6.QtGui import (
 from PySide6.QtWidgets import (
     QDockWidget,
     QMainWindow,
+    QMessageBox,
     QSplitter,
     QToolTip,
     QWidget,
@@ -54,6 +55,15 @@ from ui.session import (
 )
 from ui.sidebar import Sidebar
 from ui.store import DONE, ChatStore, Message
+
+
+def confirm(parent: QWidget, title: str, question: str) -> bool:
+    """Ask before a destructive action; No is the default (Enter or Esc keep things)."""
+    box = QMessageBox.question(parent, title, question,
+                               QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No,
+                               QMessageBox.StandardButton.No)
+    return box == QMessageBox.StandardButton.Yes
+
 
 SAVE_INTERVAL_MS = 500  # how often a streaming reply's text is written to the database
 DRAFTS_GROUP = "drafts"  # QSettings: unsent composer text by chat id ("new": the unsaved chat)
@@ -246,6 +256,12 @@ class MainWindow(QMainWindow):
             self.pane.set_title(title)
 
     def delete_conversation(self, conv_id: str) -> None:
+        """Delete a chat after the user confirms (its replies are stopped)."""
+        conv = self.store.conversation(conv_id)
+        if conv is None or not confirm(self, "Delete chat",
+                                       f"Delete “{conv.title}” and all its messages? "
+                                       "This cannot be undone."):
+            return
         if not self.session.delete_conversation(conv_id):
             return
         self.settings.remove(f"{DRAFTS_GROUP}/{conv_id}")
@@ -319,7 +335,13 @@ class MainWindow(QMainWindow):
         return self.session.keep_alternative(index)
 
     def edit(self, message_id: int) -> None:
-        """Put a user message back in the composer; sending replaces it and what followed."""
+        """Put a user message back in the composer; sending replaces it and what followed
+        (asked first when later turns would go)."""
+        later = self.session.later_turns(message_id)
+        if later and not confirm(self, "Edit & resend",
+                                 f"Resending this message deletes its reply and the {later} "
+                                 f"later turn{'s' if later > 1 else ''} of this chat. Edit it?"):
+            return
         text = self.session.begin_edit(message_id)
         if text is not None:
             self.composer.set_text(text)

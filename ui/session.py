@@ -148,6 +148,14 @@ class ChatSession:
         alts = self.alternative_sets.get(conv_id) if conv_id else None
         return sorted(alts.results.items()) if alts else []
 
+    def later_turns(self, message_id: int) -> int:
+        """How many of its chat's user turns come after a message (an edit drops them)."""
+        message = self.store.message(message_id)
+        if message is None:
+            return 0
+        return sum(1 for m in self.store.messages(message.conversation_id)
+                   if m.id > message_id and m.role == "user")
+
     def history(self, conv_id: str) -> list[ChatMessage]:
         conv = self.store.conversation(conv_id)
         history = []
