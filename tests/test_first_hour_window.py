@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QMessageBox
 
 WAIT_MS = 30_000
@@ -205,3 +206,65 @@ def test_edit_and_resend_says_how_many_turns_it_drops(qtbot, make_window, monkey
     send_and_wait(qtbot, window, "First, again")
     after = window.store.messages(window.conversation_id)
     assert [m.role for m in after] == ["user", "assistant"] and after[0].content == "First, again"
+
+
+# ----- item 10: keyboard -------------------------------------------------------------------------
+def test_tab_from_the_message_box_never_types_into_the_system_prompt(qtbot, make_window) -> None:
+    window = make_window()
+    window.show()
+    qtbot.waitExposed(window)
+    editor, prompt = window.composer.editor, window.controls.system_prompt
+    prompt.setPlainText("Be brief.")
+    editor.setFocus()
+    qtbot.waitUntil(editor.hasFocus)
+    for _ in range(8):  # past the composer's buttons into the settings and beyond
+        qtbot.keyClick(window.focusWidget(), Qt.Key.Key_Tab)
+    assert prompt.toPlainText() == "Be brief."
+    assert "\t" not in editor.toPlainText()
+    prompt.setFocus()
+    qtbot.keyClick(prompt, Qt.Key.Key_Tab)
+    assert prompt.toPlainText() == "Be brief." and not prompt.hasFocus()
+
+
+def test_shortcuts_search_and_switch_chats_and_are_all_listed(qtbot, make_window,
+                                                             monkeypatch) -> None:
+    window = make_window()
+    window.show()
+    qtbot.waitExposed(window)
+    greedy(window, 2)
+    chats = []
+    for text in ("One", "Two", "Three"):
+        window.new_chat()
+        send_and_wait(qtbot, window, text)
+        chats.append(window.conversation_id)
+    listed = window.sidebar.visible_ids()  # newest first
+    window.composer.focus()
+    qtbot.waitUntil(window.composer.editor.hasFocus)
+
+    qtbot.keyClick(window.composer.editor, Qt.Key.Key_Tab, Qt.KeyboardModifier.ControlModifier)
+    assert window.conversation_id == listed[1]
+    qtbot.keyClick(window.focusWidget(), Qt.Key.Key_PageDown, Qt.KeyboardModifier.ControlModifier)
+    assert window.conversation_id == listed[2]
+    qtbot.keyClick(window.focusWidget(), Qt.Key.Key_PageUp, Qt.KeyboardModifier.ControlModifier)
+    assert window.conversation_id == listed[1]
+    window.previous_chat_action.trigger()
+    assert window.conversation_id == listed[0]
+
+    qtbot.keyClick(window.focusWidget(), Qt.Key.Key_F, Qt.KeyboardModifier.ControlModifier)
+    assert window.sidebar.search.hasFocus()
+
+    chat_menu = window.menuBar().actions()[0].menu()
+    assert {window.rename_action, window.delete_action} <= set(chat_menu.actions())
+    monkeypatch.setattr(QMessageBox, "question", lambda *_a: QMessageBox.StandardButton.Yes)
+    window.delete_action.trigger()
+    assert window.store.conversation(listed[0]) is None
+
+    dialog = window.show_shortcuts()
+    rows = dict((action, keys) for keys, action in dialog.rows())
+    for action in ("New chat", "Search chats", "Next chat", "Previous chat", "Rename chat",
+                   "Delete chat", "Quit"):
+        assert rows[action], action
+    assert "Ctrl+Tab" in rows["Next chat"] and "F2" in rows["Rename chat"]
+    assert "Enter" in dict(dialog.rows()) and "Esc" in dict(dialog.rows())
+    dialog.close()
+

@@ -1,11 +1,20 @@
-"""The About box: the version the app was built as and the model it is running."""
+"""The About box (version and model) and the Keyboard shortcuts dialog."""
 
 from __future__ import annotations
 
 import html
 
 from PySide6.QtCore import QCoreApplication
-from PySide6.QtWidgets import QMessageBox, QWidget
+from PySide6.QtWidgets import (
+    QDialog,
+    QDialogButtonBox,
+    QHeaderView,
+    QMessageBox,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
 
 from engine import ModelInfo
 
@@ -26,3 +35,32 @@ def about_text(model: ModelInfo | None) -> str:
 
 def show_about(parent: QWidget, model: ModelInfo | None) -> None:
     QMessageBox.about(parent, "About Phasewise", about_text(model))
+
+
+class ShortcutsDialog(QDialog):
+    """Help → Keyboard shortcuts: every shortcut the window has, as (keys, what it does)."""
+
+    def __init__(self, rows: list[tuple[str, str]], parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("Keyboard shortcuts")
+        self.table = QTableWidget(len(rows), 2)
+        self.table.setHorizontalHeaderLabels(["Keys", "Action"])
+        self.table.verticalHeader().hide()
+        self.table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
+        self.table.horizontalHeader().setSectionResizeMode(
+            QHeaderView.ResizeMode.ResizeToContents)
+        self.table.horizontalHeader().setStretchLastSection(True)
+        for row, (keys, action) in enumerate(rows):
+            self.table.setItem(row, 0, QTableWidgetItem(keys))
+            self.table.setItem(row, 1, QTableWidgetItem(action))
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Close)
+        buttons.rejected.connect(self.reject)
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.table)
+        layout.addWidget(buttons)
+        self.resize(460, 420)
+
+    def rows(self) -> list[tuple[str, str]]:
+        """What the table shows, row by row."""
+        cells = [[self.table.item(r, c) for c in (0, 1)] for r in range(self.table.rowCount())]
+        return [(k.text() if k else "", a.text() if a else "") for k, a in cells]

@@ -276,6 +276,7 @@ class CompareDialog(QDialog):
         for i, picker in enumerate(self.pickers):
             picker.sig_changed.connect(lambda i=i: self._on_choice_changed(i))
         self.prompt = QPlainTextEdit(prompt)
+        self.prompt.setTabChangesFocus(True)
         self.prompt.setPlaceholderText("The prompt both backends answer")
         self.prompt.setMaximumHeight(70)
         self.run_button = QPushButton("Run both")

@@ -105,6 +105,7 @@ class ControlsPanel(QWidget):
         self.system_prompt.setObjectName("systemPrompt")
         self.system_prompt.setPlaceholderText("System prompt for this chat (optional)")
         self.system_prompt.setMaximumHeight(90)
+        self.system_prompt.setTabChangesFocus(True)  # Tab moves on; it never types a tab
         self._labels: dict[str, QLabel] = {}
         self._wanted_max_tokens: int | None = None
         self._build()

@@ -8,6 +8,7 @@ or N alternatives in one chat, of which the user keeps one.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,7 +38,7 @@ from engine import (
     TokenEmitted,
 )
 from engine.protocol import Backend
-from ui.about import show_about
+from ui.about import ShortcutsDialog, show_about
 from ui.bridge import EngineBridge
 from ui.chat_pane import ChatPane, LoadStatus
 from ui.chat_view import CPU_FLUSH_INTERVAL_MS, FLUSH_INTERVAL_MS, Alternative, ChatView
@@ -65,6 +66,9 @@ def confirm(parent: QWidget, title: str, question: str) -> bool:
     return box == QMessageBox.StandardButton.Yes
 
 
+# Keys the widgets handle themselves, listed in Help → Keyboard shortcuts with the menus' own.
+WIDGET_KEYS = (("Enter", "Send the message"), ("Shift+Enter", "New line in the message"),
+               ("Esc", "Stop the reply, or cancel an edit"), ("Tab", "Next field"))
 SAVE_INTERVAL_MS = 500  # how often a streaming reply's text is written to the database
 DRAFTS_GROUP = "drafts"  # QSettings: unsent composer text by chat id ("new": the unsaved chat)
 
@@ -106,6 +110,7 @@ class MainWindow(QMainWindow):
         self._build_docks(hud_calibrate)
         self._build_status_bar()
         self._build_menu()
+        self._set_focus_chain()
         self._wire()
         self._save_timer = QTimer(self)
         self._save_timer.setInterval(SAVE_INTERVAL_MS)
@@ -169,23 +174,66 @@ class MainWindow(QMainWindow):
         self.progress, self.load_label = self.status.progress, self.status.load_label
         self.context_label = self.status.context_label
 
+    def _action(self, text: str, slot: Callable[[], object],
+                *keys: QKeySequence | QKeySequence.StandardKey | str) -> QAction:
+        """A window-wide action (its keys work wherever the focus is)."""
+        action = QAction(text, self)
+        action.setShortcuts([QKeySequence(k) for k in keys])
+        action.setShortcutContext(Qt.ShortcutContext.WindowShortcut)
+        action.triggered.connect(slot)
+        self.addAction(action)
+        return action
+
     def _build_menu(self) -> None:
+        self.new_action = self._action("New chat", self.new_chat, QKeySequence.StandardKey.New)
+        self.search_action = self._action("Search chats", self.search_chats,
+                                          QKeySequence.StandardKey.Find)
+        self.next_chat_action = self._action("Next chat", lambda: self.switch_chat(1),
+                                             "Ctrl+Tab", "Ctrl+PgDown")
+        self.previous_chat_action = self._action("Previous chat", lambda: self.switch_chat(-1),
+                                                 "Ctrl+Shift+Tab", "Ctrl+PgUp")
+        self.rename_action = self._action("Rename chat", self.sidebar.start_rename, "F2")
+        self.delete_action = self._action("Delete chat…", self.delete_current_chat,
+                                          "Ctrl+Shift+Backspace")
+        self.quit_action = self._action("Quit", self.close, "Ctrl+Q")
         chat_menu = self.menuBar().addMenu("&Chat")
-        self.new_action = QAction("New chat", self)
-        self.new_action.setShortcut(QKeySequence.StandardKey.New)
-        self.new_action.triggered.connect(self.new_chat)
-        chat_menu.addAction(self.new_action)
+        for action in (self.new_action, self.search_action, self.next_chat_action,
+                       self.previous_chat_action, self.rename_action, self.delete_action):
+            chat_menu.addAction(action)
+        chat_menu.addSeparator()
         chat_menu.addAction("Choose model…", self.choose_model)
         chat_menu.addAction("Compare backends…", self.compare_backends)
         chat_menu.addSeparator()
-        chat_menu.addAction("Quit", QKeySequence.StandardKey.Quit, self.close)
+        chat_menu.addAction(self.quit_action)
         view_menu = self.menuBar().addMenu("&View")
         view_menu.addAction(self.settings_dock.toggleViewAction())
         view_menu.addAction(self.hud_dock.toggleViewAction())
         help_menu = self.menuBar().addMenu("&Help")
+        self.shortcuts_action = self._action("Keyboard shortcuts", self.show_shortcuts)
+        help_menu.addAction(self.shortcuts_action)
         help_menu.addAction("About Phasewise", lambda: show_about(self, self.model_info))
-        self.addAction(self.new_action)
         QShortcut(QKeySequence(Qt.Key.Key_Escape), self, self.composer.escape)
+
+    def shortcut_rows(self) -> list[tuple[str, str]]:
+        """(keys, action) for every shortcut: the window's actions, then the widgets' keys."""
+        fmt = QKeySequence.SequenceFormat.NativeText
+        rows = [(", ".join(k.toString(fmt) for k in a.shortcuts() if not k.isEmpty()),
+                 a.text().rstrip("…")) for a in self.actions()]
+        return [row for row in rows if row[0]] + list(WIDGET_KEYS)
+
+    def show_shortcuts(self) -> ShortcutsDialog:
+        dialog = ShortcutsDialog(self.shortcut_rows(), self)
+        dialog.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        dialog.show()
+        return dialog
+
+    def _set_focus_chain(self) -> None:
+        """Tab goes search → chats → message → replies count → Send, then the settings; the
+        plain-text boxes pass Tab on instead of typing it."""
+        chain = [self.sidebar.search, self.sidebar.list, self.composer.editor,
+                 self.composer.alternatives, self.composer.button, self.controls.system_prompt]
+        for first, second in itertools.pairwise(chain):
+            QWidget.setTabOrder(first, second)
 
     def _wire(self) -> None:
         b = self.bridge
@@ -250,6 +298,23 @@ class MainWindow(QMainWindow):
         self._render_conversation()
         self.sidebar.refresh(select=conv_id)
         self._update_busy()
+
+    def search_chats(self) -> None:
+        self.sidebar.search.setFocus()
+        self.sidebar.search.selectAll()
+
+    def switch_chat(self, step: int) -> None:
+        """Open the next (step 1) or previous (-1) chat in the sidebar's list, wrapping."""
+        ids = self.sidebar.visible_ids()
+        if not ids:
+            return
+        here = ids.index(self.conversation_id) if self.conversation_id in ids else -1
+        row = (here + step) % len(ids) if here >= 0 else (0 if step > 0 else len(ids) - 1)
+        self.sidebar.list.setCurrentRow(row)  # the sidebar reports it: the chat opens
+
+    def delete_current_chat(self) -> None:
+        if self.conversation_id is not None:
+            self.delete_conversation(self.conversation_id)
 
     def _on_renamed(self, conv_id: str, title: str) -> None:
         if conv_id == self.conversation_id:
