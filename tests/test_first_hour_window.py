@@ -268,3 +268,22 @@ def test_shortcuts_search_and_switch_chats_and_are_all_listed(qtbot, make_window
     assert "Enter" in dict(dialog.rows()) and "Esc" in dict(dialog.rows())
     dialog.close()
 
+
+# ----- item 7 (window side): the HUD's reply picker names replies by chat and turn -------------
+def test_the_hud_picker_names_replies_by_chat_and_turn(qtbot, make_window) -> None:
+    window = make_window()
+    greedy(window, 2)
+    send_and_wait(qtbot, window, "Trip ideas")
+    send_and_wait(qtbot, window, "More")
+    window.controls.temperature.setValue(80)
+    window.composer.alternatives.setValue(2)
+    with qtbot.waitSignal(window.sig_alternatives_ready, timeout=WAIT_MS):
+        assert window.send("And more")
+    combo = window.hud.reply_combo
+    qtbot.waitUntil(lambda: combo.count() >= 4, timeout=WAIT_MS)
+
+    names = [combo.itemText(i) for i in range(combo.count())]
+    assert "Trip ideas · turn 1" in names and "Trip ideas · turn 2" in names
+    assert {"Trip ideas · turn 3 · alternative 1",
+            "Trip ideas · turn 3 · alternative 2"} <= set(names)
+    assert not any("req-" in name for name in names)

@@ -461,6 +461,10 @@ class MainWindow(QMainWindow):
         self._leave_edit_mode()
 
     def reply_started(self, reply: ActiveReply) -> None:
+        conv = self.store.conversation(reply.conversation_id)
+        if conv is not None:  # the HUD's reply picker names it "chat · turn N"
+            turn = sum(m.role == "user" for m in self.store.messages(conv.id))
+            self.hud.name_reply(reply.request_id, conv.title, turn)
         self.sig_reply_started.emit(reply.request_id)
 
     def reply_ended(self, reply: ActiveReply) -> None:
