@@ -1,4 +1,4 @@
-"""Issue 20's first-hour findings in the window (items 1, 2, 4, 5, 6, 10), through the app's
+"""Issue 20's first-hour findings in the window (items 1, 2, 4, 5, 6, 7, 10), through the app's
 own wiring (app.gui's build_window over the tiny engine)."""
 
 from __future__ import annotations
