@@ -71,7 +71,7 @@ def test_drafts_stay_with_their_chat_across_switches_and_a_restart(qtbot, make_w
     assert not window.send(window.composer.text())  # keep an alternative first
     assert window.composer.text() == "Thanks"
 
-    window.new_action.trigger()  # Ctrl+N
+    window.menus.new_action.trigger()  # Ctrl+N
     assert window.composer.text() == ""  # A's draft stayed with A
     window.composer.alternatives.setValue(1)
     qtbot.keyClicks(window.composer.editor, "What is the capital of France?")
@@ -247,19 +247,19 @@ def test_shortcuts_search_and_switch_chats_and_are_all_listed(qtbot, make_window
     assert window.conversation_id == listed[2]
     qtbot.keyClick(window.focusWidget(), Qt.Key.Key_PageUp, Qt.KeyboardModifier.ControlModifier)
     assert window.conversation_id == listed[1]
-    window.previous_chat_action.trigger()
+    window.menus.previous_chat_action.trigger()
     assert window.conversation_id == listed[0]
 
     qtbot.keyClick(window.focusWidget(), Qt.Key.Key_F, Qt.KeyboardModifier.ControlModifier)
     assert window.sidebar.search.hasFocus()
 
     chat_menu = window.menuBar().actions()[0].menu()
-    assert {window.rename_action, window.delete_action} <= set(chat_menu.actions())
+    assert {window.menus.rename_action, window.menus.delete_action} <= set(chat_menu.actions())
     monkeypatch.setattr(QMessageBox, "question", lambda *_a: QMessageBox.StandardButton.Yes)
-    window.delete_action.trigger()
+    window.menus.delete_action.trigger()
     assert window.store.conversation(listed[0]) is None
 
-    dialog = window.show_shortcuts()
+    dialog = window.menus.show_shortcuts()
     rows = dict((action, keys) for keys, action in dialog.rows())
     for action in ("New chat", "Search chats", "Next chat", "Previous chat", "Rename chat",
                    "Delete chat", "Quit"):

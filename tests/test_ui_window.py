@@ -243,9 +243,9 @@ def test_ctrl_n_starts_a_new_chat(qtbot, make_window) -> None:
     greedy(window, 3)
     send_and_wait(qtbot, window, "first")
     assert window.conversation_id is not None
-    window.new_action.trigger()
+    window.menus.new_action.trigger()
     assert window.conversation_id is None
-    assert window.new_action.shortcut().toString() == "Ctrl+N"
+    assert window.menus.new_action.shortcut().toString() == "Ctrl+N"
 
 
 def test_corrupt_database_is_backed_up_and_reported(qtbot, make_window, tmp_path) -> None:

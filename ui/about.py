@@ -1,4 +1,4 @@
-"""The About box (version and model) and the Keyboard shortcuts dialog."""
+"""The window's small dialogs: About (version and model), Keyboard shortcuts, and confirm."""
 
 from __future__ import annotations
 
@@ -35,6 +35,14 @@ def about_text(model: ModelInfo | None) -> str:
 
 def show_about(parent: QWidget, model: ModelInfo | None) -> None:
     QMessageBox.about(parent, "About Phasewise", about_text(model))
+
+
+def confirm(parent: QWidget, title: str, question: str) -> bool:
+    """Ask before a destructive action; No is the default (Enter or Esc keep things)."""
+    box = QMessageBox.question(parent, title, question,
+                               QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No,
+                               QMessageBox.StandardButton.No)
+    return box == QMessageBox.StandardButton.Yes
 
 
 class ShortcutsDialog(QDialog):

@@ -13,23 +13,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer, Signal
-from PySide6.QtGui import (
-    QAction,
-    QCloseEvent,
-    QCursor,
-    QGuiApplication,
-    QKeySequence,
-    QShortcut,
-)
-from PySide6.QtWidgets import (
-    QDockWidget,
-    QMainWindow,
-    QMessageBox,
-    QSplitter,
-    QToolTip,
-    QWidget,
-)
+from PySide6.QtCore import QSettings, Qt, QTimer, Signal
+from PySide6.QtGui import QCloseEvent, QCursor, QGuiApplication
+from PySide6.QtWidgets import QDockWidget, QMainWindow, QSplitter, QToolTip, QWidget
 
 from engine import (
     GenerationResult,
@@ -38,12 +24,13 @@ from engine import (
     TokenEmitted,
 )
 from engine.protocol import Backend
-from ui.about import ShortcutsDialog, show_about
+from ui.about import confirm
 from ui.bridge import EngineBridge
 from ui.chat_pane import ChatPane, LoadStatus
 from ui.chat_view import CPU_FLUSH_INTERVAL_MS, FLUSH_INTERVAL_MS, Alternative, ChatView
 from ui.composer import Composer
 from ui.controls import ControlsPanel
+from ui.drafts import Drafts
 from ui.hud import HudWidget
 from ui.model_loads import ModelLoads
 from ui.session import (
@@ -54,23 +41,12 @@ from ui.session import (
     Until,
     store_message,
 )
+from ui.shortcuts import WindowMenus
 from ui.sidebar import Sidebar
 from ui.store import DONE, ChatStore, Message
+from ui.window_settings import restore_layout, save_layout
 
-
-def confirm(parent: QWidget, title: str, question: str) -> bool:
-    """Ask before a destructive action; No is the default (Enter or Esc keep things)."""
-    box = QMessageBox.question(parent, title, question,
-                               QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No,
-                               QMessageBox.StandardButton.No)
-    return box == QMessageBox.StandardButton.Yes
-
-
-# Keys the widgets handle themselves, listed in Help → Keyboard shortcuts with the menus' own.
-WIDGET_KEYS = (("Enter", "Send the message"), ("Shift+Enter", "New line in the message"),
-               ("Esc", "Stop the reply, or cancel an edit"), ("Tab", "Next field"))
 SAVE_INTERVAL_MS = 500  # how often a streaming reply's text is written to the database
-DRAFTS_GROUP = "drafts"  # QSettings: unsent composer text by chat id ("new": the unsaved chat)
 
 
 class MainWindow(QMainWindow):
@@ -104,18 +80,17 @@ class MainWindow(QMainWindow):
         self.load_options = dict(load_options or {})
         self.bridge = EngineBridge(engine, self)
         self.session = ChatSession(engine, store, self)
-        self._draft_key: str | None = None  # whose draft the composer holds (None: nobody's)
 
         self._build_widgets()
         self._build_docks(hud_calibrate)
         self._build_status_bar()
-        self._build_menu()
+        self.menus = WindowMenus(self)
         self._set_focus_chain()
         self._wire()
         self._save_timer = QTimer(self)
         self._save_timer.setInterval(SAVE_INTERVAL_MS)
         self._save_timer.timeout.connect(self.session.save_partial)
-        self._restore_settings()
+        restore_layout(self, self.controls, settings)
         self._show_model(engine.model_info)
         self._open_initial_conversation()
         if store.recovered_from is not None:
@@ -144,6 +119,7 @@ class MainWindow(QMainWindow):
         self.sidebar = Sidebar(self.store)
         self.chat = ChatView()
         self.composer = Composer()
+        self.drafts = Drafts(self.settings, self.composer)
         self.pane = ChatPane(self.chat, self.composer)
         self.notice, self.notice_label = self.pane.notice, self.pane.notice_label  # for tests
         self.splitter = QSplitter()
@@ -173,59 +149,6 @@ class MainWindow(QMainWindow):
         self.status = LoadStatus(self.statusBar())
         self.progress, self.load_label = self.status.progress, self.status.load_label
         self.context_label = self.status.context_label
-
-    def _action(self, text: str, slot: Callable[[], object],
-                *keys: QKeySequence | QKeySequence.StandardKey | str) -> QAction:
-        """A window-wide action (its keys work wherever the focus is)."""
-        action = QAction(text, self)
-        action.setShortcuts([QKeySequence(k) for k in keys])
-        action.setShortcutContext(Qt.ShortcutContext.WindowShortcut)
-        action.triggered.connect(slot)
-        self.addAction(action)
-        return action
-
-    def _build_menu(self) -> None:
-        self.new_action = self._action("New chat", self.new_chat, QKeySequence.StandardKey.New)
-        self.search_action = self._action("Search chats", self.search_chats,
-                                          QKeySequence.StandardKey.Find)
-        self.next_chat_action = self._action("Next chat", lambda: self.switch_chat(1),
-                                             "Ctrl+Tab", "Ctrl+PgDown")
-        self.previous_chat_action = self._action("Previous chat", lambda: self.switch_chat(-1),
-                                                 "Ctrl+Shift+Tab", "Ctrl+PgUp")
-        self.rename_action = self._action("Rename chat", self.sidebar.start_rename, "F2")
-        self.delete_action = self._action("Delete chat…", self.delete_current_chat,
-                                          "Ctrl+Shift+Backspace")
-        self.quit_action = self._action("Quit", self.close, "Ctrl+Q")
-        chat_menu = self.menuBar().addMenu("&Chat")
-        for action in (self.new_action, self.search_action, self.next_chat_action,
-                       self.previous_chat_action, self.rename_action, self.delete_action):
-            chat_menu.addAction(action)
-        chat_menu.addSeparator()
-        chat_menu.addAction("Choose model…", self.choose_model)
-        chat_menu.addAction("Compare backends…", self.compare_backends)
-        chat_menu.addSeparator()
-        chat_menu.addAction(self.quit_action)
-        view_menu = self.menuBar().addMenu("&View")
-        view_menu.addAction(self.settings_dock.toggleViewAction())
-        view_menu.addAction(self.hud_dock.toggleViewAction())
-        help_menu = self.menuBar().addMenu("&Help")
-        self.shortcuts_action = self._action("Keyboard shortcuts", self.show_shortcuts)
-        help_menu.addAction(self.shortcuts_action)
-        help_menu.addAction("About Phasewise", lambda: show_about(self, self.model_info))
-        QShortcut(QKeySequence(Qt.Key.Key_Escape), self, self.composer.escape)
-
-    def shortcut_rows(self) -> list[tuple[str, str]]:
-        """(keys, action) for every shortcut: the window's actions, then the widgets' keys."""
-        fmt = QKeySequence.SequenceFormat.NativeText
-        rows = [(", ".join(k.toString(fmt) for k in a.shortcuts() if not k.isEmpty()),
-                 a.text().rstrip("…")) for a in self.actions()]
-        return [row for row in rows if row[0]] + list(WIDGET_KEYS)
-
-    def show_shortcuts(self) -> ShortcutsDialog:
-        dialog = ShortcutsDialog(self.shortcut_rows(), self)
-        dialog.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
-        dialog.show()
-        return dialog
 
     def _set_focus_chain(self) -> None:
         """Tab goes search → chats → message → replies count → Send, then the settings; the
@@ -272,10 +195,10 @@ class MainWindow(QMainWindow):
 
     def new_chat(self) -> None:
         """Start an empty chat; it is saved when the first message is sent."""
-        self._stash_draft()
+        self.drafts.stash()
         self._leave_edit_mode()
         self.session.conversation_id = None
-        self._take_draft(None)
+        self.drafts.take(None)
         self.pane.set_title("New chat")
         self.controls.set_system_prompt("")
         self.chat.show_messages([])
@@ -289,28 +212,19 @@ class MainWindow(QMainWindow):
         conv = self.store.conversation(conv_id)
         if conv is None:
             return
-        self._stash_draft()
+        self.drafts.stash()
         self._leave_edit_mode()
         self.session.conversation_id = conv_id
-        self._take_draft(conv_id)
+        self.drafts.take(conv_id)
         self.pane.set_title(conv.title)
         self.controls.set_system_prompt(conv.system_prompt)
         self._render_conversation()
         self.sidebar.refresh(select=conv_id)
         self._update_busy()
 
-    def search_chats(self) -> None:
-        self.sidebar.search.setFocus()
-        self.sidebar.search.selectAll()
-
     def switch_chat(self, step: int) -> None:
         """Open the next (step 1) or previous (-1) chat in the sidebar's list, wrapping."""
-        ids = self.sidebar.visible_ids()
-        if not ids:
-            return
-        here = ids.index(self.conversation_id) if self.conversation_id in ids else -1
-        row = (here + step) % len(ids) if here >= 0 else (0 if step > 0 else len(ids) - 1)
-        self.sidebar.list.setCurrentRow(row)  # the sidebar reports it: the chat opens
+        self.sidebar.step(self.conversation_id, step)  # the sidebar reports it: the chat opens
 
     def delete_current_chat(self) -> None:
         if self.conversation_id is not None:
@@ -329,30 +243,11 @@ class MainWindow(QMainWindow):
             return
         if not self.session.delete_conversation(conv_id):
             return
-        self.settings.remove(f"{DRAFTS_GROUP}/{conv_id}")
+        self.drafts.deleted(conv_id)
         if conv_id == self.conversation_id:
-            self._draft_key = None  # its draft goes with it
             self.new_chat()
         else:
             self.sidebar.refresh()
-
-    # ----- drafts: unsent text stays with its chat, across switches and restarts ----------------
-    def _stash_draft(self) -> None:
-        """Keep the composer's text as the shown chat's draft (an edit in progress is not a
-        draft: leaving the chat cancels it)."""
-        if self._draft_key is None:
-            return
-        text = "" if self.composer.editing else self.composer.text()
-        key = f"{DRAFTS_GROUP}/{self._draft_key}"
-        if text.strip():
-            self.settings.setValue(key, text)
-        else:
-            self.settings.remove(key)
-
-    def _take_draft(self, conv_id: str | None) -> None:
-        self._draft_key = conv_id or "new"
-        self.composer.set_text(str(self.settings.value(f"{DRAFTS_GROUP}/{self._draft_key}", "")
-                                   or ""))
 
     def _render_conversation(self) -> None:
         """Saved messages, finished alternatives, then this chat's live replies."""
@@ -448,16 +343,14 @@ class MainWindow(QMainWindow):
 
     # ----- SessionView: what the session reports -------------------------------------------------
     def conversation_created(self, conv_id: str, title: str) -> None:
-        self.settings.remove(f"{DRAFTS_GROUP}/new")  # the draft became its first message
-        self._draft_key = conv_id
+        self.drafts.created(conv_id)
         self.pane.set_title(title)
         self.sidebar.refresh(select=conv_id)
 
     def message_saved(self) -> None:
         self.pane.hide_notice()
         self.composer.clear()
-        if self._draft_key is not None:
-            self.settings.remove(f"{DRAFTS_GROUP}/{self._draft_key}")
+        self.drafts.sent()
         self._leave_edit_mode()
 
     def reply_started(self, reply: ActiveReply) -> None:
@@ -522,17 +415,6 @@ class MainWindow(QMainWindow):
         """Ask the engine to load a model in its thread; progress shows in the status bar."""
         self.loads.load_model(spec, **options)
 
-    def compare_backends(self) -> Any:
-        """Open Compare mode: the composer's prompt on two backends, overlaid (the chat's
-        backend is not disturbed). Returns the dialog."""
-        from ui.compare import CompareDialog
-
-        dialog = CompareDialog.for_engine(self.engine, self.controls.params(),
-                                          self.composer.text(), self)
-        dialog.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
-        dialog.show()
-        return dialog
-
     def _show_model(self, info: ModelInfo | None) -> None:
         self.session.model_info = info
         self.status.show_model(info)
@@ -558,29 +440,12 @@ class MainWindow(QMainWindow):
         used = (last["prompt_tokens"] + last["output_tokens"]) if last else 0
         self.status.show_context(used, self.model_info.context_length if self.model_info else 0)
 
-    # ----- settings, closing ------------------------------------------------------------------
-    def _restore_settings(self) -> None:
-        geometry = self.settings.value("window/geometry")
-        if isinstance(geometry, QByteArray) and not geometry.isEmpty():
-            self.restoreGeometry(geometry)
-        else:
-            self.resize(1320, 820)
-        state = self.settings.value("window/state")
-        if isinstance(state, QByteArray) and not state.isEmpty():
-            self.restoreState(state)
-        self.controls.restore(self.settings)
-
-    def save_settings(self) -> None:
-        self.settings.setValue("window/geometry", self.saveGeometry())
-        self.settings.setValue("window/state", self.saveState())
-        self.controls.save(self.settings)
-        self.settings.sync()
-
+    # ----- closing ----------------------------------------------------------------------------
     def closeEvent(self, event: QCloseEvent) -> None:
         """Cancel running replies, keep their partial text (marked stopped), save settings.
         Alternatives nobody kept are discarded."""
         self.session.close()
         self.bridge.detach()
-        self._stash_draft()
-        self.save_settings()
+        self.drafts.stash()
+        save_layout(self, self.controls, self.settings)
         super().closeEvent(event)

@@ -85,6 +85,21 @@ class Sidebar(QWidget):
     def visible_ids(self) -> list[str]:
         return [self.list.item(i).data(ID_ROLE) for i in range(self.list.count())]
 
+    def focus_search(self) -> None:
+        """Put the cursor in the search box, its text selected (as Ctrl+F does)."""
+        self.search.setFocus()
+        self.search.selectAll()
+
+    def step(self, current: str | None, step: int) -> None:
+        """Select the chat after (step 1) or before (-1) `current` in the list, wrapping;
+        sig_selected reports it."""
+        ids = self.visible_ids()
+        if not ids:
+            return
+        here = ids.index(current) if current in ids else -1
+        row = (here + step) % len(ids) if here >= 0 else (0 if step > 0 else len(ids) - 1)
+        self.list.setCurrentRow(row)
+
     def rename(self, conv_id: str, title: str) -> None:
         """Save a new title; an empty one is refused (the old title stays)."""
         title = title.strip()
