@@ -1,4 +1,4 @@
-"""Issue 20's first-hour findings in the window (items 1, 2, 4, 5, 6, 7, 10), through the app's
+"""Issue 20's first-hour findings in the window (items 1, 2, 4, 5, 6, 7, 10, 11), through the app's
 own wiring (app.gui's build_window over the tiny engine)."""
 
 from __future__ import annotations
@@ -287,3 +287,26 @@ def test_the_hud_picker_names_replies_by_chat_and_turn(qtbot, make_window) -> No
     assert {"Trip ideas · turn 3 · alternative 1",
             "Trip ideas · turn 3 · alternative 2"} <= set(names)
     assert not any("req-" in name for name in names)
+
+
+# ----- item 11: max tokens has a number box beside its slider -----------------------------------
+def test_max_tokens_has_a_number_box_kept_in_step_with_the_slider(qtbot, make_window) -> None:
+    window = make_window()
+    controls = window.controls
+    slider, box = controls.max_tokens, controls.max_tokens_box
+    context = window.model_info.context_length
+    assert box.maximum() == slider.maximum() == context and box.value() == slider.value()
+    changes: list[tuple[str, object]] = []
+    controls.sig_setting_changed.connect(lambda name, value: changes.append((name, value)))
+
+    exact = context // 2 + 1
+    box.lineEdit().selectAll()
+    qtbot.keyClicks(box, str(exact))
+    qtbot.keyClick(box, Qt.Key.Key_Return)
+    assert slider.value() == exact and controls.params().max_tokens == exact
+    assert changes == [("max_tokens", exact)]  # typing the number is one change, not one a digit
+
+    slider.setValue(3)
+    assert box.value() == 3
+    controls.set_context_length(2)  # a smaller model clamps both
+    assert box.maximum() == 2 and box.value() == slider.value() == 2

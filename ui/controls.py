@@ -1,7 +1,8 @@
 """Sampling controls and the per-conversation system prompt. Changes apply to the next request.
 
 Sliders hold integers, so each maps to its real value here: temperature in hundredths (0-2,
-0 = greedy), top-p in hundredths (0.05-1), max tokens 1..context length. Advanced: top-k
+0 = greedy), top-p in hundredths (0.05-1), max tokens 1..context length (with a number box
+beside it: at ~30 tokens per pixel the slider alone cannot pick an exact count). Advanced: top-k
 (0 = off), min-p (0 = off), seed (blank = random), and speculative decoding: prompt lookup, or
 a draft model the user picks (the window loads it; this panel shows which one is loaded).
 """
@@ -77,6 +78,11 @@ class ControlsPanel(QWidget):
         self.temperature = _slider(0, 200, 70)
         self.top_p = _slider(5, 100, 100)
         self.max_tokens = _slider(1, DEFAULT_CONTEXT, 512)
+        self.max_tokens_box = QSpinBox()  # the exact count; kept in step with the slider
+        self.max_tokens_box.setRange(1, DEFAULT_CONTEXT)
+        self.max_tokens_box.setValue(self.max_tokens.value())
+        self.max_tokens_box.setKeyboardTracking(False)  # typing 512 is one change, not three
+        self.max_tokens_box.setAccessibleName("Max tokens")
         self.top_k = QSpinBox()
         self.top_k.setRange(0, 1000)
         self.top_k.setSpecialValueText("off")
@@ -120,13 +126,16 @@ class ControlsPanel(QWidget):
                 ("top_p", "Top-p", self.top_p),
                 ("max_tokens", "Max tokens", self.max_tokens)]
         for row, (key, title, slider) in enumerate(rows):
+            grid.addWidget(QLabel(title), row, 0)
+            grid.addWidget(slider, row, 1)
+            if key == "max_tokens":
+                grid.addWidget(self.max_tokens_box, row, 2)
+                continue
             label = QLabel()
             label.setObjectName("valueLabel")
             label.setMinimumWidth(52)
             label.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
             self._labels[key] = label
-            grid.addWidget(QLabel(title), row, 0)
-            grid.addWidget(slider, row, 1)
             grid.addWidget(label, row, 2)
 
         self.advanced_toggle = QToolButton()
@@ -163,6 +172,7 @@ class ControlsPanel(QWidget):
         self.temperature.valueChanged.connect(lambda _v: self._changed("temperature"))
         self.top_p.valueChanged.connect(lambda _v: self._changed("top_p"))
         self.max_tokens.valueChanged.connect(lambda _v: self._changed("max_tokens"))
+        self.max_tokens_box.valueChanged.connect(self.max_tokens.setValue)  # reported by it
         self.top_k.valueChanged.connect(lambda _v: self._changed("top_k"))
         self.min_p.valueChanged.connect(lambda _v: self._changed("min_p"))
         self.seed.editingFinished.connect(lambda: self._changed("seed"))
@@ -186,7 +196,7 @@ class ControlsPanel(QWidget):
         temp = self.temperature.value() / 100
         self._labels["temperature"].setText("greedy" if temp == 0 else f"{temp:.2f}")
         self._labels["top_p"].setText(f"{self.top_p.value() / 100:.2f}")
-        self._labels["max_tokens"].setText(str(self.max_tokens.value()))
+        self.max_tokens_box.setValue(self.max_tokens.value())  # no signal when it holds it
 
     # ----- values ------------------------------------------------------------------------
     def params(self) -> SamplingParams:
@@ -241,6 +251,7 @@ class ControlsPanel(QWidget):
     def set_context_length(self, context_length: int) -> None:
         """Max tokens ranges up to the loaded model's context length."""
         self.max_tokens.setMaximum(max(1, context_length))
+        self.max_tokens_box.setMaximum(self.max_tokens.maximum())
         if self._wanted_max_tokens is not None:  # a saved value the old range had clamped
             self.max_tokens.setValue(self._wanted_max_tokens)
         self._refresh_labels()
