@@ -462,13 +462,18 @@ def _packed_linear_bytes(module: nn.Module) -> int:
     return int(total)
 
 
-def configure_threads() -> int:
-    """Intra-op threads = the CPUs this process may run on (torch counts the host's cores,
-    which oversubscribes a container or a taskset); returns the thread count in use."""
+def allowed_cpus() -> int:
+    """The CPUs this process may run on (torch counts the host's cores, which oversubscribes
+    a container or a taskset)."""
     try:
-        allowed = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # macOS, Windows
-        allowed = os.cpu_count() or 1
+        return os.cpu_count() or 1
+
+
+def configure_threads() -> int:
+    """Intra-op threads at most the CPUs this process may run on; returns the count in use."""
+    allowed = allowed_cpus()
     if torch.get_num_threads() > allowed:
         torch.set_num_threads(allowed)
     return torch.get_num_threads()

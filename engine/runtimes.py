@@ -81,10 +81,15 @@ def load(spec: str, engine: str = AUTO, *, kernel: str = AUTO, device: str = AUT
          **torch_options: Any) -> Model:
     """Load a model on the runtime `engine` resolves to, with its decode path chosen and
     warmed up; ModelLoadError with one line on failure."""
+    import torch
+
+    from engine.kernels import allowed_cpus
+
     if resolve_engine(spec, engine, device) == TORCH:
         from engine.generate import warm_up
         from engine.kernels import select_kernel
 
+        torch.set_num_threads(allowed_cpus())  # a llama.cpp model before may have left 1
         loaded = load_model(spec, device=device, progress=progress, **torch_options)
         loaded = select_kernel(loaded, kernel, progress=progress)
         if progress:
@@ -102,7 +107,19 @@ def load(spec: str, engine: str = AUTO, *, kernel: str = AUTO, device: str = AUT
     if progress:
         progress("warming up")
     warm_up_llama(gguf_model)
+    # torch only samples here, on vectors; with more threads its idle OpenMP workers spin on
+    # the cores llama.cpp decodes on (measured: decode x2 on the 2-core VM with one thread).
+    torch.set_num_threads(1)
     return gguf_model
+
+
+def cpu_threads(loaded: Model) -> int:
+    """The CPU threads a model's forward passes run on (a peer gets as many)."""
+    if is_llama_cpp(loaded):
+        return int(loaded.n_threads)
+    import torch
+
+    return torch.get_num_threads()
 
 
 def is_llama_cpp(loaded: Model) -> bool:
