@@ -27,11 +27,8 @@ BAD_LOADS: dict[str, tuple[str, dict[str, Any]]] = {
     "router": (REMOTE_SPEC, {"base_url": "http://127.0.0.1:9/v1"}),  # nothing listens there
     "remote": (REMOTE_SPEC, {"model": "no-such-model"}),  # the server does not have it
 }
-# ---- Hook for the llama.cpp engine (engine/llamacpp) -------------------------------------------
-# Native code runs in a child process in tests, so it does not join the in-process `backend`
-# fixture below. Add a test module that, for each check in tests/contract/checks.py, builds
-# `Engine()` with `load_model_sync(<gguf>, engine="llama.cpp")` inside run_in_child (see
-# tests/test_llamacpp_engine.py) and calls the check there; give it a BAD_LOADS entry too.
+# The llama.cpp engine runs native code, which tests run in a child process: it keeps the same
+# contract in test_llamacpp_contract.py, one spawned child per check, not through `backend`.
 BACKENDS = ["engine", "router", "remote"]
 
 
