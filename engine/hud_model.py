@@ -216,7 +216,7 @@ class ReplyRecord:
         r = self.result
         if r is None:
             return ""
-        parts = [f"kernel {r.model.kernel}"] if r.model else []
+        parts = [f"{r.model.engine} engine, kernel {r.model.kernel}"] if r.model else []
         if r.speculative:
             parts.append(f"speculative ({r.speculative}): {r.spec_accepted:,} of "
                          f"{r.spec_proposed:,} drafted tokens accepted "
@@ -535,7 +535,7 @@ class SessionModel:
         row.update(self._device_fields())
         if (result := r.result) is not None:  # finished: the path it ran on, and drafting
             if result.model:  # (the model may have been reloaded since)
-                row["kernel"] = result.model.kernel
+                row.update(engine=result.model.engine, kernel=result.model.kernel)
             row.update(speculative=result.speculative or "",
                        spec_proposed=result.spec_proposed, spec_accepted=result.spec_accepted)
         row.update({f"setting_{k}": v for k, v in r.settings.items()})
@@ -559,7 +559,8 @@ class SessionModel:
         if self.model is None:
             return {}
         m = self.model
-        return {"model": m.name, "device": m.device, "dtype": m.dtype, "kernel": m.kernel,
+        return {"model": m.name, "engine": m.engine, "device": m.device, "dtype": m.dtype,
+                "kernel": m.kernel,
                 "context_length": m.context_length}
 
     def to_json_dict(self) -> dict[str, object]:

@@ -65,11 +65,13 @@ def test_prompt_lookup_runs_and_the_hud_says_how_it_did(qtbot, make_window) -> N
 
     assert result.speculative == "ngram" and result.spec_proposed > 0
     caption = window.hud.panels["breakdown"].caption.text()
-    assert "kernel fp32-eager" in caption
+    assert "torch engine, kernel fp32-eager" in caption  # the engine is named, as in the
+    assert "torch on cpu" in window.status.model_label.text()  # status bar and the export
     assert (f"speculative (ngram): {result.spec_accepted:,} of {result.spec_proposed:,} "
             "drafted tokens accepted") in caption
     row = window.hud.model.reply_rows()[-1]  # the export says it too
     assert (row["speculative"], row["spec_accepted"]) == ("ngram", result.spec_accepted)
+    assert (row["engine"], row["kernel"]) == ("torch", "fp32-eager")
     # Set before the first reply: the reply's settings, not a change marker on the plots.
     assert row["setting_speculative"] == "ngram"
     assert window.hud.panels["throughput"].marker_labels() == []

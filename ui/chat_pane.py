@@ -126,8 +126,9 @@ class LoadStatus:
         self.load_label.setText(text)
 
     def show_model(self, info: ModelInfo | None) -> None:
-        self.model_label.setText(f"{info.name}  ·  {info.device}  ·  {info.dtype}"
-                                 if info else "no model")
+        self.model_label.setText(
+            f"{info.name}  ·  {info.engine} on {info.device}  ·  {info.dtype}" if info
+            else "no model")
 
     def show_context(self, used: int, context_length: int) -> None:
         """Tokens the chat's last reply left in the context (nothing without a model)."""
