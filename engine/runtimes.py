@@ -107,6 +107,9 @@ def load(spec: str, engine: str = AUTO, *, kernel: str = AUTO, device: str = AUT
     if progress:
         progress("warming up")
     warm_up_llama(gguf_model)
+    from engine.llamacpp.session import eos_ids
+
+    eos_ids(gguf_model)  # a vocabulary scan (~30 ms): at load, not in the first reply's queue
     # torch only samples here, on vectors; with more threads its idle OpenMP workers spin on
     # the cores llama.cpp decodes on (measured: decode x2 on the 2-core VM with one thread).
     torch.set_num_threads(1)
