@@ -19,8 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from PySide6.QtCore import QSettings, QTimer
 from PySide6.QtWidgets import QApplication
 
-from engine import Engine
-from ui.main_window import MainWindow
+from app.gui import build_backend, build_window
 from ui.store import ChatStore
 from ui.theme import apply_theme
 
@@ -44,8 +43,8 @@ def main() -> int:
     for title in OTHER_CHATS:
         store.create_conversation(title)
     settings = QSettings(str(Path(scratch.name) / "s.ini"), QSettings.Format.IniFormat)
-    engine = Engine().start()
-    window = MainWindow(engine, store, settings, hud_calibrate=False)
+    backend = build_backend().start()  # the app's own wiring: a router over the engine
+    window = build_window(backend, store, settings, hud_calibrate=False)
     window.resize(1400, 860)
     window.show()
     window.new_chat()
@@ -69,7 +68,7 @@ def main() -> int:
     window.load_model(args.model)
     app.exec()
     window.close()
-    engine.shutdown()
+    backend.shutdown()
     store.close()
     scratch.cleanup()
     return 0
