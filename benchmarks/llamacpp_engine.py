@@ -15,7 +15,6 @@ import json
 import platform
 import statistics
 import threading
-import time
 from typing import Any
 
 from engine.bench import fixed_prompt_ids
@@ -23,7 +22,7 @@ from engine.generate import now_ns
 from engine.loader import default_gguf_path
 from engine.metrics import RequestTimeline
 from engine.params import GenerationRequest, SamplingParams
-from engine.peers import result_from_stamps
+from engine.peers import greedy_run
 from engine.runtimes import LLAMA_CPP, load, new_prefix_cache, new_session
 
 
@@ -36,21 +35,6 @@ def ours(loaded: Any, ids: list[int], max_tokens: int, speculative: str | None =
     pool = pool or new_prefix_cache(loaded, 1 << 40)
     return new_session(loaded, pool).run(request, RequestTimeline(now_ns()), threading.Event(),
                                          lambda _e: None)
-
-
-def theirs(llm: Any, ids: list[int], max_tokens: int) -> Any:
-    llm.reset()
-    stamps, tokens = [], []
-    start = time.perf_counter_ns()
-    for token in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0,
-                              repeat_penalty=1.0):
-        stamps.append(time.perf_counter_ns())
-        tokens.append(token)
-        if len(tokens) >= max_tokens:
-            break
-    result = result_from_stamps(start, stamps)
-    result.token_ids = tokens
-    return result
 
 
 def main() -> None:
@@ -67,11 +51,11 @@ def main() -> None:
                           verbose=False)
     ids = fixed_prompt_ids(loaded, args.prompt_tokens)
     ours(loaded, ids[:16], 4)
-    theirs(llm, ids[:16], 4)
+    greedy_run(llm, ids[:16], 4)
     mine, peer, spec = [], [], []
     for _ in range(args.repeats):
         mine.append(ours(loaded, ids, args.max_tokens))
-        peer.append(theirs(llm, ids, args.max_tokens))
+        peer.append(greedy_run(llm, ids, args.max_tokens))
         spec.append(ours(loaded, ids, args.max_tokens, speculative="ngram"))
     med = statistics.median
     decode = med(r.metrics.decode_tok_s for r in mine)
@@ -108,7 +92,7 @@ def turns(loaded: Any, llm: Any, ids: list[int], args: argparse.Namespace) -> di
         ours(loaded, ids, 16, pool=pool, conversation="chat", reuse=True)
         cached.append(ours(loaded, second_prompt, 2, pool=pool, conversation="chat",
                            reuse=True))
-        cold.append(theirs(llm, second_prompt, 2))
+        cold.append(greedy_run(llm, second_prompt, 2))
     med = statistics.median
     return {"turn2_prompt_tokens": len(second_prompt),
             "turn2_cached_tokens": cached[0].metrics.cached_tokens,
