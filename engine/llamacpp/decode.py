@@ -50,13 +50,11 @@ class BatchWriter:
         self.batch.n_tokens = n
 
 
-_writers: dict[int, BatchWriter] = {}
-
-
 def writer_for(loaded: LlamaCppModel) -> BatchWriter:
-    writer = _writers.get(id(loaded.batch))
-    if writer is None or writer.batch is not loaded.batch:
-        writer = _writers[id(loaded.batch)] = BatchWriter(loaded)
+    """The model's batch writer, kept on the model (freed with its batch)."""
+    if loaded.batch_writer is None:
+        loaded.batch_writer = BatchWriter(loaded)
+    writer: BatchWriter = loaded.batch_writer
     return writer
 
 

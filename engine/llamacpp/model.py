@@ -100,6 +100,7 @@ class LlamaCppModel:
     n_threads: int
     kv_bytes_per_token: int
     batch: Any = None
+    batch_writer: Any = None  # decode.BatchWriter over `batch`, made on first use
     eog_ids: set[int] | None = None  # end-of-generation tokens, filled on first use
     can_roll_back: bool = True  # False for recurrent/hybrid memory: no partial seq_rm
     _views: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
@@ -124,7 +125,7 @@ class LlamaCppModel:
         lib = self.llama_cpp
         if self.batch is not None:
             lib.llama_batch_free(self.batch)
-            self.batch = None
+            self.batch = self.batch_writer = None
         if self.ctx is not None:
             lib.llama_free(self.ctx)
             self.ctx = None
