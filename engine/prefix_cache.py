@@ -262,6 +262,12 @@ class PrefixCache:
         self._entries.clear()
         self._evicted.clear()
 
+    def inherit_ledger(self, previous: PrefixCache) -> None:
+        """Take over which chats lost their cache in `previous` (the pool this one replaces,
+        e.g. on a switch between engines), so each one's next turn still says why."""
+        self._model_changed |= previous._model_changed
+        self._evicted |= previous._evicted
+
     def evict_all(self) -> None:
         """Free every entry (after an out-of-memory error); each chat's next turn says
         "evicted"."""

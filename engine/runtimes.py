@@ -190,8 +190,5 @@ def switch_prefix_cache(pool: PrefixCache | None, old: Model | None, loaded: Mod
         return pool
     pool.reset(model_changed=old is not None)  # frees an old llama.cpp pool's sequences
     fresh = new_prefix_cache(loaded, budget_bytes)
-    # The ledger's memory of which chats lost their cache, so their next turn says why.
-    # (PrefixCache has no public way to hand it over; both classes are the same ledger.)
-    fresh._model_changed |= pool._model_changed
-    fresh._evicted |= pool._evicted
+    fresh.inherit_ledger(pool)
     return fresh
