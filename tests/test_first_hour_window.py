@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QMessageBox
+from PySide6.QtWidgets import QMessageBox, QScrollArea
 
 WAIT_MS = 30_000
 HUGE_SEED = "99999999999999999999999"
@@ -310,3 +310,31 @@ def test_max_tokens_has_a_number_box_kept_in_step_with_the_slider(qtbot, make_wi
     assert box.value() == 3
     controls.set_context_length(2)  # a smaller model clamps both
     assert box.maximum() == 2 and box.value() == slider.value() == 2
+
+
+# ----- item 11: the docks get their width back after the window was squeezed -------------------
+def hud_scrolls_sideways(window: Any) -> bool:
+    scroll = window.hud.findChild(QScrollArea)
+    return scroll.horizontalScrollBar().isVisible()
+
+
+def test_docks_recover_their_width_after_a_trip_to_the_minimum_size(qtbot, make_window) -> None:
+    window = make_window()
+    window.show()
+    qtbot.waitExposed(window)
+    dock, full = window.settings_dock, window.size()
+    width = dock.width()
+    assert not hud_scrolls_sideways(window)
+
+    window.resize(window.minimumSizeHint())
+    qtbot.waitUntil(lambda: dock.width() < width)  # squeezed, as Qt does
+    window.resize(full)
+    qtbot.waitUntil(lambda: dock.width() == width)
+    assert window.hud_dock.width() == width and not hud_scrolls_sideways(window)
+
+    window.resize(full.width() - 300, full.height())  # a smaller window: the chat gives way
+    qtbot.waitUntil(lambda: window.width() == full.width() - 300)
+    assert dock.width() == width
+    window.close()
+    restarted = make_window()  # the chosen width is kept across a restart
+    assert restarted.dock_widths.wanted == width

@@ -23,15 +23,19 @@ from engine import (
     TextFlushed,
     TokenEmitted,
 )
+from engine.hud_model import saved_request_id
 from engine.protocol import Backend
 from ui.about import confirm
 from ui.bridge import EngineBridge
+from ui.chat_export import STATUS_MS, ChatExports
 from ui.chat_pane import ChatPane, LoadStatus
 from ui.chat_view import CPU_FLUSH_INTERVAL_MS, FLUSH_INTERVAL_MS, Alternative, ChatView
 from ui.composer import Composer
 from ui.controls import ControlsPanel
+from ui.dock_widths import DockWidths
 from ui.drafts import Drafts
 from ui.hud import HudWidget
+from ui.hud.history import saved_chat
 from ui.model_loads import ModelLoads
 from ui.session import (
     FINISH_STATUS,
@@ -47,6 +51,7 @@ from ui.store import DONE, ChatStore, Message
 from ui.window_settings import restore_layout, save_layout
 
 SAVE_INTERVAL_MS = 500  # how often a streaming reply's text is written to the database
+DOCK_WIDTH = 430  # the settings and HUD column's first width
 
 
 class MainWindow(QMainWindow):
@@ -91,6 +96,7 @@ class MainWindow(QMainWindow):
         self._save_timer.setInterval(SAVE_INTERVAL_MS)
         self._save_timer.timeout.connect(self.session.save_partial)
         restore_layout(self, self.controls, settings)
+        self.dock_widths.load(settings)
         self._show_model(engine.model_info)
         self._open_initial_conversation()
         if store.recovered_from is not None:
@@ -143,7 +149,8 @@ class MainWindow(QMainWindow):
         self.addDockWidget(area, self.hud_dock)
         self.splitDockWidget(self.settings_dock, self.hud_dock, Qt.Orientation.Vertical)
         self.resizeDocks([self.settings_dock, self.hud_dock], [250, 650], Qt.Orientation.Vertical)
-        self.resizeDocks([self.settings_dock], [430], Qt.Orientation.Horizontal)
+        self.resizeDocks([self.settings_dock], [DOCK_WIDTH], Qt.Orientation.Horizontal)
+        self.dock_widths = DockWidths(self, self.settings_dock, DOCK_WIDTH)
 
     def _build_status_bar(self) -> None:
         self.status = LoadStatus(self.statusBar())
@@ -159,6 +166,10 @@ class MainWindow(QMainWindow):
             QWidget.setTabOrder(first, second)
 
     def _wire(self) -> None:
+        self.chat_exports = ChatExports(  # any saved chat's stats, from the menus
+            self.store, self.hud, self, lambda text: self.statusBar().showMessage(text, STATUS_MS),
+            self.notify)
+        self.sidebar.sig_export.connect(self.chat_exports.ask)
         b = self.bridge
         b.sig_event.connect(self.hud.on_engine_event)
         b.sig_prefill_progress.connect(self.chat.show_prefill_progress)
@@ -206,6 +217,7 @@ class MainWindow(QMainWindow):
         self.sidebar.refresh(select="")
         self.sidebar.clear_selection()
         self._show_context_fill(None)
+        self._show_chat_history()
         self.composer.focus()
 
     def open_conversation(self, conv_id: str) -> None:
@@ -219,6 +231,7 @@ class MainWindow(QMainWindow):
         self.pane.set_title(conv.title)
         self.controls.set_system_prompt(conv.system_prompt)
         self._render_conversation()
+        self._show_chat_history()
         self.sidebar.refresh(select=conv_id)
         self._update_busy()
 
@@ -233,6 +246,7 @@ class MainWindow(QMainWindow):
     def _on_renamed(self, conv_id: str, title: str) -> None:
         if conv_id == self.conversation_id:
             self.pane.set_title(title)
+        self.hud.rename_chat(conv_id, title)
 
     def delete_conversation(self, conv_id: str) -> None:
         """Delete a chat after the user confirms (its replies are stopped)."""
@@ -261,6 +275,13 @@ class MainWindow(QMainWindow):
             self.chat.push_text(reply.request_id, reply.text)
         self.chat.flush()
         self._show_context_fill(messages)
+
+    def _show_chat_history(self) -> None:
+        """The HUD's per-turn panels follow the chat on screen: its saved replies as history
+        (a new chat has none yet)."""
+        conv = self.store.conversation(self.conversation_id) if self.conversation_id else None
+        self.hud.show_chat(None if conv is None else
+                           saved_chat(conv.id, conv.title, self.store.messages(conv.id)))
 
     def _update_busy(self) -> None:
         """The composer's Stop button follows the chat on screen, and so do notices about it
@@ -323,6 +344,7 @@ class MainWindow(QMainWindow):
         message = self.store.message(message_id)
         if message is not None and message.stats is not None:
             QToolTip.showText(QCursor.pos(), message.stats.details(), self.chat)
+            self.hud.select_reply(saved_request_id(message_id))  # its panels, until a new one
 
     def _on_message_action(self, action: str, message_id: int) -> None:
         """A link under a message (keep's argument is the alternative's index)."""
@@ -346,6 +368,7 @@ class MainWindow(QMainWindow):
         self.drafts.created(conv_id)
         self.pane.set_title(title)
         self.sidebar.refresh(select=conv_id)
+        self._show_chat_history()
 
     def message_saved(self) -> None:
         self.pane.hide_notice()
@@ -357,7 +380,7 @@ class MainWindow(QMainWindow):
         conv = self.store.conversation(reply.conversation_id)
         if conv is not None:  # the HUD's reply picker names it "chat · turn N"
             turn = sum(m.role == "user" for m in self.store.messages(conv.id))
-            self.hud.name_reply(reply.request_id, conv.title, turn)
+            self.hud.name_reply(reply.request_id, conv.title, turn, chat_id=conv.id)
         self.sig_reply_started.emit(reply.request_id)
 
     def reply_ended(self, reply: ActiveReply) -> None:
@@ -367,6 +390,7 @@ class MainWindow(QMainWindow):
     def conversation_changed(self, conv_id: str) -> None:
         if conv_id == self.conversation_id:
             self._render_conversation()
+            self._show_chat_history()
         self._update_busy()
         self.sidebar.refresh()
 
@@ -447,5 +471,6 @@ class MainWindow(QMainWindow):
         self.session.close()
         self.bridge.detach()
         self.drafts.stash()
+        self.dock_widths.save(self.settings)
         save_layout(self, self.controls, self.settings)
         super().closeEvent(event)
