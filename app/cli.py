@@ -119,6 +119,10 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                              "`make llama-cpp`), torch any model; auto = llama.cpp for a .gguf "
                              "or the default model when there is no CUDA GPU, else torch")
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    parser.add_argument("--context", type=int, default=None, metavar="TOKENS",
+                        help="context length to allocate (default: the model's own, 8192 at "
+                             "most on llama.cpp); a model that does not fit at it is refused "
+                             "before loading, with the context that would fit")
     parser.add_argument("--allow-download", action="store_true",
                         help="allow fetching a hub model (offline otherwise)")
     parser.add_argument("--allow-pickle", action="store_true",
@@ -164,7 +168,7 @@ def model_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """model_options plus the runtime choice (for the model itself, not a draft)."""
-    return {**model_options(args), "engine": args.engine}
+    return {**model_options(args), "engine": args.engine, "context_length": args.context}
 
 
 # ----- phasewise (the window) --------------------------------------------------------------
@@ -320,7 +324,8 @@ def load_for_bench(args: argparse.Namespace, progress: Any) -> tuple[Any, Any, A
                            "torch, or --vs llama.cpp for the llama.cpp engine")
         if args.draft_model:
             raise CliError("--draft-model needs the torch engine (--engine torch)")
-        return None, load(args.model, LLAMA_CPP, kernel=args.kernel, progress=progress), None
+        return None, load(args.model, LLAMA_CPP, kernel=args.kernel, progress=progress,
+                          context_length=args.context), None
     reference = load_model(args.model, progress=progress, **model_options(args))
     loaded = select_kernel(reference, args.kernel, progress=progress)
     draft = load_draft(args.draft_model, loaded, kernel=args.draft_kernel,

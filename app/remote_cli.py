@@ -48,7 +48,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             info = engine.load_model_sync(
                 args.model, kernel=args.kernel, engine=args.engine, device=args.device,
-                dtype=args.dtype,
+                dtype=args.dtype, context_length=args.context,
                 allow_download=args.allow_download, allow_pickle=args.allow_pickle)
         except ModelLoadError as exc:
             raise CliError(str(exc)) from None

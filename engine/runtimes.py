@@ -60,10 +60,32 @@ def resolve_engine(spec: str, engine: str = AUTO, device: str = AUTO) -> str:
             raise ModelLoadError(f"the llama.cpp engine runs on the CPU here (got --device "
                                  f"{device}; use --engine torch)")
         return LLAMA_CPP
-    gguf_like = kind == "gguf" or (kind == "default" and bundled_model_dir() is None)
+    gguf_like = kind in ("gguf", "default")  # the default model is a GGUF, bundled or not
     if gguf_like and device in (AUTO, "cpu") and llama_cpp_installed() and not cuda_present():
         return LLAMA_CPP
     return TORCH
+
+
+def engine_reason(spec: str, device: str = AUTO) -> tuple[str, str]:
+    """What `auto` runs this model on, and why, in a few words (the model picker shows it)."""
+    kind = classify(spec)
+    if kind == "missing":
+        return TORCH, "no such file or folder"
+    try:
+        chosen = resolve_engine(spec, AUTO, device)
+    except ModelLoadError as exc:
+        return TORCH, str(exc)
+    if chosen == LLAMA_CPP:
+        return LLAMA_CPP, "a GGUF file and no CUDA GPU: llama.cpp runs it quantized"
+    if kind in ("folder", "hub"):
+        return TORCH, "a Hugging Face model: only torch runs it"
+    if not llama_cpp_installed():
+        return TORCH, "llama-cpp-python is not installed"
+    if device not in (AUTO, "cpu"):
+        return TORCH, f"--device {device}: llama.cpp runs on the CPU here"
+    if kind == "default" and bundled_model_dir() is not None:
+        return TORCH, "the bundled model ships converted for torch"
+    return TORCH, "a CUDA GPU is present: torch runs it there"
 
 
 def gguf_path(spec: str) -> tuple[Path, str, str]:
@@ -80,11 +102,17 @@ def load(spec: str, engine: str = AUTO, *, kernel: str = AUTO, device: str = AUT
          progress: Progress | None = None, context_length: int | None = None,
          **torch_options: Any) -> Model:
     """Load a model on the runtime `engine` resolves to, with its decode path chosen and
-    warmed up; ModelLoadError with one line on failure."""
+    warmed up; ModelLoadError with one line on failure, and before loading anything when
+    it would not fit in memory at context_length (fit.check)."""
+    import dataclasses
+
     import torch
 
+    from engine import fit
     from engine.kernels import allowed_cpus
 
+    fit.check(spec, engine, device=device, dtype=torch_options.get("dtype", AUTO),
+              context_length=context_length)
     if resolve_engine(spec, engine, device) == TORCH:
         from engine.generate import warm_up
         from engine.kernels import select_kernel
@@ -95,6 +123,8 @@ def load(spec: str, engine: str = AUTO, *, kernel: str = AUTO, device: str = AUT
         if progress:
             progress("warming up")
         warm_up(loaded)
+        if context_length and context_length < loaded.info.context_length:
+            loaded.info = dataclasses.replace(loaded.info, context_length=context_length)
         return loaded
     if kernel != AUTO:
         raise ModelLoadError("--kernel chooses a torch decode path; the llama.cpp engine runs "
