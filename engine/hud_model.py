@@ -12,7 +12,7 @@ import csv
 import json
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -185,10 +185,26 @@ class ReplyRecord:
     error: str = ""
     done_ns: int = 0
     result: GenerationResult | None = None  # the engine's own, once finished
+    # A reply read back from a saved chat (history, not live): `number` is its turn in the
+    # chat, `metrics` the saved engine-clock numbers (None when none were saved), and
+    # `saved` what else was saved with it (message id, model, engine, kernel, ...).
+    history: bool = False
+    saved: dict[str, object] = field(default_factory=dict)
 
     @property
     def done(self) -> bool:
-        return bool(self.finish_reason or self.error)
+        return bool(self.finish_reason or self.error or self.history)
+
+    @property
+    def name(self) -> str:
+        """"Reply #11" live, "Saved turn 3" for history."""
+        return f"Saved turn {self.number}" if self.history else f"Reply #{self.number}"
+
+    @property
+    def prompt_known(self) -> bool:
+        """False when a remote server did not report the prompt's (or cached) token count."""
+        m = self.metrics
+        return m is None or (m.prompt_tokens_known and m.cached_tokens_known)
 
     @property
     def output_tokens(self) -> int:
@@ -215,7 +231,8 @@ class ReplyRecord:
         """Which decode path ran, and how speculation did: "" until the reply finishes."""
         r = self.result
         if r is None:
-            return ""
+            engine, kernel = self.saved.get("engine"), self.saved.get("kernel")
+            return f"{engine} engine, kernel {kernel}" if engine and kernel else ""
         parts = [f"{r.model.engine} engine, kernel {r.model.kernel}"] if r.model else []
         if r.speculative:
             parts.append(f"speculative ({r.speculative}): {r.spec_accepted:,} of "
@@ -272,6 +289,79 @@ class SettingMarker:
         """"temperature=1.1, max_tokens=256"."""
         return ", ".join(f"{name}={value:g}" if isinstance(value, float) else f"{name}={value}"
                          for name, value in self.changes.items())
+
+
+_METRIC_FIELDS = {f.name for f in fields(RequestMetrics)}
+_REQUIRED_METRICS = {f.name for f in fields(RequestMetrics)
+                     if f.default is MISSING and f.default_factory is MISSING}
+
+
+def saved_metrics(record: dict[str, object] | None) -> RequestMetrics | None:
+    """A saved reply's metrics as the engine measured them (RequestMetrics.to_dict() plus
+    where it ran); None when nothing, or too little, was saved: the HUD then shows "–"."""
+    if not record or not record.keys() >= _REQUIRED_METRICS:
+        return None
+    values = {k: v for k, v in record.items() if k in _METRIC_FIELDS}
+    return RequestMetrics(**values)  # type: ignore[arg-type]
+
+
+def saved_request_id(message_id: int) -> str:
+    """The HUD's id for saved message `message_id` (its picker entry, select_reply)."""
+    return f"message-{message_id}"
+
+
+def saved_reply(message_id: int, turn: int, status: str, metrics: dict[str, object] | None,
+                settings: dict[str, object] | None) -> ReplyRecord:
+    """One saved reply of a chat as a history record (turn-numbered, never live)."""
+    m = saved_metrics(metrics)
+    extra = {k: v for k, v in (metrics or {}).items() if k not in _METRIC_FIELDS}
+    reply = ReplyRecord(saved_request_id(message_id), turn, 0, settings=dict(settings or {}),
+                        metrics=m, finish_reason=status, history=True,
+                        saved={"message_id": message_id, **extra})
+    if m is not None:
+        reply.prompt_tokens, reply.cached_tokens = m.prompt_tokens, m.cached_tokens
+        reply.miss_reason = m.cache_miss_reason
+    return reply
+
+
+@dataclass
+class SavedChat:
+    """A chat's saved replies, read back from the database: its history in the HUD and what
+    its export writes. Numbers are the saved engine-clock values, never recomputed."""
+
+    chat_id: str
+    title: str
+    turns: list[ReplyRecord] = field(default_factory=list)
+
+    def rows(self) -> list[dict[str, object]]:
+        """One row per saved reply; a count the server did not report is blank, not 0."""
+        rows = []
+        for r in self.turns:
+            row: dict[str, object] = {"chat": self.title, "turn": r.number,
+                                      "finish_reason": r.finish_reason}
+            if r.metrics is not None:
+                row.update({k: v for k, v in r.metrics.to_dict().items() if k != "itl_s"})
+                if not r.metrics.prompt_tokens_known:
+                    row.update(prompt_tokens="", prefilled_tokens="")
+                if not r.metrics.cached_tokens_known:
+                    row.update(cached_tokens="", prefilled_tokens="")
+            row.update(r.saved)
+            row.update({f"setting_{k}": v for k, v in r.settings.items()})
+            rows.append(row)
+        return rows
+
+    def export_csv(self, path: str | Path) -> list[Path]:
+        path = Path(path)
+        _write_csv(path, self.rows())
+        return [path]
+
+    def export_json(self, path: str | Path) -> list[Path]:
+        path = Path(path)
+        replies = [dict(row, itl_s=r.metrics.itl_s if r.metrics is not None else None)
+                   for r, row in zip(self.turns, self.rows(), strict=True)]
+        data = {"chat": self.title, "chat_id": self.chat_id, "replies": replies}
+        path.write_text(json.dumps(data, indent=1, default=str), "utf-8")
+        return [path]
 
 
 # ----- advisor -----------------------------------------------------------------------------
@@ -340,6 +430,10 @@ class SessionModel:
         # and a NaN row between replies, so idle time is never drawn as throughput.
         self.throughput_ring = SeriesRing(plot_history, 2)
         self._throughput_rid = ""
+        # The chat on screen: its saved replies are the per-turn panels' history, and its
+        # live replies (by the chat and turn the window gave them) append to them.
+        self.chat: SavedChat | None = None
+        self._chat_of: dict[str, tuple[str, int]] = {}  # request id -> (chat id, turn)
 
     # -- folding events --
     def apply(self, event: EngineEvent) -> ReplyRecord | None:
@@ -409,6 +503,42 @@ class SessionModel:
         reply.miss_reason = result.metrics.cache_miss_reason
         if result.model is not None:
             self.model = result.model
+
+    def open_chat(self, chat: SavedChat | None) -> None:
+        """Show this chat's saved replies as history (None: every reply of the session)."""
+        self.chat = chat
+
+    def assign(self, request_id: str, chat_id: str, turn: int) -> None:
+        """Which chat and turn a live reply answers."""
+        self._chat_of[request_id] = (chat_id, turn)
+
+    def chat_of(self, request_id: str) -> tuple[str, int] | None:
+        return self._chat_of.get(request_id)
+
+    def record(self, request_id: str) -> ReplyRecord | None:
+        """A live reply, or a saved one of the open chat."""
+        reply = self.replies.get(request_id)
+        if reply is None and self.chat is not None:
+            reply = next((r for r in self.chat.turns if r.request_id == request_id), None)
+        return reply
+
+    def turn_rows(self, *, finished: bool = True) -> list[tuple[int, ReplyRecord]]:
+        """(x, reply) for the per-turn panels, in order.
+
+        Without an open chat: every reply of the session by its number (finished ones, or,
+        with finished=False, those whose prompt is known). With one: the chat's saved replies
+        by turn (all of them: one without numbers shows "–"), then its live replies by turn;
+        a live reply replaces the saved one of its turn (a regenerated reply)."""
+        live = [r for r in self.replies.values()
+                if (r.metrics is not None if finished else r.prompt_tokens)]
+        if self.chat is None:
+            return [(r.number, r) for r in live]
+        chat_id = self.chat.chat_id
+        turn_of = {rid: chat[1] for rid, chat in self._chat_of.items() if chat[0] == chat_id}
+        mine = [(turn_of[r.request_id], r) for r in live if r.request_id in turn_of]
+        replaced = {turn_of[rid] for rid in self.replies if rid in turn_of}
+        saved = [(r.number, r) for r in self.chat.turns if r.number not in replaced]
+        return sorted(saved + mine, key=lambda row: row[0])
 
     def mark_setting(self, name: str, value: object, t_ns: int) -> SettingMarker | None:
         """Record a setting; return the marker of the gap since the latest reply, if any.
@@ -486,8 +616,13 @@ class SessionModel:
         return [r for r in self.replies.values() if r.metrics is not None]
 
     def turn_position(self, t_ns: int) -> float:
-        """Where a setting change at t_ns falls on a per-turn axis (between turns)."""
-        return sum(1 for r in self.replies.values() if r.queued_ns <= t_ns) + 0.5
+        """Where a setting change at t_ns falls on a per-turn axis (between turns): after the
+        open chat's saved turns (they ran before it) and its live ones queued before t_ns."""
+        if self.chat is None:
+            return sum(1 for r in self.replies.values() if r.queued_ns <= t_ns) + 0.5
+        before = [x for x, r in self.turn_rows(finished=False) + self.turn_rows()
+                  if r.history or r.queued_ns <= t_ns]
+        return max(before, default=0) + 0.5
 
     def ttft_percentiles(self) -> tuple[float, float, float]:
         ttfts = [r.metrics.ttft_s for r in self.finished() if r.metrics is not None]

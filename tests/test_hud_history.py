@@ -110,7 +110,7 @@ def test_panels_show_the_latest_reply_after_10000_tokens(long_hud: HudWidget, hi
 def test_per_turn_panels_show_the_latest_turns_with_engine_numbers(long_hud: HudWidget) -> None:
     finished = long_hud.model.finished()
     ttft = long_hud.panels["ttft"]
-    shown = [r.number for r in ttft._rows]
+    shown = [x for x, _r in ttft._rows]
     assert shown[-1] == finished[-1].number and len(shown) == 40
     heights = [q + p + f for q, p, f in zip(
         ttft._bars["queue"].opts["height"], ttft._bars["prefill"].opts["height"],

@@ -44,6 +44,11 @@ class WindowMenus:
                        self.previous_chat_action, self.rename_action, self.delete_action):
             chat_menu.addAction(action)
         chat_menu.addSeparator()
+        self.export_csv_action = chat_menu.addAction(
+            "Export chat stats as CSV…", lambda: w.chat_exports.ask(w.conversation_id, "csv"))
+        self.export_json_action = chat_menu.addAction(
+            "Export chat stats as JSON…", lambda: w.chat_exports.ask(w.conversation_id, "json"))
+        chat_menu.addSeparator()
         chat_menu.addAction("Choose model…", w.choose_model)
         chat_menu.addAction("Compare backends…", self.compare_backends)
         chat_menu.addSeparator()

@@ -32,6 +32,8 @@ class Sidebar(QWidget):
     """A rename could not be saved; the argument is the one-line reason."""
     sig_renamed = Signal(str, str)
     """A chat's new title was saved: (conversation id, title)."""
+    sig_export = Signal(str, str)
+    """The user asked to export a chat's reply stats: (conversation id, "csv" or "json")."""
 
     def __init__(self, store: ChatStore, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -146,6 +148,9 @@ class Sidebar(QWidget):
         menu = QMenu(self)
         menu.addAction("Rename…", lambda: self._ask_rename(conv_id, item.text()))
         menu.addAction("Delete", lambda: self.sig_delete.emit(conv_id))
+        menu.addSeparator()
+        menu.addAction("Export stats as CSV…", lambda: self.sig_export.emit(conv_id, "csv"))
+        menu.addAction("Export stats as JSON…", lambda: self.sig_export.emit(conv_id, "json"))
         menu.exec(self.list.mapToGlobal(pos))
 
     def _ask_rename(self, conv_id: str, current: str) -> None:

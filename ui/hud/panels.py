@@ -32,6 +32,8 @@ from ui.hud.live_label import LiveLabel
 
 MAX_TURNS_SHOWN = 40  # per-turn bar plots show the latest turns only
 MARKER_LABEL_GAP_PX = 8  # a marker label shows only if it clears the next one by this much
+HISTORY_ALPHA = 90  # saved replies (history) are drawn faded beside live ones
+LABEL_GAP_PX = 6  # between the ITL plot's percentile labels
 NO_HOVER = " "  # the readout's resting text (keeps its line's height)
 SAMPLER_ROWS = 10
 DASH = Qt.PenStyle.DashLine
@@ -227,6 +229,16 @@ def integer_ticks(plot: pg.PlotWidget, values: list[int], most: int = 12) -> Non
     plot.getPlotItem().getAxis("bottom").setTicks([[(v, str(v)) for v in values[::step]]])
 
 
+def bar_brushes(rows: Sequence[tuple[int, ReplyRecord]], color: str) -> list[object]:
+    """One brush per bar: faded for a saved reply (history), full for a live one."""
+    return [style.brush(color, HISTORY_ALPHA if r.history else 255) for _x, r in rows]
+
+
+def history_key(rows: Sequence[tuple[int, ReplyRecord]]) -> str:
+    """The caption's note when saved replies are drawn (faded)."""
+    return " &nbsp;faded: saved (history)" if any(r.history for _x, r in rows) else ""
+
+
 SYMBOLS_UP_TO = 400  # beyond this, per-point symbols cost more than they show
 NICE_STEPS = (1.0, 2.0, 3.0, 5.0, 10.0)
 
@@ -297,32 +309,43 @@ class TtftPanel(Panel):
         self._cached = pg.ScatterPlotItem(symbol="t1", size=7, brush=style.brush(style.CACHED),
                                           pen=None)
         self.plot.addItem(self._cached)
-        self._rows: list[ReplyRecord] = []
+        self._rows: list[tuple[int, ReplyRecord]] = []  # (turn, reply); history included
 
     def refresh(self, ctx: HudContext) -> None:
-        self._rows = [r for r in ctx.model.finished()][-MAX_TURNS_SHOWN:]
-        x = np.array([r.number for r in self._rows], dtype=float)
-        m = [r.metrics for r in self._rows if r.metrics is not None]
+        self._rows = ctx.model.turn_rows()[-MAX_TURNS_SHOWN:]
+        drawn = [(x, r) for x, r in self._rows if r.metrics is not None]  # "–": no bar
+        x = np.array([turn for turn, _r in drawn], dtype=float)
+        m = [_metrics(r) for _x, r in drawn]
         queue = np.array([mm.queue_s for mm in m])
         prefill = np.array([mm.prefill_s for mm in m])
         first = np.array([max(mm.ttft_s - mm.queue_s - mm.prefill_s, 0.0) for mm in m])
-        self._bars["queue"].setOpts(x=x, height=queue, y0=np.zeros_like(queue))
-        self._bars["prefill"].setOpts(x=x, height=prefill, y0=queue)
-        self._bars["first"].setOpts(x=x, height=first, y0=queue + prefill)
+        colors = {"queue": style.QUEUE, "prefill": style.PREFILL, "first": style.OTHER}
+        for (key, height), y0 in zip((("queue", queue), ("prefill", prefill), ("first", first)),
+                                     (np.zeros_like(queue), queue, queue + prefill), strict=True):
+            self._bars[key].setOpts(x=x, height=height, y0=y0,
+                                    brushes=bar_brushes(drawn, colors[key]))
         ttft = queue + prefill + first
-        # Cached share of the prompt drawn as a marker at that fraction of the bar's height.
-        share = np.array([mm.cached_tokens / mm.prompt_tokens if mm.prompt_tokens else 0.0
-                          for mm in m])
-        self._cached.setData(x=x, y=ttft * share)
-        integer_ticks(self.plot, [r.number for r in self._rows])
+        # Cached share of the prompt drawn as a marker at that fraction of the bar's height;
+        # none where the server did not report the counts.
+        known = [i for i, (_x, r) in enumerate(drawn) if r.prompt_known]
+        share = np.array([m[i].cached_tokens / m[i].prompt_tokens if m[i].prompt_tokens
+                          else 0.0 for i in known])
+        self._cached.setData(x=x[known], y=ttft[known] * share)
+        integer_ticks(self.plot, [turn for turn, _r in self._rows])
         if not m:
             self._live_caption(ctx.reply)
             return
-        p50, p90, p99 = ctx.model.ttft_percentiles()
+        if ctx.model.chat is None:
+            p50, p90, p99 = ctx.model.ttft_percentiles()
+            scope = "Session"
+        else:
+            p50, p90, p99 = percentiles([mm.ttft_s for mm in m if mm.output_tokens], (50, 90, 99))
+            scope = "This chat's"
         self.caption.setText(
             key_html([("queue", style.QUEUE), ("prefill", style.PREFILL),
                       ("first sample", style.OTHER), ("▲ cached share", style.CACHED)])
-            + f"<br>Session TTFT p50 {fmt_seconds(p50)} · p90 {fmt_seconds(p90)} · "
+            + history_key(self._rows)
+            + f"<br>{scope} TTFT p50 {fmt_seconds(p50)} · p90 {fmt_seconds(p90)} · "
             f"p99 {fmt_seconds(p99)}."
         )
 
@@ -334,16 +357,20 @@ class TtftPanel(Panel):
                                  "its bar appears when the reply finishes.")
 
     def hover_text(self, x: float, y: float) -> str | None:
-        i = _nearest([r.number for r in self._rows], x)
-        r = self._rows[i] if i is not None else None
-        m = r.metrics if r is not None else None
-        if r is None or m is None:
+        i = _nearest([turn for turn, _r in self._rows], x)
+        if i is None:
             return None
+        turn, r = self._rows[i]
+        m = r.metrics
+        saved = " (saved)" if r.history else ""
+        if m is None:
+            return f"turn {turn}{saved}: TTFT – (no numbers were saved with this reply)"
         if not m.output_tokens:
-            return f"turn {r.number}: stopped before its first token (no TTFT)"
-        return (f"turn {r.number}: TTFT {fmt_seconds(m.ttft_s)} = queue {fmt_seconds(m.queue_s)}"
-                f" + prefill {fmt_seconds(m.prefill_s)}; {m.cached_tokens:,}/"
-                f"{m.prompt_tokens:,} prompt tokens cached")
+            return f"turn {turn}{saved}: stopped before its first token (no TTFT)"
+        cached = (f"{m.cached_tokens:,}/{m.prompt_tokens:,}" if r.prompt_known else "–")
+        return (f"turn {turn}{saved}: TTFT {fmt_seconds(m.ttft_s)} = queue "
+                f"{fmt_seconds(m.queue_s)} + prefill {fmt_seconds(m.prefill_s)}; {cached} "
+                "prompt tokens cached")
 
 
 # ----- 2. ITL of the live (or selected) reply ------------------------------------------------
@@ -356,8 +383,8 @@ class ItlPanel(Panel):
         style.axis_label(self.plot, "bottom", "token")
         self._curve = fast_curve(self.plot, style.DECODE)
         self._lines = {}
-        for name, color, at in (("p50", style.P50, 0.96), ("p90", style.P90, 0.78),
-                                ("p99", style.P99, 0.6)):
+        for name, color, at in (("p50", style.P50, 0.9), ("p90", style.P90, 0.6),
+                                ("p99", style.P99, 0.3)):  # laid out in pixels on refresh
             line = pg.InfiniteLine(angle=0, pen=style.pen(color, 1, DASH), label=name,
                                    labelOpts={"position": at, "color": color,
                                               "anchors": [(0.5, 1), (0.5, 1)]})
@@ -365,6 +392,7 @@ class ItlPanel(Panel):
             self.plot.addItem(line, ignoreBounds=True)
             self._lines[name] = line
         self._itl: list[float] = []
+        self.plot.getPlotItem().vb.sigResized.connect(self._layout_percentile_labels)
 
     def refresh(self, ctx: HudContext) -> None:
         reply = ctx.reply
@@ -374,21 +402,43 @@ class ItlPanel(Panel):
         if reply is None or not len(itl):
             for line in self._lines.values():
                 line.setVisible(False)
+            if reply is not None and reply.history:
+                self.caption.setText(f"{reply.name} (saved): ITL – (no token gaps were saved "
+                                     "with this reply).")
             return
         pcts = reply.itl_percentiles()
         # From zero, so a flat ITL looks flat: the point decode's physics makes.
         snap_range(self.plot, x_to=max(len(itl), 10), y_to=max(float(itl.max()), pcts[2]) * 1.15)
         for (name, line), value in zip(self._lines.items(), pcts, strict=True):
             line.setPos(value)
+            line.setVisible(True)  # first: a hidden label ignores a new format (kept "p50")
             text = f"{name} {fmt_ms(value)}"
             if line.label.format != text:  # re-laying out the same text costs a repaint
                 line.label.setFormat(text)
-            line.setVisible(True)
-        state = "live" if not reply.done else "finished"
+        self._layout_percentile_labels()
+        state = "saved" if reply.history else "live" if not reply.done else "finished"
+        tokens = reply.metrics.output_tokens if reply.metrics else reply.output_tokens
         self.caption.setText(
-            f"Reply #{reply.number} ({state}): {reply.output_tokens:,} tokens, "
+            f"{reply.name} ({state}): {tokens:,} tokens, "
             f"{len(self._itl):,} gaps between them · p50 {fmt_ms(pcts[0])} · p90 "
             f"{fmt_ms(pcts[1])} · p99 {fmt_ms(pcts[2])}. " + burst_note(reply))
+
+    def _layout_percentile_labels(self, *_args: object) -> None:
+        """The p50, p90 and p99 labels side by side from the right edge (p50 rightmost), each
+        clear of the next: close values put the lines close, never the labels on each other."""
+        width = self.plot.getPlotItem().vb.width()
+        if width <= 0:
+            return
+        right = width - LABEL_GAP_PX
+        for line in self._lines.values():
+            label_width = line.label.boundingRect().width()
+            line.label.setPosition(max(right - label_width / 2, label_width / 2) / width)
+            right -= label_width + LABEL_GAP_PX
+
+    def percentile_label_rects(self) -> list[object]:
+        """The shown percentile labels' scene rectangles (QRectF), p50 first."""
+        return [line.label.sceneBoundingRect() for line in self._lines.values()
+                if line.isVisible()]
 
     def hover_text(self, x: float, y: float) -> str | None:
         i = _nearest(np.arange(1, len(self._itl) + 1), x)
@@ -452,6 +502,8 @@ class ThroughputPanel(Panel):
             live = float(self._v[np.isfinite(self._v)][-1])
             self.caption.setText(f"Rolling over {THROUGHPUT_WINDOW} tokens: {live:,.1f} tok/s "
                                  "now (live); ◆ marks each finished reply's mean.")
+        elif (saved := saved_rates(model)):  # only history: it has no place on this clock
+            self.caption.setText(saved)
 
     def hover_text(self, x: float, y: float) -> str | None:
         finite = np.isfinite(self._t)
@@ -460,6 +512,22 @@ class ThroughputPanel(Panel):
         ts, vs = self._t[finite], self._v[finite]
         i = _nearest(ts, x)
         return None if i is None else f"t = {ts[i]:.2f} s: {vs[i]:,.1f} tok/s"
+
+
+SAVED_RATES_SHOWN = 8
+
+
+def saved_rates(model: SessionModel) -> str:
+    """The open chat's saved decode rates, per turn ("–" where none was saved): saved replies
+    ran on another session's clock, so they are listed, not plotted against session time."""
+    turns = model.chat.turns if model.chat is not None else []
+    if not turns:
+        return ""
+    shown = [f"turn {r.number}: " + (f"{r.metrics.decode_tok_s:,.1f}"
+                                      if r.metrics is not None and r.metrics.decode_tok_s
+                                      else "–")
+             for r in turns[-SAVED_RATES_SHOWN:]]
+    return "Saved (history), decode tok/s: " + " · ".join(shown) + "."
 
 
 # ----- 4. Where the time went ----------------------------------------------------------------
@@ -494,6 +562,11 @@ class BreakdownPanel(Panel):
         self._prefill_left.setOpts(width=[0])
         if b is None and ctx.reply is not None and ctx.prefill is not None:
             self._draw_prefill(ctx.reply, ctx.prefill)
+        if b is None and ctx.reply is not None and ctx.reply.history:
+            for bar in self._bars.values():
+                bar.setOpts(width=[0])
+            self.table.setText("")
+            self.caption.setText(f"{ctx.reply.name}: – (no numbers were saved with it).")
         if b is None:
             return
         start = 0.0
@@ -505,12 +578,12 @@ class BreakdownPanel(Panel):
         self.plot.setXRange(0, end, padding=0.01)
         self.plot.setYRange(-0.5, 0.5, padding=0)
         self.table.setText(self._table_html(b))
-        state = "e2e" if b.final else "so far (live)"
         reply = ctx.reply
         assert reply is not None  # it gave the breakdown
+        state = "e2e (saved)" if reply.history else "e2e" if b.final else "so far (live)"
         path = reply.path_text()
         ttft = fmt_seconds(b.ttft_s) if b.has_first_token else "– (stopped before a token)"
-        self.caption.setText(f"Reply #{reply.number}: {fmt_seconds(b.e2e_s)} {state}; "
+        self.caption.setText(f"{reply.name}: {fmt_seconds(b.e2e_s)} {state}; "
                              f"TTFT {ttft}." + (f" {path}." if path else ""))
 
     def _draw_prefill(self, reply: ReplyRecord, p: PrefillProgress) -> None:
@@ -567,31 +640,37 @@ class CachePanel(Panel):
         self.plot.addItem(self._reused)
         self.plot.addItem(self._recomputed)
         self.plot.getPlotItem().getAxis("left").enableAutoSIPrefix(False)
-        self._rows: list[ReplyRecord] = []
+        self._rows: list[tuple[int, ReplyRecord]] = []  # (turn, reply); history included
 
     def refresh(self, ctx: HudContext) -> None:
-        self._rows = [r for r in ctx.model.ordered() if r.prompt_tokens][-MAX_TURNS_SHOWN:]
-        x = np.array([r.number for r in self._rows], dtype=float)
-        reused = np.array([r.cached_tokens for r in self._rows], dtype=float)
-        fresh = np.array([r.prompt_tokens - r.cached_tokens for r in self._rows], dtype=float)
-        self._reused.setOpts(x=x, height=reused, y0=np.zeros_like(reused))
-        self._recomputed.setOpts(x=x, height=fresh, y0=reused)
-        integer_ticks(self.plot, [r.number for r in self._rows])
+        self._rows = ctx.model.turn_rows(finished=False)[-MAX_TURNS_SHOWN:]
+        drawn = [(x, r) for x, r in self._rows if r.prompt_tokens and r.prompt_known]
+        x = np.array([turn for turn, _r in drawn], dtype=float)
+        reused = np.array([r.cached_tokens for _x, r in drawn], dtype=float)
+        fresh = np.array([r.prompt_tokens - r.cached_tokens for _x, r in drawn], dtype=float)
+        self._reused.setOpts(x=x, height=reused, y0=np.zeros_like(reused),
+                             brushes=bar_brushes(drawn, style.CACHED))
+        self._recomputed.setOpts(x=x, height=fresh, y0=reused,
+                                 brushes=bar_brushes(drawn, style.RECOMPUTED))
+        integer_ticks(self.plot, [turn for turn, _r in self._rows])
         if self._rows:
             self.caption.setText(
                 key_html([("reused", style.CACHED), ("recomputed", style.RECOMPUTED)])
-                + "<br>" + self._describe(self._rows[-1]))
+                + history_key(self._rows) + "<br>" + self._describe(*self._rows[-1]))
 
     @staticmethod
-    def _describe(r: ReplyRecord) -> str:
+    def _describe(turn: int, r: ReplyRecord) -> str:
+        saved = " (saved)" if r.history else ""
+        if not r.prompt_tokens or not r.prompt_known:
+            return f"Turn {turn}{saved}: – (the prompt's token counts were not reported)."
         reason = r.miss_reason.replace("_", " ")
         why = "full hit" if r.miss_reason == "none" else f"miss: {reason}"
-        return (f"Turn {r.number}: {r.cached_tokens:,} reused, "
+        return (f"Turn {turn}{saved}: {r.cached_tokens:,} reused, "
                 f"{r.prompt_tokens - r.cached_tokens:,} recomputed ({why}).")
 
     def hover_text(self, x: float, y: float) -> str | None:
-        i = _nearest([r.number for r in self._rows], x)
-        return None if i is None else self._describe(self._rows[i])
+        i = _nearest([turn for turn, _r in self._rows], x)
+        return None if i is None else self._describe(*self._rows[i])
 
 
 # ----- 6. Context gauge ----------------------------------------------------------------------
@@ -725,6 +804,11 @@ class SamplerPanel(Panel):
     def refresh(self, ctx: HudContext) -> None:
         snap = ctx.reply.snapshot if ctx.reply else None
         if snap is None:
+            if ctx.reply is not None and ctx.reply.history:
+                self._rows = []
+                self._bars.setOpts(x0=[], y=[], width=[], brushes=[])
+                self._cut.setVisible(False)
+                self.caption.setText(f"{ctx.reply.name}: sampler snapshots are not saved.")
             return
         self.snapshot_index = snap.index
         self._rows = list(snap.candidates[:SAMPLER_ROWS])
@@ -794,7 +878,8 @@ class RenderLagPanel(Panel):
         self._itl.setPos(itl_p50)
         self._itl.setVisible(itl_p50 > 0)
         if not self.lags_s:
-            self.caption.setText("No painted tokens reported for this reply yet.")
+            self.caption.setText("Render lag is not saved with a reply." if reply.history
+                                 else "No painted tokens reported for this reply yet.")
             return
         # From zero and up to the ITL line, so lag reads against the engine's token gap.
         snap_range(self.plot, x_to=max(max(self.indices), 10),

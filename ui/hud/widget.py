@@ -3,7 +3,10 @@
 - on_engine_event(event): every engine event (engine.events dataclasses), on the GUI thread.
 - on_token_painted(request_id, index, painted_ns): the view painted token `index`.
 - mark_setting_change(name, value, t_ns): a slider changed (marker on time plots).
-- name_reply(request_id, chat, turn): which chat and turn a reply answers (picker labels).
+- name_reply(request_id, chat, turn, chat_id=...): which chat and turn a reply answers
+  (picker labels, and the open chat's per-turn panels).
+- show_chat(saved_chat): the chat on screen; its saved replies show as history.
+- rename_chat(chat_id, title): a chat's new title, in the picker and the history cue.
 
 Events only update the session model (cheap appends) and mark panels dirty; a single-shot
 QTimer redraws the dirty, visible panels at most 4 times a second while a reply streams, and
@@ -16,6 +19,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from PySide6.QtCore import QTimer, Signal
@@ -46,7 +50,14 @@ from engine.events import (
     SamplerSnapshot,
     TokenEmitted,
 )
-from engine.hud_model import ReplyRecord, SessionModel, advise, fmt_ms, fmt_seconds
+from engine.hud_model import (
+    ReplyRecord,
+    SavedChat,
+    SessionModel,
+    advise,
+    fmt_ms,
+    fmt_seconds,
+)
 from ui.hud import style
 from ui.hud.live_label import LiveLabel
 from ui.hud.panels import PANEL_TYPES, HudContext, Panel, prefill_caption
@@ -78,6 +89,27 @@ _TURN_MARKER_PANELS = ("ttft", "cache")
 LIVE_ITEM = "Live reply (follows the newest)"
 
 
+@dataclass(frozen=True)
+class ExportOutcome:
+    """What one export wrote, or in one line why it could not (empty `written`)."""
+
+    written: list[Path]
+    message: str
+
+
+def run_write(write: Callable[[], list[Path]]) -> ExportOutcome:
+    """Run one export: a missing folder or no permission is a one-line message, never a
+    traceback on stderr. Shared by the HUD's exports and the window's chat exports."""
+    try:
+        written = write()
+    except OSError as exc:
+        where = f" {exc.filename}" if exc.filename else ""
+        return ExportOutcome([], f"Export failed:{where}: {exc.strerror or exc}.")
+    names = ", ".join(path.name for path in written[:3])
+    more = f" and {len(written) - 3} more" if len(written) > 3 else ""
+    return ExportOutcome(written, f"Saved {names}{more} in {written[0].parent}.")
+
+
 class HudWidget(QWidget):
     sig_peaks_ready = Signal(object)
     """Device peaks (DevicePeaks) arrived from the background calibration thread."""
@@ -91,6 +123,7 @@ class HudWidget(QWidget):
         self._selected_id: str | None = None  # None follows the live (latest) reply
         self._pinned = False  # the user picked a past reply: keep it when a new one streams
         self._names: dict[str, tuple[str, int]] = {}  # request id -> (chat title, turn)
+        self._saved_items = 0  # picker rows after "Live reply" that are the chat's history
         self.export_dir = Path.home()  # where export dialogs open: home, then the last used
         self._dirty: set[str] = set()
         self._text_interval_s = 0.0
@@ -118,6 +151,11 @@ class HudWidget(QWidget):
         self.pin_label.setWordWrap(True)
         self.pin_label.hide()
         column.addWidget(self.pin_label)
+        self.history_label = QLabel()  # the open chat's saved replies are history, not live
+        self.history_label.setObjectName("hudHistory")
+        self.history_label.setWordWrap(True)
+        self.history_label.hide()
+        column.addWidget(self.history_label)
         self.export_label = QLabel()  # what the last export wrote, or why it could not
         self.export_label.setObjectName("hudExport")
         self.export_label.setWordWrap(True)
@@ -225,6 +263,9 @@ class HudWidget(QWidget):
         """A slider changed: record it; the changes between two replies share one marker on
         the time and per-turn plots (none for the settings restored before the first reply)."""
         self.model.mark_setting(name, value, t_ns)
+        self._place_markers()
+
+    def _place_markers(self) -> None:
         markers = self.model.markers
         for key in _TIME_MARKER_PANELS:
             self.panels[key].set_markers(
@@ -233,16 +274,59 @@ class HudWidget(QWidget):
             self.panels[key].set_markers(
                 [(self.model.turn_position(m.t_ns), m.label()) for m in markers])
 
-    def name_reply(self, request_id: str, chat: str, turn: int) -> None:
-        """The window says which chat and turn a reply answers: the picker shows that."""
+    def name_reply(self, request_id: str, chat: str, turn: int, *, chat_id: str = "") -> None:
+        """The window says which chat and turn a reply answers: the picker shows that, and
+        with chat_id the reply joins that chat's per-turn panels when it is open."""
         self._names[request_id] = (chat, turn)
+        if chat_id:
+            self.model.assign(request_id, chat_id, turn)
         index = self.reply_combo.findData(request_id)
         reply = self.model.replies.get(request_id)
         if index >= 0 and reply is not None:
             self.reply_combo.setItemText(index, self.reply_title(reply))
 
+    def show_chat(self, chat: SavedChat | None) -> None:
+        """The chat on screen (None: a new, unsaved one): its saved replies become the
+        per-turn panels' history, listed in the picker as saved. Showing the same chat again
+        (it changed) keeps the picker's selection."""
+        same = chat is not None and self.model.chat is not None \
+            and self.model.chat.chat_id == chat.chat_id
+        self.model.open_chat(chat)
+        self._fill_saved_items()
+        self._refresh_history_cue()
+        self._place_markers()
+        if not same and not self._pinned:
+            running = [rid for rid, r in self.model.replies.items() if not r.done
+                       and (c := self.model.chat_of(rid)) and chat and c[0] == chat.chat_id]
+            last = chat.turns[-1].request_id if chat and chat.turns and not running else None
+            self.select_reply(last)  # the chat's last saved reply, until a new one starts
+        else:
+            self._mark_dirty({"all"})
+
+    def rename_chat(self, chat_id: str, title: str) -> None:
+        """A chat was renamed: its entries in the picker (live and saved) follow."""
+        for rid, (cid, turn) in list(self._chat_turns()):
+            if cid == chat_id and rid in self._names:
+                self._names[rid] = (title, turn)
+        if self.model.chat is not None and self.model.chat.chat_id == chat_id:
+            self.model.chat.title = title
+        combo = self.reply_combo
+        for index in range(1, combo.count()):
+            reply = self.model.record(combo.itemData(index))
+            if reply is not None:
+                combo.setItemText(index, self.reply_title(reply))
+        self._refresh_history_cue()
+        self._refresh_pin_cue()
+
+    def _chat_turns(self) -> list[tuple[str, tuple[str, int]]]:
+        return [(rid, chat) for rid in self._names if (chat := self.model.chat_of(rid))]
+
     def reply_title(self, reply: ReplyRecord) -> str:
-        """"Trip ideas · turn 3" when the window named it, else "Reply 11 (turn 3)"."""
+        """"Trip ideas · turn 3" when the window named it, else "Reply 11 (turn 3)"; a saved
+        reply of the open chat is "Trip ideas · turn 3 (saved)"."""
+        if reply.history:
+            chat = self.model.chat.title if self.model.chat is not None else "Saved"
+            return f"{chat} · turn {reply.number} (saved)"
         alternative = reply.request_id.rpartition(".")[2] if "." in reply.request_id else ""
         suffix = f" · alternative {int(alternative) + 1}" if alternative.isdigit() else ""
         named = self._names.get(reply.request_id)
@@ -269,7 +353,8 @@ class HudWidget(QWidget):
         Unpinned, the next reply to start takes over again; pinned (the user's pick in the
         picker), it stays, with a visible cue, until the user picks the live reply.
         """
-        self._selected_id = request_id if request_id in self.model.replies else None
+        known = request_id is not None and self.model.record(request_id) is not None
+        self._selected_id = request_id if known else None
         self._pinned = pin and self._selected_id is not None
         self._refresh_combo()
         index = self.reply_combo.findData(self._selected_id)
@@ -297,7 +382,7 @@ class HudWidget(QWidget):
 
     def selected_reply(self) -> ReplyRecord | None:
         if self._selected_id is not None:
-            return self.model.replies.get(self._selected_id)
+            return self.model.record(self._selected_id)
         return self.model.latest()
 
     def panel_keys(self) -> list[str]:
@@ -367,9 +452,38 @@ class HudWidget(QWidget):
     def _refresh_combo(self) -> None:
         combo = self.reply_combo
         combo.blockSignals(True)
-        for reply in self.model.replies_after(combo.count() - 1):
+        for reply in self.model.replies_after(combo.count() - 1 - self._saved_items):
             combo.addItem(self.reply_title(reply), reply.request_id)
         combo.blockSignals(False)
+
+    def _fill_saved_items(self) -> None:
+        """The open chat's saved replies, right after "Live reply" in the picker."""
+        combo = self.reply_combo
+        combo.blockSignals(True)
+        selected = combo.currentData()
+        for _ in range(self._saved_items):
+            combo.removeItem(1)
+        turns = self.model.chat.turns if self.model.chat is not None else []
+        for i, reply in enumerate(turns, start=1):
+            combo.insertItem(i, self.reply_title(reply), reply.request_id)
+        self._saved_items = len(turns)
+        index = combo.findData(selected)
+        combo.setCurrentIndex(max(index, 0))
+        combo.blockSignals(False)
+        if self._selected_id is not None and self.model.record(self._selected_id) is None:
+            self._selected_id, self._pinned = None, False  # its saved reply is gone
+
+    def _refresh_history_cue(self) -> None:
+        chat = self.model.chat
+        if chat is None or not chat.turns:
+            self.history_label.hide()
+            return
+        n = len(chat.turns)
+        self.history_label.setText(
+            f"History: “{chat.title}”, {n} saved repl{'ies' if n > 1 else 'y'} (faded in the "
+            "per-turn plots; their numbers as measured when they ran, “–” where none were "
+            "saved). New replies in this chat appear live.")
+        self.history_label.show()
 
     def _refresh_summary(self, reply: ReplyRecord | None) -> None:
         if reply is None:
@@ -390,14 +504,20 @@ class HudWidget(QWidget):
         self._kpis["ITL p50"].setText(fmt_ms(reply.itl_percentiles()[0]) if has_gap else "–")
         self._kpis["total"].setText(fmt_seconds(b.e2e_s) if b else "–")
         prefill = self._prefill.get(reply.request_id)
-        if reply.error:
+        if reply.history and b is None:
+            self.advice_label.setText(f"{reply.name} of “{self._chat_title()}”: no numbers "
+                                      "were saved with it (–).")
+        elif reply.error:
             self.advice_label.setText(f"Reply #{reply.number} failed: {reply.error}")
         elif b is None and prefill is not None:
             self.advice_label.setText(f"Live: {prefill_caption(prefill)}.")
         elif b is not None:
             advice = advise(b) or "No single phase dominates this reply; nothing to cut."
-            prefix = "" if b.final else "Live: "
+            prefix = "Saved: " if reply.history else "" if b.final else "Live: "
             self.advice_label.setText(prefix + advice)
+
+    def _chat_title(self) -> str:
+        return self.model.chat.title if self.model.chat is not None else ""
 
     def _on_combo_activated(self, index: int) -> None:
         """The user picked in the picker: a past reply is pinned, "Live reply" follows."""
@@ -476,17 +596,11 @@ class HudWidget(QWidget):
     def run_export(self, write: Callable[[], list[Path]]) -> bool:
         """Run one export and say what it wrote, or in one line why it could not (a missing
         folder, no permission): never a silent close with a traceback on stderr."""
-        try:
-            written = write()
-        except OSError as exc:
-            where = f" {exc.filename}" if exc.filename else ""
-            self._show_export(f"Export failed:{where}: {exc.strerror or exc}.", failed=True)
-            return False
-        self.export_dir = written[0].parent
-        names = ", ".join(path.name for path in written[:3])
-        more = f" and {len(written) - 3} more" if len(written) > 3 else ""
-        self._show_export(f"Saved {names}{more} in {self.export_dir}.", failed=False)
-        return True
+        outcome = run_write(write)
+        if outcome.written:
+            self.export_dir = outcome.written[0].parent
+        self._show_export(outcome.message, failed=not outcome.written)
+        return bool(outcome.written)
 
     def _show_export(self, text: str, *, failed: bool) -> None:
         self.export_label.setText(text)
