@@ -63,6 +63,7 @@ def test_a_bad_seed_is_refused_before_regenerate_deletes_the_reply(qtbot, make_w
 def test_drafts_stay_with_their_chat_across_switches_and_a_restart(qtbot, make_window) -> None:
     window = make_window()
     greedy(window)
+    window.controls.temperature.setValue(80)  # sampled: alternatives differ
     window.composer.alternatives.setValue(2)
     with qtbot.waitSignal(window.sig_alternatives_ready, timeout=WAIT_MS):
         assert window.send("Hello")
@@ -338,3 +339,46 @@ def test_docks_recover_their_width_after_a_trip_to_the_minimum_size(qtbot, make_
     window.close()
     restarted = make_window()  # the chosen width is kept across a restart
     assert restarted.dock_widths.wanted == width
+
+
+# ----- item 12: settings that would do nothing say so ------------------------------------------
+def test_prompt_lookup_says_when_it_cannot_run_and_the_result_records_it(qtbot,
+                                                                         make_window) -> None:
+    window = make_window()
+    controls = window.controls
+    controls.max_tokens.setValue(8)
+    controls.temperature.setValue(80)
+    note = controls.speculative_note
+    assert not note.isVisibleTo(controls)
+    controls.speculative.setCurrentIndex(controls.speculative.findData("ngram"))
+    assert note.isVisibleTo(controls) and "greedy replies only" in note.text()
+    assert send_and_wait(qtbot, window, "Hello hello hello").speculative is None  # plain
+
+    controls.temperature.setValue(0)
+    assert not note.isVisibleTo(controls)
+    assert send_and_wait(qtbot, window, "Hello hello hello").speculative == "ngram"
+    controls.temperature.setValue(30)
+    assert note.isVisibleTo(controls)
+    controls.speculative.setCurrentIndex(0)  # Off: nothing to warn about
+    assert not note.isVisibleTo(controls)
+
+
+def test_greedy_offers_one_reply_instead_of_identical_alternatives(qtbot, make_window) -> None:
+    window = make_window()
+    spin = window.composer.alternatives
+    window.controls.temperature.setValue(80)
+    spin.setValue(3)
+    greedy(window, 4)
+    assert not spin.isEnabled() and spin.value() == 1 and "temperature" in spin.toolTip()
+    assert window.composer.alternative_count() == 1
+    reply = send_and_wait(qtbot, window, "Hello")  # one reply, not three identical ones
+    assert window.conversation_id not in window.session.alternative_sets
+    before = window.store.messages(window.conversation_id)
+
+    window.generate_alternatives(before[-1].id)  # the Alternatives link under the reply
+    assert banner(window).startswith("Alternatives need a temperature above 0")
+    assert window.store.messages(window.conversation_id) == before  # the reply is kept
+    assert window.reply is None and reply.text == before[-1].content
+
+    window.controls.temperature.setValue(80)  # sampling again: the count comes back
+    assert spin.isEnabled() and spin.value() == 3

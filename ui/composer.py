@@ -16,6 +16,11 @@ from PySide6.QtWidgets import (
 
 from engine.params import MAX_ALTERNATIVES
 
+ALTERNATIVES_TIP = ("Replies per message: more than one generates that many alternatives at "
+                    "once (one shared prefill); keep one")
+GREEDY_TIP = ("One reply at temperature 0: greedy replies are all the same. Raise the "
+              "temperature for alternatives.")
+
 
 class _Editor(QPlainTextEdit):
     """Plain-text editor that turns Enter / Esc into signals."""
@@ -65,8 +70,8 @@ class Composer(QWidget):
         self.alternatives.setObjectName("alternativesSpin")
         self.alternatives.setRange(1, MAX_ALTERNATIVES)
         self.alternatives.setPrefix("× ")
-        self.alternatives.setToolTip("Replies per message: more than one generates that many "
-                                     "alternatives at once (one shared prefill); keep one")
+        self.alternatives.setToolTip(ALTERNATIVES_TIP)
+        self._wanted_alternatives = 1  # the count to give back when × N is allowed again
         self.edit_banner = QLabel()
         self.edit_banner.setObjectName("editBanner")
         self.edit_banner.hide()
@@ -104,6 +109,20 @@ class Composer(QWidget):
     def alternative_count(self) -> int:
         """How many replies a send asks for (1 = a plain reply)."""
         return self.alternatives.value()
+
+    def allow_alternatives(self, allowed: bool) -> None:
+        """At temperature 0 every reply would be the same: × N shows × 1, disabled, and says
+        why; the count comes back when sampling does."""
+        if allowed == self.alternatives.isEnabled():
+            return
+        if allowed:
+            self.alternatives.setEnabled(True)
+            self.alternatives.setValue(self._wanted_alternatives)
+        else:
+            self._wanted_alternatives = self.alternatives.value()
+            self.alternatives.setValue(1)
+            self.alternatives.setEnabled(False)
+        self.alternatives.setToolTip(ALTERNATIVES_TIP if allowed else GREEDY_TIP)
 
     def set_busy(self, busy: bool) -> None:
         """While a reply runs the button becomes Stop; typing stays possible."""

@@ -40,6 +40,10 @@ SPECULATIVE_MODES = (
     ("Prompt lookup (greedy replies)", "ngram"),
     ("Draft model", "draft"),
 )
+# Prompt lookup's drafts are checked greedily (engine/speculative.py): a sampled reply decodes
+# plainly, so the panel says so instead of leaving the setting a silent no-op.
+NGRAM_SAMPLED_NOTE = ("Prompt lookup speeds up greedy replies only: at a temperature above 0 "
+                      "replies decode plainly.")
 
 
 class SeedValidator(QValidator):
@@ -107,6 +111,10 @@ class ControlsPanel(QWidget):
         self.draft_button.setToolTip("Pick a small model with the same vocabulary to draft for "
                                      "this one (e.g. a smaller model of the same family).")
         self.draft_name: str | None = None
+        self.speculative_note = QLabel(NGRAM_SAMPLED_NOTE)  # shown while lookup would not run
+        self.speculative_note.setObjectName("editBanner")
+        self.speculative_note.setWordWrap(True)
+        self.speculative_note.hide()
         self.system_prompt = QPlainTextEdit()
         self.system_prompt.setObjectName("systemPrompt")
         self.system_prompt.setPlaceholderText("System prompt for this chat (optional)")
@@ -162,6 +170,7 @@ class ControlsPanel(QWidget):
         layout.addLayout(grid)
         layout.addWidget(self.advanced_toggle)
         layout.addWidget(self.advanced)
+        layout.addWidget(self.speculative_note)
         heading = QLabel("System prompt")
         heading.setObjectName("sectionHeading")
         layout.addWidget(heading)
@@ -194,6 +203,7 @@ class ControlsPanel(QWidget):
 
     def _refresh_labels(self) -> None:
         temp = self.temperature.value() / 100
+        self.speculative_note.setVisible(self.speculative_mode() == "ngram" and temp > 0)
         self._labels["temperature"].setText("greedy" if temp == 0 else f"{temp:.2f}")
         self._labels["top_p"].setText(f"{self.top_p.value() / 100:.2f}")
         self.max_tokens_box.setValue(self.max_tokens.value())  # no signal when it holds it
@@ -237,6 +247,7 @@ class ControlsPanel(QWidget):
     def _speculative_changed(self, _index: int) -> None:
         if self.speculative_mode() == "draft" and self.draft_name is None:
             self.sig_draft_requested.emit()
+        self._refresh_labels()
         self.sig_setting_changed.emit("speculative", self.speculative_mode() or "off")
 
     def _seed(self) -> int | None:

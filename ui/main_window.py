@@ -179,7 +179,7 @@ class MainWindow(QMainWindow):
         b.sig_request_failed.connect(self.session.on_failed)
         b.sig_model_loaded.connect(self._show_model)
         self.loads = ModelLoads(self, self.engine, b, self.status, self.controls, self.notify,
-                                self.load_options)
+                                self.load_options, self.settings)
         self.chat.sig_tokens_painted.connect(self._on_tokens_painted)
         self.chat.sig_action.connect(self._on_message_action)
         self.composer.sig_send.connect(self.send)
@@ -194,6 +194,8 @@ class MainWindow(QMainWindow):
             lambda name, value: self.hud.mark_setting_change(name, value, time.perf_counter_ns())
         )
         self.controls.sig_system_prompt_changed.connect(self.session.set_system_prompt)
+        self.controls.temperature.valueChanged.connect(
+            lambda value: self.composer.allow_alternatives(value > 0))  # greedy: one reply
         self.pane.sig_choose_model.connect(self.choose_model)
 
     # ----- conversations -------------------------------------------------------------------

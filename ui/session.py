@@ -176,7 +176,7 @@ class ChatSession:
         if self.model_info is None:
             return self._refuse("No model is loaded yet: wait for loading to finish, "
                                 "or choose one with the Model… button.", until="model")
-        if self._draft_refusal(options, options.alternatives) or self._params_refusal(options):
+        if self._settings_refusal(options, options.alternatives):
             return False
         try:  # nothing is sent unless the message is saved; the composer keeps the text
             conv_id = self._ensure_conversation(text, options.system_prompt)
@@ -199,7 +199,7 @@ class ChatSession:
         if message is None or message.role != "assistant":
             return
         count = alternatives or options.alternatives
-        if self._draft_refusal(options, count) or self._params_refusal(options):
+        if self._settings_refusal(options, count):
             return  # before the old reply is deleted
         try:
             self.store.delete_from(message.conversation_id, message_id)
@@ -431,6 +431,19 @@ class ChatSession:
     # ----- refusals ---------------------------------------------------------------------------
     def _refuse(self, message: str, until: Until | None = None) -> bool:
         self.view.notify(message, until=until)
+        return False
+
+    def _settings_refusal(self, options: ReplyOptions, count: int) -> bool:
+        """Refuse what these settings cannot do, before anything is saved or deleted."""
+        return (self._draft_refusal(options, count) or self._params_refusal(options)
+                or self._greedy_alternatives_refusal(options, count))
+
+    def _greedy_alternatives_refusal(self, options: ReplyOptions, count: int) -> bool:
+        """Alternatives at temperature 0 would all be the same reply."""
+        if count > 1 and options.params.greedy:
+            self._refuse("Alternatives need a temperature above 0: greedy replies are all the "
+                         "same (Generation → Temperature).")
+            return True
         return False
 
     def _draft_refusal(self, options: ReplyOptions, count: int) -> bool:
