@@ -17,12 +17,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from engine.detok import IncrementalDetokenizer, StopMatcher
 from engine.events import (
@@ -49,6 +47,9 @@ from engine.metrics import RequestTimeline, compute_metrics
 from engine.params import GenerationRequest
 from engine.prefix_cache import CacheLease, PrefixCache, crop_to, new_cache
 from engine.sampling import make_generator, sample_token
+
+if TYPE_CHECKING:  # transformers is not imported at run time here: the llama.cpp batcher
+    from transformers import DynamicCache  # imports this module and never needs it
 
 MAX_BATCH = 8  # rows decoding at once; later requests wait in the queue
 # While rows stream, each engine step spends a token budget: one decode token per row plus a
@@ -103,6 +104,8 @@ def batchable(request: GenerationRequest) -> bool:
 def cache_supports_batching(loaded: LoadedModel) -> bool:
     """Only plain full-size attention layers (sliding-window ones included, see new_cache) can
     be padded and concatenated row-wise."""
+    from transformers.cache_utils import DynamicLayer
+
     layers = new_cache(loaded.model.config).layers
     return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 

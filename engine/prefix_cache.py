@@ -12,7 +12,9 @@ of the prompt's end and keeps a Checkpoint of the states there: a regenerate, or
 whose reply re-tokenized differently, restores it and recomputes only what follows; a prompt
 that shares less than that is computed cold, and the ledger says why ("recurrent_state").
 
-Only the engine thread touches this object.
+Only the engine thread touches this object. transformers is imported inside the functions
+that touch its caches: the llama.cpp engine's pool (engine/llamacpp/prefix_pool.py) shares the
+ledger and never loads it (start-up time).
 """
 
 from __future__ import annotations
@@ -22,16 +24,10 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import DynamicCache
-from transformers.cache_utils import (
-    CacheLayerMixin,
-    DynamicLayer,
-    DynamicSlidingWindowLayer,
-    LinearAttentionCacheLayerMixin,
-    get_layer_types_and_kwargs,
-)
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 MISS_REASONS = (
     "none",
@@ -73,6 +69,14 @@ def new_cache(config: Any) -> DynamicCache:
     full-attention layers do, and the attention mask still applies the window (the same
     logits). Short-convolution layers ("conv", LFM2) record their whole input for the same
     reason. Layers with a recurrent state stay as they are (rollback_blocker says so)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import (
+        DynamicLayer,
+        DynamicSlidingWindowLayer,
+        LinearAttentionCacheLayerMixin,
+        get_layer_types_and_kwargs,
+    )
+
     cache = DynamicCache(config=config)
     if config is None:
         return cache
@@ -87,6 +91,8 @@ def new_cache(config: Any) -> DynamicCache:
 
 def rollback_blocker(cache: Any) -> str | None:
     """Why this cache cannot be cut back to an earlier length (a MISS_REASONS entry), or None."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
+
     for layer in cache.layers:
         recurrent = isinstance(layer, LinearAttentionCacheLayerMixin) and (
             any(layer.is_recurrent_states_initialized.values()) or not layer.record_past)
@@ -100,7 +106,12 @@ def rollback_blocker(cache: Any) -> str | None:
 
 
 def model_rollback_blocker(config: Any) -> str | None:
-    """Why this model's caches cannot be cut back once used (speculation needs it), or None."""
+    """Why this model's caches cannot be cut back once used (speculation needs it), or None.
+    A pool without a config (the llama.cpp engine's) has no layers to ask."""
+    if config is None:
+        return None
+    from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
+
     for layer in new_cache(config).layers:
         if isinstance(layer, LinearAttentionCacheLayerMixin) and not layer.record_past:
             return "recurrent_state"
@@ -124,6 +135,8 @@ class Checkpoint:
 
 
 def take_checkpoint(cache: Any, length: int) -> Checkpoint:
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
     states = [(i, _cloned(layer.conv_states), _cloned(layer.recurrent_states))
               for i, layer in enumerate(cache.layers)
               if isinstance(layer, LinearAttentionCacheLayerMixin)]
@@ -137,6 +150,8 @@ def _cloned(states: dict[int, Any]) -> dict[int, Any]:
 def cut_to(cache: Any, checkpoint: Checkpoint | None, length: int) -> None:
     """Cut the cache back to `length` positions: crop_to, or for a recurrent cache, restore
     the checkpoint taken there (its states are copied: the layers update theirs in place)."""
+    from transformers.cache_utils import CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
+
     if cache.get_seq_length() <= length:
         return
     restorable = not any(isinstance(layer, DynamicSlidingWindowLayer) for layer in cache.layers)
@@ -153,6 +168,8 @@ def cut_to(cache: Any, checkpoint: Checkpoint | None, length: int) -> None:
 
 
 def cache_nbytes(cache: Any) -> int:
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
     total = 0
     for layer in getattr(cache, "layers", []):
         tensors = [getattr(layer, "keys", None), getattr(layer, "values", None)]
@@ -166,6 +183,12 @@ def cache_nbytes(cache: Any) -> int:
 
 def crop_to(cache: Any, length: int) -> None:
     """Keep the first `length` positions; RollbackError if the cache cannot go back."""
+    from transformers.cache_utils import (
+        CacheLayerMixin,
+        DynamicLayer,
+        LinearAttentionCacheLayerMixin,
+    )
+
     extra = cache.get_seq_length() - length
     if extra <= 0:
         return
