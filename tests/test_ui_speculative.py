@@ -22,7 +22,7 @@ class FakePicker:
     choice_to_return: ModelChoice | None = None
     opened = 0
 
-    def __init__(self, _parent: object = None) -> None:
+    def __init__(self, _parent: object = None, **_options: object) -> None:
         FakePicker.opened += 1
 
     def setWindowTitle(self, _title: str) -> None:

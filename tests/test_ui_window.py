@@ -283,13 +283,13 @@ def test_model_picker_requires_download_consent(qtbot) -> None:
 
     dialog = ModelPickerDialog()
     qtbot.addWidget(dialog)
-    assert dialog.choice() == ModelChoice("default")
+    assert dialog.choice() == ModelChoice("default", {"engine": "auto"})
     dialog.hub_id.setText("org/model")
     dialog.radios["hub"].setChecked(True)
     with pytest.raises(ValueError, match="Allow downloading"):
         dialog.choice()
     dialog.consent.setChecked(True)
-    assert dialog.choice() == ModelChoice("org/model", {"allow_download": True})
+    assert dialog.choice() == ModelChoice("org/model", {"engine": "auto", "allow_download": True})
     dialog.radios["gguf"].setChecked(True)
     with pytest.raises(ValueError, match="path"):
         dialog.choice()

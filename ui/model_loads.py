@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from PySide6.QtCore import QObject
+from PySide6.QtCore import QObject, QSettings
 from PySide6.QtWidgets import QWidget
 
 from engine import DraftModelChanged, ModelInfo
@@ -31,8 +31,9 @@ class ModelLoads(QObject):
 
     def __init__(self, window: QWidget, engine: Backend, bridge: EngineBridge,
                  status: LoadStatus, controls: ControlsPanel, notify: Notify,
-                 load_options: dict[str, Any]) -> None:
+                 load_options: dict[str, Any], settings: QSettings | None = None) -> None:
         super().__init__(window)
+        self.settings = settings  # remembers the engine chosen per model
         self.window = window
         self.engine = engine
         self.status = status
@@ -46,8 +47,15 @@ class ModelLoads(QObject):
         bridge.sig_draft_load_failed.connect(self._on_draft_load_failed)
         controls.sig_draft_requested.connect(self.choose_draft_model)
 
+    def picker(self, *, draft: bool = False) -> ModelPickerDialog:
+        """The model picker, knowing the app's load options and the model in use."""
+        model = self.engine.model_info
+        return ModelPickerDialog(self.window, load_options=self.load_options,
+                                 loaded_path=model.path if model else None,
+                                 settings=self.settings, draft=draft)
+
     def choose_model(self) -> None:
-        dialog = ModelPickerDialog(self.window)
+        dialog = self.picker()
         if dialog.exec():
             choice = dialog.choice()
             self.load_model(choice.spec, **choice.options)
@@ -59,7 +67,7 @@ class ModelLoads(QObject):
 
     def choose_draft_model(self) -> None:
         """Pick a draft model for speculative decoding; the engine loads it in its thread."""
-        dialog = ModelPickerDialog(self.window)
+        dialog = self.picker(draft=True)
         dialog.setWindowTitle("Choose a draft model")
         if not dialog.exec():
             self.controls.keep_loaded_draft()

@@ -3,28 +3,47 @@
 A hub id downloads weights, so it needs an explicit consent tick. The dialog only picks; the
 window asks the engine to load (in its thread) and shows progress in the status bar.
 RemoteBackendInputs (URL, model, key) is shared with the Compare dialog.
+
+For a local model it also shows which engine runs it (auto, torch or llama.cpp, with the
+reason auto chose; remembered per model) and whether it fits ("needs ~3.1 GB (...), 11.2 GB
+free", engine/fit.py): one that cannot fit is not accepted, and where a smaller context fits
+the dialog offers it. The GGUF files converted for torch are listed and can be removed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+from PySide6.QtCore import QSettings, Qt
 from PySide6.QtWidgets import (
     QButtonGroup,
     QCheckBox,
+    QComboBox,
     QDialog,
     QDialogButtonBox,
     QFileDialog,
     QGridLayout,
+    QGroupBox,
+    QHBoxLayout,
     QLabel,
     QLineEdit,
+    QListWidget,
+    QListWidgetItem,
     QPushButton,
     QRadioButton,
+    QSpinBox,
     QVBoxLayout,
     QWidget,
 )
 
+from engine import fit, runtimes
+from engine.converted import ConvertedModel, converted_models, in_use, remove_converted
+from engine.errors import PhasewiseError
 from engine.remote import REMOTE_SPEC, RemoteError, normalize_base_url, store_api_key
+from ui.about import confirm
+
+ENGINE_KEY = "model_engine/"  # QSettings: the engine chosen for a model spec
 
 
 @dataclass(frozen=True)
@@ -73,11 +92,74 @@ class RemoteBackendInputs(QWidget):
         self.key.clear()
 
 
+class ConvertedModels(QGroupBox):
+    """The GGUF files converted for the torch engine: each with its size and source file;
+    Remove deletes one after asking (never the one in use) and says how much space it freed."""
+
+    def __init__(self, loaded_path: str | None, parent: QWidget | None = None) -> None:
+        super().__init__("Converted for torch (cache)", parent)
+        self.loaded_path = loaded_path
+        self.list = QListWidget()
+        self.list.setMaximumHeight(90)
+        self.remove = QPushButton("Remove…")
+        self.note = QLabel()
+        self.note.setObjectName("valueLabel")
+        self.remove.clicked.connect(self.remove_selected)
+        self.list.currentRowChanged.connect(lambda _row: self._update_button())
+        row = QHBoxLayout()
+        row.addWidget(self.note, 1)
+        row.addWidget(self.remove)
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.list)
+        layout.addLayout(row)
+        self.refresh()
+
+    def refresh(self) -> None:
+        self.list.clear()
+        for model in converted_models():
+            used = in_use(model, self.loaded_path)
+            item = QListWidgetItem(f"{model.label}{'  (in use)' if used else ''}")
+            item.setToolTip(str(model.folder))
+            item.setData(Qt.ItemDataRole.UserRole, model)
+            self.list.addItem(item)
+        self.setVisible(self.list.count() > 0 or bool(self.note.text()))
+        self._update_button()
+
+    def selected(self) -> ConvertedModel | None:
+        item = self.list.currentItem()
+        return item.data(Qt.ItemDataRole.UserRole) if item is not None else None
+
+    def _update_button(self) -> None:
+        model = self.selected()
+        self.remove.setEnabled(model is not None and not in_use(model, self.loaded_path))
+
+    def remove_selected(self) -> None:
+        model = self.selected()
+        if model is None:
+            return
+        question = (f"Remove the converted copy of {model.source} "
+                    f"({fit.size(model.size_bytes)})? It is converted again when next loaded.")
+        if not confirm(self, "Remove converted model", question):
+            return
+        try:
+            freed = remove_converted(model, self.loaded_path)
+        except (PhasewiseError, OSError) as exc:
+            self.note.setText(str(exc))
+            return
+        self.note.setText(f"Removed {model.source}: {fit.size(freed)} freed")
+        self.refresh()
+
+
 class ModelPickerDialog(QDialog):
     """Modal picker; `choice()` is valid after it was accepted."""
 
-    def __init__(self, parent: QWidget | None = None) -> None:
+    def __init__(self, parent: QWidget | None = None, *, load_options: dict[str, Any] | None = None,
+                 loaded_path: str | None = None, settings: QSettings | None = None,
+                 draft: bool = False) -> None:
         super().__init__(parent)
+        self.load_options = load_options or {}
+        self.settings = settings
+        self.draft = draft
         self.setWindowTitle("Choose a model")
         self.setMinimumWidth(520)
         self.radios = {
@@ -106,7 +188,26 @@ class ModelPickerDialog(QDialog):
         )
         self.buttons.accepted.connect(self._accept)
         self.buttons.rejected.connect(self.reject)
+        self.engine = QComboBox()
+        for name in runtimes.ENGINES:
+            self.engine.addItem(name, name)
+        self.engine.setCurrentIndex(self.engine.findData(self.load_options.get("engine", "auto")))
+        self.engine_reason = QLabel()
+        self.engine_reason.setObjectName("valueLabel")
+        self.engine_reason.setWordWrap(True)
+        self.context = QSpinBox()
+        self.context.setRange(0, 1 << 20)
+        self.context.setSingleStep(1024)
+        self.context.setSpecialValueText("the model's own")
+        self.context.setSuffix(" tokens")
+        self.fit_label = QLabel()
+        self.fit_label.setObjectName("valueLabel")
+        self.fit_label.setWordWrap(True)
+        self.estimate: fit.Estimate | None = None
+        self.converted = ConvertedModels(loaded_path)
         self._build()
+        self._build_local()
+        self._spec_changed()
 
     def _build(self) -> None:
         grid = QGridLayout()
@@ -135,6 +236,80 @@ class ModelPickerDialog(QDialog):
         layout.addWidget(self.error)
         layout.addWidget(self.buttons)
 
+    def _build_local(self) -> None:
+        """Engine, context and fit for a local model; the conversion cache."""
+        form = QGridLayout()
+        form.addWidget(QLabel("Engine"), 0, 0)
+        form.addWidget(self.engine, 0, 1)
+        form.addWidget(self.engine_reason, 0, 2)
+        form.addWidget(QLabel("Context"), 1, 0)
+        form.addWidget(self.context, 1, 1)
+        form.addWidget(self.fit_label, 2, 0, 1, 3)
+        form.setColumnStretch(2, 1)
+        self.local = QWidget()
+        self.local.setLayout(form)
+        layout = self.layout()
+        assert isinstance(layout, QVBoxLayout)
+        layout.insertWidget(1, self.local)
+        layout.insertWidget(2, self.converted)
+        self.converted.setVisible(self.converted.list.count() > 0 and not self.draft)
+        self.group.buttonToggled.connect(lambda _b, on: on and self._spec_changed())
+        for edit in (self.folder_path, self.gguf_path, self.hub_id):
+            edit.textChanged.connect(lambda _t: self._spec_changed())
+        self.engine.currentIndexChanged.connect(lambda _i: self.refresh_estimate())
+        self.context.valueChanged.connect(lambda _v: self.refresh_estimate())
+
+    def local_spec(self) -> str | None:
+        """The local model spec chosen so far (None: remote, or nothing entered yet)."""
+        source = self.source()
+        if source == "default":
+            return "default"
+        if source == REMOTE_SPEC:
+            return None
+        text = {"folder": self.folder_path, "gguf": self.gguf_path, "hub": self.hub_id}[
+            source].text().strip()
+        return text or None
+
+    def _spec_changed(self) -> None:
+        """A new model: its remembered engine, then the engine's reason and the estimate."""
+        spec = self.local_spec()
+        self.local.setVisible(self.source() != REMOTE_SPEC and not self.draft)
+        if spec is not None and self.settings is not None:
+            saved = self.settings.value(ENGINE_KEY + spec)
+            index = self.engine.findData(saved)
+            if index >= 0:
+                blocked = self.engine.blockSignals(True)
+                self.engine.setCurrentIndex(index)
+                self.engine.blockSignals(blocked)
+        self.refresh_estimate()
+
+    def refresh_estimate(self) -> None:
+        """Why auto picks its engine, and what the model needs against what is free."""
+        spec = self.local_spec()
+        self.estimate = None
+        if spec is None:
+            self.engine_reason.setText("")
+            self.fit_label.setText("")
+            return
+        device = str(self.load_options.get("device", "auto"))
+        chosen, reason = runtimes.engine_reason(spec, device)
+        engine = self.engine.currentData()
+        self.engine_reason.setText(f"auto: {chosen} ({reason})" if engine == "auto"
+                                   else f"auto would choose {chosen}")
+        try:
+            self.estimate = fit.estimate(
+                spec, engine, device=device, dtype=str(self.load_options.get("dtype", "auto")),
+                context_length=self.context.value() or None)
+        except (PhasewiseError, OSError, ValueError) as exc:
+            self.fit_label.setText(str(exc).splitlines()[0] if str(exc) else "")
+            return
+        if self.estimate is None:
+            self.fit_label.setText("Memory needed: not known until the files are here")
+        elif self.estimate.fits:
+            self.fit_label.setText(f"Fits: {self.estimate.summary()}")
+        else:
+            self.fit_label.setText(f"Does not fit: {self.estimate.summary()}")
+
     def _browse_folder(self) -> None:
         folder = QFileDialog.getExistingDirectory(self, "Model folder")
         if folder:
@@ -153,20 +328,35 @@ class ModelPickerDialog(QDialog):
     def choice(self) -> ModelChoice:
         """The picked model; raises ValueError with a one-line reason if it is incomplete."""
         source = self.source()
-        if source == "default":
-            return ModelChoice("default")
         if source == REMOTE_SPEC:
             return self._remote_choice()
-        text = {"folder": self.folder_path, "gguf": self.gguf_path, "hub": self.hub_id}[
-            source
-        ].text().strip()
+        text = self.local_spec()
         if not text:
             raise ValueError("Enter a path or a hub id first.")
+        options: dict[str, Any] = {}
+        if not self.draft:  # a draft model runs on its model's engine, in its context
+            options["engine"] = self.engine.currentData()
+            if self.context.value():
+                options["context_length"] = self.context.value()
         if source == "hub":
             if not self.consent.isChecked():
                 raise ValueError("Tick 'Allow downloading' to fetch a model from the hub.")
-            return ModelChoice(text, {"allow_download": True})
-        return ModelChoice(text)
+            options["allow_download"] = True
+        return ModelChoice(text, options)
+
+    def _check_fit(self) -> None:
+        """ValueError with one line for a model that cannot fit; where a smaller context
+        fits, the context box is set to it first, so the next OK loads that."""
+        est = self.estimate
+        if est is None or est.fits:
+            return
+        spec = self.local_spec() or ""
+        name = "The bundled model" if spec == "default" else spec.rstrip("/").split("/")[-1]
+        if est.fitting_context:
+            self.context.setValue(est.fitting_context)
+            raise ValueError(f"{est.refusal(name)}: the context is set to that, press OK to "
+                             "load with it.")
+        raise ValueError(f"{est.refusal(name)}.")
 
     def _remote_choice(self) -> ModelChoice:
         return ModelChoice(REMOTE_SPEC, self.remote.options())
@@ -176,7 +366,11 @@ class ModelPickerDialog(QDialog):
             choice = self.choice()
             if choice.spec == REMOTE_SPEC:
                 self.remote.store_key(choice.options["base_url"])
+            else:
+                self._check_fit()
         except ValueError as exc:
             self.error.setText(str(exc))
             return
+        if choice.spec != REMOTE_SPEC and self.settings is not None and not self.draft:
+            self.settings.setValue(ENGINE_KEY + choice.spec, choice.options["engine"])
         self.accept()

@@ -1,0 +1,142 @@
+"""The model picker: engine choice with auto's reason (remembered per model), will-it-fit
+with a smaller context offered, and the conversion cache listed and removable."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from PySide6.QtCore import QSettings
+
+from engine import fit
+from tests.test_fit import write_gguf
+from ui.model_picker import ModelPickerDialog
+
+WAIT_MS = 30_000
+
+
+def sized_gguf(path: Path, free_fraction: float) -> Path:
+    """A GGUF whose KV cache at 8,192 tokens needs free memory / free_fraction."""
+    free = fit.free_memory()
+    assert free is not None
+    per_token = int(free / free_fraction / 8192)
+    return write_gguf(path, layers=1, kv_heads=max(1, per_token // 256))
+
+
+def picker(qtbot, **kw) -> ModelPickerDialog:
+    dialog = ModelPickerDialog(load_options={"device": "cpu", "engine": "auto"}, **kw)
+    qtbot.addWidget(dialog)
+    return dialog
+
+
+def choose_gguf(dialog: ModelPickerDialog, path: Path) -> None:
+    dialog.radios["gguf"].setChecked(True)
+    dialog.gguf_path.setText(str(path))
+
+
+def test_default_model_shows_its_engine_reason_and_what_it_needs(qtbot) -> None:
+    dialog = picker(qtbot)
+    assert dialog.engine_reason.text().startswith("auto: ")
+    assert dialog.fit_label.text().startswith("Fits: needs ~")
+    assert dialog.fit_label.text().endswith(" free")
+    dialog.engine.setCurrentIndex(dialog.engine.findData("torch"))
+    assert "at 8,192 tokens" in dialog.fit_label.text()
+    assert dialog.choice().options == {"engine": "torch"}
+
+
+def test_a_model_that_fits_only_smaller_is_offered_that_context(qtbot, tmp_path: Path) -> None:
+    dialog = picker(qtbot)
+    choose_gguf(dialog, sized_gguf(tmp_path / "wide.gguf", 0.25))
+    dialog.engine.setCurrentIndex(dialog.engine.findData("llama.cpp"))
+    assert dialog.fit_label.text().startswith("Does not fit: ")
+    dialog.buttons.accepted.emit()
+    assert dialog.result() == 0  # not accepted: the offer comes first
+    offered = dialog.context.value()
+    assert 512 <= offered < 8192
+    assert f"fits with a context of {offered:,} tokens" in dialog.error.text()
+    assert "\n" not in dialog.error.text()
+    assert dialog.fit_label.text().startswith("Fits: ")
+    dialog.buttons.accepted.emit()
+    assert dialog.result() == ModelPickerDialog.DialogCode.Accepted
+    assert dialog.choice().options == {"engine": "llama.cpp", "context_length": offered}
+
+
+def test_a_model_that_cannot_fit_is_refused_in_one_line(qtbot, tmp_path: Path) -> None:
+    dialog = picker(qtbot)
+    choose_gguf(dialog, sized_gguf(tmp_path / "huge.gguf", 0.001))
+    dialog.engine.setCurrentIndex(dialog.engine.findData("llama.cpp"))
+    dialog.buttons.accepted.emit()
+    assert dialog.result() == 0
+    assert "huge.gguf does not fit in memory" in dialog.error.text()
+    assert "choose a smaller model" in dialog.error.text()
+    assert dialog.context.value() == 0
+
+
+def test_the_engine_is_remembered_per_model(qtbot, tmp_path: Path) -> None:
+    settings = QSettings(str(tmp_path / "s.ini"), QSettings.Format.IniFormat)
+    small = write_gguf(tmp_path / "small.gguf", layers=1, kv_heads=1)
+    dialog = picker(qtbot, settings=settings)
+    choose_gguf(dialog, small)
+    dialog.engine.setCurrentIndex(dialog.engine.findData("torch"))
+    dialog.buttons.accepted.emit()
+    assert dialog.result() == ModelPickerDialog.DialogCode.Accepted
+    again = picker(qtbot, settings=settings)
+    assert again.engine.currentData() == "auto"  # the default model: nothing remembered
+    choose_gguf(again, small)
+    assert again.engine.currentData() == "torch"
+    assert "auto would choose" in again.engine_reason.text()
+
+
+def _converted(root: Path, name: str, source: Path, size: int) -> Path:
+    folder = root / "models" / name
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"\0" * size)
+    (folder / "phasewise-converted.json").write_text(json.dumps(
+        {"source": source.name, "size": source.stat().st_size, "dtype": "torch.float32"}))
+    return folder
+
+
+def test_converted_models_are_listed_and_removed_but_never_the_one_in_use(
+        qtbot, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PHASEWISE_CACHE_DIR", str(tmp_path / "cache"))
+    used = tmp_path / "used.gguf"
+    used.write_bytes(b"GGUF" + b"\0" * 60)
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF" + b"\0" * 30)
+    used_folder = _converted(tmp_path / "cache", "used-abc-fp32", used, 3_000_000)
+    other_folder = _converted(tmp_path / "cache", "other-def-fp32", other, 2_000_000)
+    (tmp_path / "cache" / "models" / ".converting-x").mkdir()  # being written: not listed
+    answers: list[bool] = []
+    monkeypatch.setattr("ui.model_picker.confirm", lambda *_a: answers.pop(0))
+
+    box = picker(qtbot, loaded_path=str(used)).converted
+    texts = [box.list.item(i).text() for i in range(box.list.count())]
+    assert len(texts) == 2
+    assert texts[0].startswith("used.gguf (float32, 3 MB)") and texts[0].endswith("(in use)")
+    assert texts[1] == "other.gguf (float32, 2 MB)"
+    box.list.setCurrentRow(0)
+    assert not box.remove.isEnabled()  # the one in use
+    box.list.setCurrentRow(1)
+    assert box.remove.isEnabled()
+    answers.append(False)
+    box.remove.click()
+    assert other_folder.exists() and box.list.count() == 2
+    answers.append(True)
+    box.remove.click()
+    assert not other_folder.exists() and used_folder.exists()
+    assert box.list.count() == 1
+    assert box.note.text() == "Removed other.gguf: 2 MB freed"
+
+
+def test_window_refuses_a_model_that_cannot_fit_and_keeps_its_own(
+        qtbot, make_window, tiny_engine, tmp_path: Path) -> None:
+    window = make_window()
+    before = tiny_engine.model_info
+    huge = sized_gguf(tmp_path / "huge.gguf", 0.001)
+    with qtbot.waitSignal(window.bridge.sig_model_load_failed, timeout=WAIT_MS) as failed:
+        window.loads.load_model(str(huge), engine="llama.cpp")
+    assert "huge.gguf does not fit in memory" in failed.args[0]
+    text = window.notice_label.text()
+    assert text.startswith("Model not loaded: huge.gguf does not fit") and "\n" not in text
+    assert tiny_engine.model_info == before
