@@ -44,6 +44,20 @@ class ModelLoading:
 
 
 @dataclass(frozen=True)
+class ModelLoadProgress:
+    """How far a long load step got (a GGUF converting for torch: tensors done of total)."""
+
+    t_ns: int
+    stage: str
+    done: int
+    total: int
+
+    @property
+    def fraction(self) -> float:
+        return self.done / self.total if self.total else 1.0
+
+
+@dataclass(frozen=True)
 class ModelLoaded:
     t_ns: int
     info: ModelInfo
@@ -199,6 +213,7 @@ class RequestFailed:
 
 EngineEvent = (
     ModelLoading
+    | ModelLoadProgress
     | ModelLoaded
     | ModelLoadFailed
     | DraftModelChanged

@@ -43,6 +43,7 @@ BUNDLED_MARKER = "phasewise-bundled.json"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 Progress = Callable[[str], None]
+Counted = Callable[[int, int], None]  # (done, total): how far a conversion got
 log = logging.getLogger(__name__)
 
 
@@ -182,8 +183,10 @@ def load_model(
     allow_download: bool = False,
     allow_pickle: bool = False,
     progress: Progress | None = None,
+    conversion_progress: Counted | None = None,
 ) -> LoadedModel:
-    """Load a model from a spec; raise ModelLoadError with a one-line reason on failure."""
+    """Load a model from a spec; raise ModelLoadError with a one-line reason on failure.
+    conversion_progress(done, total) counts the tensors of a GGUF being converted."""
     notify = progress or (lambda _msg: None)
     _quiet_transformers()
     kind = classify(spec)
@@ -196,13 +199,13 @@ def load_model(
         folder = check_bundled_model(bundled)
         name, path = DEFAULT_MODEL_NAME, str(folder)
     elif kind == "default":
-        folder = converted_gguf(default_gguf_path(), notify, torch_dtype)
+        folder = converted_gguf(default_gguf_path(), notify, torch_dtype, conversion_progress)
         name, path = DEFAULT_MODEL_NAME, str(folder)
     elif kind == "gguf":
         gguf = Path(spec).expanduser()
         if not gguf.is_file():
             raise ModelLoadError(f"model not found: {spec} (no such file)")
-        folder = converted_gguf(gguf, notify, torch_dtype)
+        folder = converted_gguf(gguf, notify, torch_dtype, conversion_progress)
         name, path = gguf.stem, str(gguf)
     elif kind == "folder":
         folder = Path(spec).expanduser()
@@ -403,7 +406,8 @@ def quick_fingerprint(path: Path, size: int, sample: int = 1 << 16, samples: int
     return digest.hexdigest()
 
 
-def converted_gguf(gguf: Path, notify: Progress, dtype: torch.dtype = torch.float32) -> Path:
+def converted_gguf(gguf: Path, notify: Progress, dtype: torch.dtype = torch.float32,
+                   counted: Counted | None = None) -> Path:
     """A safetensors folder of this GGUF in `dtype`, converting it on first use.
 
     Keyed by quick_fingerprint; the whole file is hashed once, at conversion, and again only
@@ -426,7 +430,7 @@ def converted_gguf(gguf: Path, notify: Progress, dtype: torch.dtype = torch.floa
         return target
     notify("converting GGUF to safetensors (first start only)")
     _convert_gguf(gguf, target, {**record, "sha256": digest, "dtype": str(dtype)}, dtype,
-                  notify)
+                  notify, counted)
     return target
 
 
@@ -482,7 +486,7 @@ class SafetensorsStream:
 
 
 def _convert_gguf(gguf: Path, target: Path, record: dict[str, Any], dtype: torch.dtype,
-                  notify: Progress) -> None:
+                  notify: Progress, counted: Counted | None = None) -> None:
     """Dequantize tensor by tensor straight into dtype and stream each one to disk: peak
     memory is about one tensor, not the model (transformers' GGUF loader holds it whole)."""
     reader = _open_gguf(gguf)
@@ -501,6 +505,8 @@ def _convert_gguf(gguf: Path, target: Path, record: dict[str, Any], dtype: torch
             if i % step == 0:
                 notify(f"converting GGUF: {100 * i // max(1, count)}%")
             out.add(name, tensor.to(dtype))
+            if counted:
+                counted(min(i + 1, count), count)
         out.close()
         config.dtype = dtype
         config.save_pretrained(staging)

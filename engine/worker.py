@@ -30,6 +30,7 @@ from engine.events import (
     ModelLoaded,
     ModelLoadFailed,
     ModelLoading,
+    ModelLoadProgress,
     RequestFailed,
     RequestFinished,
     RequestQueued,
@@ -414,7 +415,8 @@ class Engine(EventSource, Backend):
     def _load(self, cmd: LoadModel) -> None:
         start = time.perf_counter()
         try:
-            loaded = runtimes.load(cmd.spec, progress=self._load_progress, **cmd.options)
+            loaded = runtimes.load(cmd.spec, progress=self._load_progress,
+                                   conversion_progress=self._conversion_progress, **cmd.options)
         except PhasewiseError as exc:
             self._fail_load(str(exc), cmd)
             return
@@ -466,6 +468,11 @@ class Engine(EventSource, Backend):
 
     def _load_progress(self, stage: str) -> None:
         self._broadcast(ModelLoading(now_ns(), stage))
+
+    def _conversion_progress(self, done: int, total: int) -> None:
+        """A GGUF converting for torch: a ModelLoadProgress at each whole percent."""
+        if total and (done == total or 100 * done // total != 100 * (done - 1) // total):
+            self._broadcast(ModelLoadProgress(now_ns(), "converting GGUF", done, total))
 
     def _fail_load(self, message: str, cmd: LoadModel | LoadDraft, *,
                    draft: bool = False) -> None:

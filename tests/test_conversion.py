@@ -45,7 +45,7 @@ def fake_conversion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str
         calls["hash"] += 1
         return real_hash(path, *args)
 
-    def fake_convert(gguf, target: Path, record, dtype, notify) -> None:
+    def fake_convert(gguf, target: Path, record, dtype, notify, counted=None) -> None:
         calls["convert"] += 1
         target.mkdir(parents=True)
         (target / CONVERTED_MARKER).write_text(json.dumps(record))

@@ -140,3 +140,51 @@ def test_window_refuses_a_model_that_cannot_fit_and_keeps_its_own(
     text = window.notice_label.text()
     assert text.startswith("Model not loaded: huge.gguf does not fit") and "\n" not in text
     assert tiny_engine.model_info == before
+
+
+# ----- conversion progress -------------------------------------------------------------------
+def test_conversion_progress_comes_from_the_engine_thread_per_percent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader counts tensors as it converts; the engine turns that into ModelLoadProgress
+    events (at most one per percent), on the torch path only."""
+    import threading
+
+    from engine import Engine, ModelLoadFailed, ModelLoadProgress, loader
+    from engine.errors import ModelLoadError
+
+    monkeypatch.setenv("PHASEWISE_CACHE_DIR", str(tmp_path / "cache"))
+    threads: set[str] = set()
+
+    def fake_convert(gguf, target, record, dtype, notify, counted=None) -> None:
+        for done in range(1, 401):  # 400 tensors: 100 whole percents
+            counted(done, 400)
+        raise ModelLoadError("stopped after counting")
+
+    monkeypatch.setattr(loader, "_convert_gguf", fake_convert)
+    events: list = []
+
+    def keep(event) -> None:
+        threads.add(threading.current_thread().name)
+        events.append(event)
+
+    with Engine() as engine:
+        engine.add_listener(keep)
+        engine.load_model(str(write_gguf(tmp_path / "m.gguf", layers=1, kv_heads=1)),
+                          engine="torch").wait(WAIT_MS / 1000)
+    progress = [e for e in events if isinstance(e, ModelLoadProgress)]
+    assert [e.done for e in progress] == list(range(4, 401, 4))
+    assert progress[-1].fraction == 1.0 and progress[0].stage == "converting GGUF"
+    assert isinstance(events[-1], ModelLoadFailed)
+    assert "stopped after counting" in events[-1].message
+    assert threads == {"phasewise-engine"}
+
+
+def test_the_window_shows_conversion_progress_as_a_percentage(qtbot, make_window) -> None:
+    from engine import ModelLoadProgress
+
+    window = make_window()
+    window.bridge.sig_model_loading.emit("converting GGUF to safetensors (first start only)")
+    assert window.progress.maximum() == 0  # busy
+    window.bridge.sig_model_load_progress.emit(ModelLoadProgress(0, "converting GGUF", 42, 100))
+    assert window.status.load_label.text() == "Converting GGUF: 42%"
+    assert window.progress.maximum() == 100 and window.progress.value() == 42

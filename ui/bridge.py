@@ -23,6 +23,7 @@ from engine import (
     ModelLoaded,
     ModelLoadFailed,
     ModelLoading,
+    ModelLoadProgress,
     PrefillProgress,
     PrefillStarted,
     RequestFailed,
@@ -54,6 +55,8 @@ class EngineBridge(QObject):
     """A RequestFailed: the request could not run; carries a one-line message."""
     sig_model_loading = Signal(str)
     """A model load progressed; the argument is one human-readable stage line."""
+    sig_model_load_progress = Signal(object)
+    """A ModelLoadProgress: how far a long load step got (a GGUF converting, in tensors)."""
     sig_model_loaded = Signal(object)
     """A model finished loading; the argument is its ModelInfo."""
     sig_model_load_failed = Signal(str)
@@ -134,6 +137,8 @@ class EngineBridge(QObject):
             self.sig_request_failed.emit(event)
         elif isinstance(event, ModelLoading):
             self.sig_model_loading.emit(event.stage)
+        elif isinstance(event, ModelLoadProgress):
+            self.sig_model_load_progress.emit(event)
         elif isinstance(event, ModelLoaded):
             self.sig_model_loaded.emit(event.info)
         elif isinstance(event, ModelLoadFailed):

@@ -20,7 +20,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine import ModelInfo
+from engine import ModelInfo, ModelLoadProgress
 from ui.chat_view import ChatView
 from ui.composer import Composer
 from ui.session import Until
@@ -117,8 +117,17 @@ class LoadStatus:
         bar.addPermanentWidget(self.model_label)
 
     def loading(self, stage: str) -> None:
+        self.progress.setRange(0, 0)  # busy: a stage, not a percentage
         self.progress.show()
         self.load_label.setText(stage)
+
+    def load_progress(self, event: ModelLoadProgress) -> None:
+        """A load step that counts (a GGUF converting): a bar and a percentage."""
+        percent = int(100 * event.fraction)
+        self.progress.setRange(0, 100)
+        self.progress.setValue(percent)
+        self.progress.show()
+        self.load_label.setText(f"{event.stage[0].upper()}{event.stage[1:]}: {percent}%")
 
     def done(self, text: str = "") -> None:
         """Loading is over; text says how it ended (empty: nothing to say)."""

@@ -41,6 +41,7 @@ class ModelLoads(QObject):
         self.notify = notify
         self.load_options = load_options  # the app's (device, dtype, kernel, engine)
         bridge.sig_model_loading.connect(status.loading)
+        bridge.sig_model_load_progress.connect(status.load_progress)
         bridge.sig_model_loaded.connect(self._on_model_loaded)
         bridge.sig_model_load_failed.connect(self._on_model_load_failed)
         bridge.sig_draft_changed.connect(self._on_draft_changed)
