@@ -533,12 +533,23 @@ class SessionModel:
                 if (r.metrics is not None if finished else r.prompt_tokens)]
         if self.chat is None:
             return [(r.number, r) for r in live]
-        chat_id = self.chat.chat_id
-        turn_of = {rid: chat[1] for rid, chat in self._chat_of.items() if chat[0] == chat_id}
+        turn_of = self._live_turns()
         mine = [(turn_of[r.request_id], r) for r in live if r.request_id in turn_of]
-        replaced = {turn_of[rid] for rid in self.replies if rid in turn_of}
-        saved = [(r.number, r) for r in self.chat.turns if r.number not in replaced]
+        saved = [(r.number, r) for r in self.saved_turns()]
         return sorted(saved + mine, key=lambda row: row[0])
+
+    def saved_turns(self) -> list[ReplyRecord]:
+        """The open chat's saved replies whose turn has no live reply this session."""
+        if self.chat is None:
+            return []
+        replaced = set(self._live_turns().values())
+        return [r for r in self.chat.turns if r.number not in replaced]
+
+    def _live_turns(self) -> dict[str, int]:
+        """Request id -> turn of the open chat's live replies."""
+        chat_id = self.chat.chat_id if self.chat is not None else None
+        return {rid: turn for rid, (cid, turn) in self._chat_of.items()
+                if cid == chat_id and rid in self.replies}
 
     def mark_setting(self, name: str, value: object, t_ns: int) -> SettingMarker | None:
         """Record a setting; return the marker of the gap since the latest reply, if any.

@@ -250,13 +250,24 @@ def test_opening_a_chat_from_the_sidebar_swaps_the_hud_history(qtbot, make_windo
     window.sidebar.list.setCurrentRow(window.sidebar.visible_ids().index(chat_a))
     assert window.conversation_id == chat_a
     window.hud.flush()
-    assert [x for x, _r in window.hud.panels["ttft"]._rows] == [1]
-    assert "“First chat”, 1 saved reply" in window.hud.history_label.text()
+    # Its one turn ran in this session: shown from the session (tokens and all), not twice.
+    rows = window.hud.panels["ttft"]._rows
+    assert [(x, r.history) for x, r in rows] == [(1, False)]
+    assert window.hud.history_label.isHidden()
     window.sidebar.rename(chat_a, "Renamed")
     combo = window.hud.reply_combo
     texts = [combo.itemText(i) for i in range(combo.count())]
-    assert "Renamed · turn 1 (saved)" in texts and "Renamed · turn 1" in texts
+    assert "Renamed · turn 1" in texts and "Second chat · turn 2" in texts
     assert not any(text.startswith("First chat") for text in texts)
+
+    second = make_window()  # a restart: chat A's turn is now history
+    second.open_conversation(chat_a)
+    second.hud.flush()
+    rows = second.hud.panels["ttft"]._rows
+    assert [(x, r.history) for x, r in rows] == [(1, True)]
+    assert "“Renamed”, 1 saved reply" in second.hud.history_label.text()
+    second.sidebar.rename(chat_a, "Renamed again")
+    assert second.hud.reply_combo.itemText(1) == "Renamed again · turn 1 (saved)"
 
 
 def test_any_chat_exports_from_the_menus_with_feedback(qtbot, make_window, tmp_path: Path,

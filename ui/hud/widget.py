@@ -298,7 +298,8 @@ class HudWidget(QWidget):
         if not same and not self._pinned:
             running = [rid for rid, r in self.model.replies.items() if not r.done
                        and (c := self.model.chat_of(rid)) and chat and c[0] == chat.chat_id]
-            last = chat.turns[-1].request_id if chat and chat.turns and not running else None
+            saved = self.model.saved_turns()
+            last = saved[-1].request_id if saved and not running else None
             self.select_reply(last)  # the chat's last saved reply, until a new one starts
         else:
             self._mark_dirty({"all"})
@@ -463,7 +464,7 @@ class HudWidget(QWidget):
         selected = combo.currentData()
         for _ in range(self._saved_items):
             combo.removeItem(1)
-        turns = self.model.chat.turns if self.model.chat is not None else []
+        turns = self.model.saved_turns()  # a turn answered live this session is listed live
         for i, reply in enumerate(turns, start=1):
             combo.insertItem(i, self.reply_title(reply), reply.request_id)
         self._saved_items = len(turns)
@@ -474,11 +475,10 @@ class HudWidget(QWidget):
             self._selected_id, self._pinned = None, False  # its saved reply is gone
 
     def _refresh_history_cue(self) -> None:
-        chat = self.model.chat
-        if chat is None or not chat.turns:
+        chat, n = self.model.chat, len(self.model.saved_turns())
+        if chat is None or not n:
             self.history_label.hide()
             return
-        n = len(chat.turns)
         self.history_label.setText(
             f"History: “{chat.title}”, {n} saved repl{'ies' if n > 1 else 'y'} (faded in the "
             "per-turn plots; their numbers as measured when they ran, “–” where none were "
