@@ -188,3 +188,64 @@ def test_the_window_shows_conversion_progress_as_a_percentage(qtbot, make_window
     window.bridge.sig_model_load_progress.emit(ModelLoadProgress(0, "converting GGUF", 42, 100))
     assert window.status.load_label.text() == "Converting GGUF: 42%"
     assert window.progress.maximum() == 100 and window.progress.value() == 42
+
+
+# ----- the model's own sampling defaults -------------------------------------------------------
+def _notes(window) -> dict[str, str]:
+    return {name: window.controls.model_defaults.source(name)
+            for name in ("temperature", "top_p", "top_k", "repetition_penalty")}
+
+
+def test_user_settings_are_kept_per_model_across_a_restart(make_window) -> None:
+    """The tiny model ships no sampling defaults: the app's, until the user moves one."""
+    window = make_window()
+    assert set(_notes(window).values()) == {"default"}
+    assert window.controls.temperature.value() == 70
+    window.controls.temperature.setValue(30)
+    assert _notes(window)["temperature"] == "yours"
+    window.close()
+    again = make_window()
+    assert again.controls.temperature.value() == 30
+    assert _notes(again) == {"temperature": "yours", "top_p": "default", "top_k": "default",
+                             "repetition_penalty": "default"}
+
+
+def test_model_defaults_apply_unless_the_user_set_them_for_that_model(
+        qtbot, tmp_path: Path, tiny_model_dir: Path) -> None:
+    from transformers import GenerationConfig
+
+    from app.gui import build_backend, build_window
+    from engine import Engine
+    from tests.tiny_model import build_tiny_model
+    from ui.store import ChatStore
+
+    suggests = build_tiny_model(tmp_path / "suggests")
+    GenerationConfig(do_sample=True, temperature=0.6, top_p=0.95, top_k=20,
+                     repetition_penalty=1.1).save_pretrained(suggests)
+    store = ChatStore(tmp_path / "chats.sqlite3")
+    settings = QSettings(str(tmp_path / "settings.ini"), QSettings.Format.IniFormat)
+    with Engine() as engine:
+        engine.load_model_sync(str(suggests), kernel="fp32-eager")
+        window = build_window(build_backend(engine), store, settings, hud_calibrate=False)
+        qtbot.addWidget(window)
+        controls = window.controls
+        params = controls.params()
+        assert (params.temperature, params.top_p, params.top_k,
+                params.repetition_penalty) == (0.6, 0.95, 20, 1.1)
+        assert set(_notes(window).values()) == {"from model"}
+        controls.top_k.setValue(5)
+        assert _notes(window)["top_k"] == "yours" and _notes(window)["top_p"] == "from model"
+
+        def load(folder: Path) -> None:
+            with qtbot.waitSignal(window.bridge.sig_model_loaded, timeout=WAIT_MS):
+                window.loads.load_model(str(folder), kernel="fp32-eager")
+
+        load(tiny_model_dir)  # suggests nothing: the app's defaults, not the last model's
+        assert (controls.params().temperature, controls.params().top_k) == (0.7, 0)
+        assert set(_notes(window).values()) == {"default"}
+        load(suggests)
+        assert controls.params().top_k == 5 and controls.params().temperature == 0.6
+        assert _notes(window) == {"temperature": "from model", "top_p": "from model",
+                                  "top_k": "yours", "repetition_penalty": "from model"}
+        window.close()
+    store.close()

@@ -3,8 +3,10 @@
 Sliders hold integers, so each maps to its real value here: temperature in hundredths (0-2,
 0 = greedy), top-p in hundredths (0.05-1), max tokens 1..context length (with a number box
 beside it: at ~30 tokens per pixel the slider alone cannot pick an exact count). Advanced: top-k
-(0 = off), min-p (0 = off), seed (blank = random), and speculative decoding: prompt lookup, or
-a draft model the user picks (the window loads it; this panel shows which one is loaded).
+(0 = off), repetition penalty (1 = off), min-p (0 = off), seed (blank = random), and
+speculative decoding: prompt lookup, or a draft model the user picks (the window loads it; this
+panel shows which one is loaded). Temperature, top-p, top-k and repetition penalty start from
+the loaded model's own defaults unless the user set them for it (ui/model_defaults.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from PySide6.QtWidgets import (
 from engine import SamplingParams
 from engine.params import SEED_LIMIT, Speculative
 from engine.protocol import Capabilities
+from ui.model_defaults import ModelDefaults, Sourced
 
 DEFAULT_CONTEXT = 2048
 SETTINGS_GROUP = "sampling"
@@ -94,6 +97,12 @@ class ControlsPanel(QWidget):
         self.min_p.setRange(0.0, 0.99)
         self.min_p.setSingleStep(0.01)
         self.min_p.setSpecialValueText("off")
+        self.repetition_penalty = QDoubleSpinBox()
+        self.repetition_penalty.setRange(1.0, 2.0)
+        self.repetition_penalty.setSingleStep(0.05)
+        self.repetition_penalty.setSpecialValueText("off")
+        self.repetition_penalty.setToolTip("Above 1 makes tokens already in the chat less "
+                                           "likely: stops a small model repeating one line")
         self.seed = QLineEdit()
         self.seed.setPlaceholderText("random")
         self._seed_validator = SeedValidator(self.seed)
@@ -122,6 +131,17 @@ class ControlsPanel(QWidget):
         self.system_prompt.setTabChangesFocus(True)  # Tab moves on; it never types a tab
         self._labels: dict[str, QLabel] = {}
         self._wanted_max_tokens: int | None = None
+        self.source_notes = {name: QLabel() for name in
+                             ("temperature", "top_p", "top_k", "repetition_penalty")}
+        for note in self.source_notes.values():
+            note.setObjectName("valueLabel")
+        self.model_defaults = ModelDefaults({  # "from model" / "yours" / "default" notes
+            "temperature": Sourced(self.temperature, 100, 70, self.source_notes["temperature"]),
+            "top_p": Sourced(self.top_p, 100, 100, self.source_notes["top_p"]),
+            "top_k": Sourced(self.top_k, 1, 0, self.source_notes["top_k"]),
+            "repetition_penalty": Sourced(self.repetition_penalty, 1, 1.0,
+                                          self.source_notes["repetition_penalty"]),
+        }, self)
         self._build()
         self._wire()
         self._refresh_labels()
@@ -145,6 +165,7 @@ class ControlsPanel(QWidget):
             label.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
             self._labels[key] = label
             grid.addWidget(label, row, 2)
+            grid.addWidget(self.source_notes[key], row, 3)
 
         self.advanced_toggle = QToolButton()
         self.advanced_toggle.setText("Advanced")
@@ -154,7 +175,14 @@ class ControlsPanel(QWidget):
         self.advanced = QGroupBox()
         self.advanced.setFlat(True)
         form = QFormLayout(self.advanced)
-        form.addRow("Top-k", self.top_k)
+        for title, key, box in (("Top-k", "top_k", self.top_k),
+                                ("Repetition penalty", "repetition_penalty",
+                                 self.repetition_penalty)):
+            sourced = QGridLayout()
+            sourced.setColumnStretch(0, 1)
+            sourced.addWidget(box, 0, 0)
+            sourced.addWidget(self.source_notes[key], 0, 1)
+            form.addRow(title, sourced)
         form.addRow("Min-p", self.min_p)
         form.addRow("Seed", self.seed)
         form.addRow("Speculative", self.speculative)
@@ -184,6 +212,10 @@ class ControlsPanel(QWidget):
         self.max_tokens_box.valueChanged.connect(self.max_tokens.setValue)  # reported by it
         self.top_k.valueChanged.connect(lambda _v: self._changed("top_k"))
         self.min_p.valueChanged.connect(lambda _v: self._changed("min_p"))
+        self.repetition_penalty.valueChanged.connect(
+            lambda _v: self._changed("repetition_penalty"))
+        self.sig_setting_changed.connect(
+            lambda name, _v: self.model_defaults.setting_changed(name))
         self.seed.editingFinished.connect(lambda: self._changed("seed"))
         self.speculative.currentIndexChanged.connect(self._speculative_changed)
         self.draft_button.clicked.connect(self.sig_draft_requested)
@@ -216,6 +248,7 @@ class ControlsPanel(QWidget):
             top_p=self.top_p.value() / 100,
             top_k=self.top_k.value(),
             min_p=round(self.min_p.value(), 2),
+            repetition_penalty=round(self.repetition_penalty.value(), 2),
             max_tokens=self.max_tokens.value(),
             seed=self._seed(),
         )
@@ -289,6 +322,7 @@ class ControlsPanel(QWidget):
         mode = self.speculative_mode()
         settings.setValue("speculative", mode if mode == "ngram" else "off")
         settings.endGroup()
+        self.model_defaults.save(settings)
 
     def restore(self, settings: QSettings) -> None:
         settings.beginGroup(SETTINGS_GROUP)
@@ -308,4 +342,5 @@ class ControlsPanel(QWidget):
         if settings.value("speculative") == "ngram":
             self.speculative.setCurrentIndex(self.speculative.findData("ngram"))
         settings.endGroup()
+        self.model_defaults.restore(settings)
         self._refresh_labels()

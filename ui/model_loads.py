@@ -47,6 +47,9 @@ class ModelLoads(QObject):
         bridge.sig_draft_changed.connect(self._on_draft_changed)
         bridge.sig_draft_load_failed.connect(self._on_draft_load_failed)
         controls.sig_draft_requested.connect(self.choose_draft_model)
+        if engine.model_info is not None:  # loaded before the window was built
+            controls.model_defaults.use_model(engine.model_info.name,
+                                              engine.model_info.sampling_defaults)
 
     def picker(self, *, draft: bool = False) -> ModelPickerDialog:
         """The model picker, knowing the app's load options and the model in use."""
@@ -83,6 +86,7 @@ class ModelLoads(QObject):
 
     def _on_model_loaded(self, info: ModelInfo) -> None:
         self.status.done(f"Loaded {info.name}")
+        self.controls.model_defaults.use_model(info.name, info.sampling_defaults)
         self.controls.set_capabilities(self.engine.capabilities)
 
     def _on_model_load_failed(self, message: str) -> None:
