@@ -253,11 +253,15 @@ class ModelPickerDialog(QDialog):
         layout.insertWidget(1, self.local)
         layout.insertWidget(2, self.converted)
         self.converted.setVisible(self.converted.list.count() > 0 and not self.draft)
-        self.group.buttonToggled.connect(lambda _b, on: on and self._spec_changed())
+        self.group.buttonToggled.connect(self._source_toggled)
         for edit in (self.folder_path, self.gguf_path, self.hub_id):
             edit.textChanged.connect(lambda _t: self._spec_changed())
         self.engine.currentIndexChanged.connect(lambda _i: self.refresh_estimate())
         self.context.valueChanged.connect(lambda _v: self.refresh_estimate())
+
+    def _source_toggled(self, _button: object, checked: bool) -> None:
+        if checked:
+            self._spec_changed()
 
     def local_spec(self) -> str | None:
         """The local model spec chosen so far (None: remote, or nothing entered yet)."""
