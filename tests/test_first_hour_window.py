@@ -328,13 +328,13 @@ def test_docks_recover_their_width_after_a_trip_to_the_minimum_size(qtbot, make_
     assert not hud_scrolls_sideways(window)
 
     window.resize(window.minimumSizeHint())
-    qtbot.waitUntil(lambda: dock.width() < width)  # squeezed, as Qt does
+    qtbot.waitUntil(lambda: dock.width() < width, timeout=WAIT_MS)  # squeezed, as Qt does
     window.resize(full)
-    qtbot.waitUntil(lambda: dock.width() == width)
+    qtbot.waitUntil(lambda: dock.width() == width, timeout=WAIT_MS)
     assert window.hud_dock.width() == width and not hud_scrolls_sideways(window)
 
     window.resize(full.width() - 300, full.height())  # a smaller window: the chat gives way
-    qtbot.waitUntil(lambda: window.width() == full.width() - 300)
+    qtbot.waitUntil(lambda: window.width() == full.width() - 300, timeout=WAIT_MS)
     assert dock.width() == width
     window.close()
     restarted = make_window()  # the chosen width is kept across a restart
@@ -382,3 +382,69 @@ def test_greedy_offers_one_reply_instead_of_identical_alternatives(qtbot, make_w
 
     window.controls.temperature.setValue(80)  # sampling again: the count comes back
     assert spin.isEnabled() and spin.value() == 3
+
+
+# ----- item 13: the sidebar, and a chat reopened after a restart ------------------------------
+def test_the_sidebar_marks_chats_writing_in_the_background(qtbot, make_window) -> None:
+    window = make_window()
+    greedy(window, 2)
+    send_and_wait(qtbot, window, "Short one")
+    chat_b = window.conversation_id
+    window.new_chat()
+    greedy(window, 200)  # the tiny model writes to max tokens
+    with qtbot.waitSignal(window.sig_reply_finished, timeout=WAIT_MS):
+        assert window.send("Long one")
+        chat_a = window.conversation_id
+        assert window.sidebar.streaming_ids() == [chat_a]
+        window.open_conversation(chat_b)  # A keeps writing in the background
+        assert window.sidebar.streaming_ids() == [chat_a]
+        row = window.sidebar.list.item(window.sidebar.visible_ids().index(chat_a))
+        assert not row.icon().isNull() and "Writing a reply" in row.toolTip()
+        assert row.text() == "Long one"  # the mark is not part of the title
+    assert window.sidebar.streaming_ids() == []
+    assert row_icon_cleared(window, chat_a)
+    assert window.store.conversation(chat_a).title == "Long one"
+
+
+def row_icon_cleared(window: Any, conv_id: str) -> bool:
+    row = window.sidebar.list.item(window.sidebar.visible_ids().index(conv_id))
+    return row.icon().isNull() and "Writing" not in row.toolTip()
+
+
+def test_a_search_with_no_match_says_so(qtbot, make_window) -> None:
+    window = make_window()
+    greedy(window, 2)
+    send_and_wait(qtbot, window, "Paris trip")
+    sidebar = window.sidebar
+    qtbot.keyClicks(sidebar.search, "zebra")
+    assert sidebar.list.count() == 0
+    assert sidebar.empty_label.isVisibleTo(sidebar)
+    assert sidebar.empty_label.text() == "No chats match “zebra”."
+    sidebar.search.clear()
+    assert sidebar.list.count() == 1 and not sidebar.empty_label.isVisibleTo(sidebar)
+
+
+def test_after_a_restart_a_chat_opens_at_its_end_and_counts_its_stopped_turn(
+        qtbot, make_window) -> None:
+    window = make_window()
+    greedy(window, 12)
+    for text in ("One", "Two", "Three"):
+        send_and_wait(qtbot, window, text)
+    greedy(window, 200)  # the tiny model (context 256) writes until the context is full
+    assert window.send("Four")
+    reply = window.reply
+    qtbot.waitUntil(lambda: reply.prompt_tokens is not None and reply.output_tokens >= 3,
+                    timeout=WAIT_MS)
+    window.close()  # the reply is cut short (Ctrl+Q while it writes)
+    used = reply.prompt_tokens + reply.output_tokens
+
+    restarted = make_window()
+    restarted.resize(900, 360)  # short enough that the chat scrolls
+    restarted.show()
+    qtbot.waitExposed(restarted)
+    bar = restarted.chat.verticalScrollBar()
+    qtbot.waitUntil(lambda: bar.maximum() > 0, timeout=WAIT_MS)
+    assert bar.value() == bar.maximum()  # at its end, where the last turn is
+    last = restarted.store.messages(restarted.conversation_id)[-1]
+    assert last.status == "stopped" and last.content == reply.text
+    assert restarted.context_label.text().startswith(f"context {used:,} / ")

@@ -22,6 +22,7 @@ from PySide6.QtGui import (
     QDesktopServices,
     QGuiApplication,
     QPalette,
+    QResizeEvent,
     QTextCursor,
     QTextDocument,
 )
@@ -99,6 +100,13 @@ class ChatView(QTextBrowser):
         self.flush_interval_ms = FLUSH_INTERVAL_MS  # push_token arms the timer to this
         self._timer.timeout.connect(self.flush)
         self._last_flush = 0.0
+        # Whether the view stays at the end as the layout changes: a chat opened before the
+        # window is shown (at start) or laid out again (a resize) still opens at its end,
+        # unless the user scrolled up to read.
+        self._follow = True
+        bar = self.verticalScrollBar()
+        bar.actionTriggered.connect(lambda _action: self._note_position())  # the user's
+        bar.rangeChanged.connect(lambda _low, _high: self._keep_following())
         self.show_messages([])
 
     # ----- whole-transcript rendering -----------------------------------------------------
@@ -119,6 +127,7 @@ class ChatView(QTextBrowser):
         parts = [self._message_html(m, theme, m.id == last_assistant) for m in messages]
         parts += [self._alternative_html(a, theme) for a in self._alternatives]
         self.setHtml("".join(parts))
+        self._follow = True
         self._scroll_to_bottom()
 
     def set_plain_text(self, plain: bool) -> None:
@@ -356,6 +365,21 @@ class ChatView(QTextBrowser):
     def _scroll_to_bottom(self) -> None:
         bar = self.verticalScrollBar()
         bar.setValue(bar.maximum())
+
+    def _note_position(self) -> None:
+        """The user scrolled (wheel, keys, drag): follow the end only if they went there."""
+        bar = self.verticalScrollBar()
+        self._follow = bar.sliderPosition() >= bar.maximum() - 4
+
+    def _keep_following(self) -> None:
+        if self._follow:
+            self._scroll_to_bottom()
+
+    def resizeEvent(self, event: QResizeEvent) -> None:
+        """A new width re-wraps the text (Qt keeps the old offset, not the end): stay at the
+        end if the view was following it."""
+        super().resizeEvent(event)
+        self._keep_following()
 
     def changeEvent(self, event) -> None:
         """Re-render when the system switches between light and dark."""

@@ -173,6 +173,7 @@ class MainWindow(QMainWindow):
         b = self.bridge
         b.sig_event.connect(self.hud.on_engine_event)
         b.sig_prefill_progress.connect(self.chat.show_prefill_progress)
+        b.sig_prefill_started.connect(self.session.on_prefill_started)
         b.sig_token.connect(self._on_token)
         b.sig_text_flushed.connect(self._on_text_flushed)
         b.sig_request_finished.connect(self.session.on_finished)
@@ -383,11 +384,17 @@ class MainWindow(QMainWindow):
         if conv is not None:  # the HUD's reply picker names it "chat · turn N"
             turn = sum(m.role == "user" for m in self.store.messages(conv.id))
             self.hud.name_reply(reply.request_id, conv.title, turn, chat_id=conv.id)
+        self._show_streaming_chats()
         self.sig_reply_started.emit(reply.request_id)
 
     def reply_ended(self, reply: ActiveReply) -> None:
         self.chat.end_stream(reply.request_id)
         self._update_busy()
+        self._show_streaming_chats()
+
+    def _show_streaming_chats(self) -> None:
+        """The sidebar marks every chat with a reply being written (on screen or not)."""
+        self.sidebar.set_streaming({r.conversation_id for r in self.session.replies.values()})
 
     def conversation_changed(self, conv_id: str) -> None:
         if conv_id == self.conversation_id:
@@ -422,7 +429,7 @@ class MainWindow(QMainWindow):
 
     # ----- engine events -----------------------------------------------------------------
     def _on_token(self, event: TokenEmitted) -> None:
-        if self.session.add_text(event.request_id, event.text) is not None:
+        if self.session.add_token(event) is not None:
             self.chat.push_token(event.request_id, event.index, event.text)
 
     def _on_text_flushed(self, event: TextFlushed) -> None:

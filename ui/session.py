@@ -19,9 +19,11 @@ from engine import (
     GenerationResult,
     InvalidRequestError,
     ModelInfo,
+    PrefillStarted,
     RequestFailed,
     RequestFinished,
     SamplingParams,
+    TokenEmitted,
 )
 from engine.params import Role, Speculative
 from engine.protocol import Backend
@@ -55,6 +57,15 @@ class ActiveReply:
     text: str = ""  # everything received so far, painted or not
     label: str = "Assistant"
     alternative: int | None = None  # its index among the chat's alternatives
+    prompt_tokens: int | None = None  # known once its prefill started
+    output_tokens: int = 0  # tokens received so far
+
+    def context_record(self) -> dict[str, Any] | None:
+        """What a reply cut short by closing the window records as its metrics: the context
+        it filled, so the chat's context gauge counts it after a restart."""
+        if self.prompt_tokens is None:
+            return None
+        return {"prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens}
 
 
 @dataclass
@@ -336,7 +347,8 @@ class ChatSession:
             self._end(reply)
             if reply.message_id is not None:
                 with contextlib.suppress(StoreError):  # else the next start marks it stopped
-                    self.store.finish_message(reply.message_id, reply.text, STOPPED)
+                    self.store.finish_message(reply.message_id, reply.text, STOPPED,
+                                              reply.context_record())
 
     # ----- the backend's events ---------------------------------------------------------------
     def add_text(self, request_id: str, text: str) -> ActiveReply | None:
@@ -345,6 +357,18 @@ class ChatSession:
         if reply is not None:
             reply.text += text
         return reply
+
+    def add_token(self, event: TokenEmitted) -> ActiveReply | None:
+        """One streamed token of a running reply (None: not ours, or no longer running)."""
+        reply = self.add_text(event.request_id, event.text)
+        if reply is not None:
+            reply.output_tokens += 1
+        return reply
+
+    def on_prefill_started(self, event: PrefillStarted) -> None:
+        reply = self.replies.get(event.request_id)
+        if reply is not None:
+            reply.prompt_tokens = event.prompt_tokens
 
     def on_finished(self, event: RequestFinished) -> None:
         reply, result = self.replies.get(event.request_id), event.result

@@ -1,10 +1,15 @@
-"""Conversation list: new, rename, delete, and search by title or message text."""
+"""Conversation list: new, rename, delete, and search by title or message text.
+
+A chat with a reply being written shows a dot on its row (until the reply ends), so a chat
+streaming in the background is not forgotten; a search with no match says so."""
 
 from __future__ import annotations
 
 from PySide6.QtCore import QPoint, Qt, Signal
+from PySide6.QtGui import QColor, QIcon, QPainter, QPalette, QPixmap
 from PySide6.QtWidgets import (
     QInputDialog,
+    QLabel,
     QLineEdit,
     QListWidget,
     QListWidgetItem,
@@ -17,6 +22,21 @@ from PySide6.QtWidgets import (
 from ui.store import ChatStore, StoreError
 
 ID_ROLE = Qt.ItemDataRole.UserRole
+STREAMING_ROLE = Qt.ItemDataRole.UserRole + 1  # True while the chat's reply is being written
+WRITING_TIP = "Writing a reply…"
+
+
+def streaming_icon(colour: QColor, size: int = 10) -> QIcon:
+    """A filled dot in the accent colour: the row's 'writing a reply' mark."""
+    pixmap = QPixmap(size, size)
+    pixmap.fill(Qt.GlobalColor.transparent)
+    painter = QPainter(pixmap)
+    painter.setRenderHint(QPainter.RenderHint.Antialiasing)
+    painter.setPen(Qt.PenStyle.NoPen)
+    painter.setBrush(colour)
+    painter.drawEllipse(1, 1, size - 2, size - 2)
+    painter.end()
+    return QIcon(pixmap)
 
 
 class Sidebar(QWidget):
@@ -56,11 +76,18 @@ class Sidebar(QWidget):
         self.list.currentItemChanged.connect(self._on_current)
         self.list.itemChanged.connect(self._on_item_edited)
         self._current_id = ""
+        self._streaming: set[str] = set()
+        self.empty_label = QLabel()  # what an empty list means (a search with no match)
+        self.empty_label.setObjectName("sidebarEmpty")
+        self.empty_label.setWordWrap(True)
+        self.empty_label.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.empty_label.hide()
 
         layout = QVBoxLayout(self)
         layout.setContentsMargins(10, 10, 10, 10)
         layout.addWidget(self.new_button)
         layout.addWidget(self.search)
+        layout.addWidget(self.empty_label)
         layout.addWidget(self.list, 1)
 
     def refresh(self, select: str | None = None) -> None:
@@ -72,12 +99,43 @@ class Sidebar(QWidget):
         for conv in self.store.conversations(self.search.text()):
             item = QListWidgetItem(conv.title)
             item.setData(ID_ROLE, conv.id)
-            item.setToolTip(conv.title)
             item.setFlags(item.flags() | Qt.ItemFlag.ItemIsEditable)
+            self._mark(item)
             self.list.addItem(item)
             if conv.id == self._current_id:
                 self.list.setCurrentItem(item)
         self.list.blockSignals(blocked)
+        self._show_empty()
+
+    def set_streaming(self, conv_ids: set[str]) -> None:
+        """Mark the chats with a reply being written; the others lose their mark."""
+        if conv_ids == self._streaming:
+            return
+        self._streaming = set(conv_ids)
+        blocked = self.list.blockSignals(True)  # a mark is not an edit of the title
+        for i in range(self.list.count()):
+            self._mark(self.list.item(i))
+        self.list.blockSignals(blocked)
+
+    def streaming_ids(self) -> list[str]:
+        """The chats whose rows show the 'writing a reply' mark."""
+        return [self.list.item(i).data(ID_ROLE) for i in range(self.list.count())
+                if self.list.item(i).data(STREAMING_ROLE)]
+
+    def _mark(self, item: QListWidgetItem) -> None:
+        streaming = item.data(ID_ROLE) in self._streaming
+        item.setData(STREAMING_ROLE, streaming)
+        colour = self.palette().color(QPalette.ColorRole.Highlight)
+        item.setIcon(streaming_icon(colour) if streaming else QIcon())
+        title = item.text()
+        item.setToolTip(f"{title}\n{WRITING_TIP}" if streaming else title)
+
+    def _show_empty(self) -> None:
+        """A search that matches nothing says so instead of showing an empty list."""
+        query = self.search.text().strip()
+        empty = self.list.count() == 0 and bool(query)
+        self.empty_label.setText(f"No chats match “{query}”." if empty else "")
+        self.empty_label.setVisible(empty)
 
     def clear_selection(self) -> None:
         """No chat selected (a new chat is not in the list until its first message)."""
