@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -430,11 +431,24 @@ def token_event(request_id: str, timeline: RequestTimeline, token: int,
     return TokenEmitted(request_id, t, len(timeline.token_ns) - 1, token, text)
 
 
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def readable_piece(text: str) -> str:
+    """A candidate token's text as people read it: a byte-fallback token of an ASCII byte
+    (<0x0A>) is that character ("\\n"); a byte of a multi-byte character stays <0xE2>, as it
+    means nothing alone."""
+    byte = _BYTE_PIECE.fullmatch(text)
+    if byte is None or int(byte.group(1), 16) >= 0x80:
+        return text
+    return chr(int(byte.group(1), 16))
+
+
 def sampler_snapshot(tokenizer: Any, request: GenerationRequest, logits: torch.Tensor,
                      token: int, index: int, t: int) -> SamplerSnapshot:
     """The sampler's view of one token: the top candidates after temperature, the top-p cut."""
     params = request.params
     top, kept = sampler_view(logits, params)
-    candidates = tuple((tid, tokenizer.decode([tid]), p) for tid, p in top)
+    candidates = tuple((tid, readable_piece(tokenizer.decode([tid])), p) for tid, p in top)
     return SamplerSnapshot(request.request_id, t, index, params.temperature, params.top_p,
                            candidates, kept, token)
