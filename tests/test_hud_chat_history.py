@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from PySide6.QtWidgets import QApplication, QFileDialog
+from PySide6.QtWidgets import QApplication, QFileDialog, QToolTip
 
 from engine.events import RequestFinished
 from engine.hud_model import SavedChat, SessionModel, fmt_ms, saved_metrics, saved_reply
@@ -209,7 +209,8 @@ def send_and_wait(qtbot, window: Any, text: str) -> Any:
     return blocker.args[0]
 
 
-def test_a_restart_shows_the_reopened_chats_turns_in_the_hud(qtbot, make_window) -> None:
+def test_a_restart_shows_the_reopened_chats_turns_in_the_hud(qtbot, make_window,
+                                                            monkeypatch) -> None:
     first = make_window()
     greedy(first)
     results = [send_and_wait(qtbot, first, text) for text in ("Hello", "And then?")]
@@ -229,6 +230,11 @@ def test_a_restart_shows_the_reopened_chats_turns_in_the_hud(qtbot, make_window)
     assert alpha(ttft._bars["prefill"], 1) == HISTORY_ALPHA
     assert not window.hud.history_label.isHidden()
     assert window.hud._kpis["TTFT"].text() != "–"
+    first_reply = next(m for m in window.store.messages(chat) if m.role == "assistant")
+    tips: list[str] = []  # the breakdown's tooltip (a popup offscreen Qt cannot raise)
+    monkeypatch.setattr(QToolTip, "showText", lambda _pos, text, *_a: tips.append(text))
+    window.show_reply_stats(first_reply.id)  # a click on its stats line: its panels
+    assert window.hud.selected_reply() is turns[0] and tips[0].startswith("TTFT ")
 
     greedy(window)
     live = send_and_wait(qtbot, window, "One more")  # appends live after the history
