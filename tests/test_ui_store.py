@@ -70,3 +70,16 @@ def test_no_display_exits_with_one_line(monkeypatch, capsys) -> None:
     assert run_gui(smoke_test=True) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no display" in err
+
+
+def test_a_title_is_never_blank_and_always_one_line(tmp_path: Path) -> None:
+    store = ChatStore(tmp_path / "c.sqlite3")
+    conv = store.create_conversation("   \n ")
+    assert store.conversation(conv).title == "New chat"
+    store.rename(conv, "  Trip\nideas  ")
+    assert store.conversation(conv).title == "Trip ideas"
+    for blank in ("", "  ", "\n\t"):
+        with pytest.raises(ValueError, match="blank"):
+            store.rename(conv, blank)
+    assert store.conversation(conv).title == "Trip ideas"
+    store.close()

@@ -19,7 +19,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ui.store import ChatStore, StoreError
+from ui.store import ChatStore, StoreError, clean_title
 
 ID_ROLE = Qt.ItemDataRole.UserRole
 STREAMING_ROLE = Qt.ItemDataRole.UserRole + 1  # True while the chat's reply is being written
@@ -162,7 +162,7 @@ class Sidebar(QWidget):
 
     def rename(self, conv_id: str, title: str) -> None:
         """Save a new title; an empty one is refused (the old title stays)."""
-        title = title.strip()
+        title = clean_title(title)
         if title:
             self._save_title(conv_id, title)
         self.refresh()
@@ -181,7 +181,7 @@ class Sidebar(QWidget):
     def _on_item_edited(self, item: QListWidgetItem) -> None:
         """Inline rename (double-click or F2); the item already shows the new title. An empty
         one is refused: the row shows the saved title again."""
-        conv_id, title = item.data(ID_ROLE), item.text().strip()
+        conv_id, title = item.data(ID_ROLE), clean_title(item.text())
         if title:
             self._save_title(conv_id, title)
         conv = self.store.conversation(conv_id)

@@ -69,6 +69,14 @@ _MESSAGE_FIELDS = ("id, conversation_id, role, content, status, settings_json, m
 BUSY_TIMEOUT_S = 5.0  # how long a write waits for another instance's transaction
 
 
+DEFAULT_TITLE = "New chat"
+
+
+def clean_title(title: str) -> str:
+    """A title as one line: runs of whitespace (newlines included) become one space."""
+    return " ".join(title.split())
+
+
 class StoreError(Exception):
     """A chat could not be saved (disk full, read-only, locked). str() is one line."""
 
@@ -264,7 +272,9 @@ class ChatStore:
         self._db.close()
 
     # ----- conversations ---------------------------------------------------------------
-    def create_conversation(self, title: str = "New chat", system_prompt: str = "") -> str:
+    def create_conversation(self, title: str = DEFAULT_TITLE, system_prompt: str = "") -> str:
+        """A new chat; a blank title becomes "New chat" (a row never shows as empty)."""
+        title = clean_title(title) or DEFAULT_TITLE
         conv_id = uuid.uuid4().hex
         now = time.time()
         with self._writing():
@@ -295,6 +305,10 @@ class ChatStore:
         return [Conversation(*row) for row in rows]
 
     def rename(self, conv_id: str, title: str) -> None:
+        """A new title, on one line; a blank one is refused (ValueError), the old one kept."""
+        title = clean_title(title)
+        if not title:
+            raise ValueError("a chat's title cannot be blank")
         with self._writing():
             self._db.execute("UPDATE conversations SET title=? WHERE id=?", (title, conv_id))
 
