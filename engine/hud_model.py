@@ -538,6 +538,14 @@ class SessionModel:
         saved = [(r.number, r) for r in self.saved_turns()]
         return sorted(saved + mine, key=lambda row: row[0])
 
+    def reply_name(self, reply: ReplyRecord) -> str:
+        """How captions name a reply: "Saved turn 3", "Turn 4" (a live reply of the open
+        chat, as the per-turn plots place it), else "Reply #11"."""
+        chat = self._chat_of.get(reply.request_id)
+        if reply.history or self.chat is None or chat is None or chat[0] != self.chat.chat_id:
+            return reply.name
+        return f"Turn {chat[1]}"
+
     def saved_turns(self) -> list[ReplyRecord]:
         """The open chat's saved replies whose turn has no live reply this session."""
         if self.chat is None:

@@ -152,7 +152,9 @@ def test_a_new_reply_in_the_open_chat_appends_live_after_the_history(hud: HudWid
     assert [alpha(ttft._bars["queue"], i) for i in range(3)] == [HISTORY_ALPHA] * 2 + [255]
     cache = hud.panels["cache"]
     assert list(cache._reused.opts["height"]) == [0, 250, 650]
-    assert "finished" in hud.panels["itl"].caption.text()
+    # Captions name it as the per-turn plots place it: the chat's turn, not the session's.
+    assert hud.panels["itl"].caption.text().startswith("Turn 3 (finished): 20 tokens")
+    assert hud.panels["breakdown"].caption.text().startswith("Turn 3: ")
 
 
 def test_rename_renames_the_chats_entries_in_the_picker(hud: HudWidget) -> None:

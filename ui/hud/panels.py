@@ -333,7 +333,7 @@ class TtftPanel(Panel):
         self._cached.setData(x=x[known], y=ttft[known] * share)
         integer_ticks(self.plot, [turn for turn, _r in self._rows])
         if not m:
-            self._live_caption(ctx.reply)
+            self._live_caption(ctx.model, ctx.reply)
             return
         if ctx.model.chat is None:
             p50, p90, p99 = ctx.model.ttft_percentiles()
@@ -349,11 +349,11 @@ class TtftPanel(Panel):
             f"p99 {fmt_seconds(p99)}."
         )
 
-    def _live_caption(self, reply: ReplyRecord | None) -> None:
+    def _live_caption(self, model: SessionModel, reply: ReplyRecord | None) -> None:
         """Before any reply finishes: the live reply's TTFT once its first token is out."""
         b = reply.breakdown() if reply is not None else None
         if reply is not None and b is not None and b.has_first_token:
-            self.caption.setText(f"Reply #{reply.number}: TTFT {fmt_seconds(b.ttft_s)} (live); "
+            self.caption.setText(f"{model.reply_name(reply)}: TTFT {fmt_seconds(b.ttft_s)} (live); "
                                  "its bar appears when the reply finishes.")
 
     def hover_text(self, x: float, y: float) -> str | None:
@@ -419,7 +419,7 @@ class ItlPanel(Panel):
         state = "saved" if reply.history else "live" if not reply.done else "finished"
         tokens = reply.metrics.output_tokens if reply.metrics else reply.output_tokens
         self.caption.setText(
-            f"{reply.name} ({state}): {tokens:,} tokens, "
+            f"{ctx.model.reply_name(reply)} ({state}): {tokens:,} tokens, "
             f"{len(self._itl):,} gaps between them · p50 {fmt_ms(pcts[0])} · p90 "
             f"{fmt_ms(pcts[1])} · p99 {fmt_ms(pcts[2])}. " + burst_note(reply))
 
@@ -561,7 +561,7 @@ class BreakdownPanel(Panel):
         self._breakdown = b
         self._prefill_left.setOpts(width=[0])
         if b is None and ctx.reply is not None and ctx.prefill is not None:
-            self._draw_prefill(ctx.reply, ctx.prefill)
+            self._draw_prefill(ctx.model, ctx.reply, ctx.prefill)
         if b is None and ctx.reply is not None and ctx.reply.history:
             for bar in self._bars.values():
                 bar.setOpts(width=[0])
@@ -583,10 +583,11 @@ class BreakdownPanel(Panel):
         state = "e2e (saved)" if reply.history else "e2e" if b.final else "so far (live)"
         path = reply.path_text()
         ttft = fmt_seconds(b.ttft_s) if b.has_first_token else "– (stopped before a token)"
-        self.caption.setText(f"{reply.name}: {fmt_seconds(b.e2e_s)} {state}; "
+        self.caption.setText(f"{ctx.model.reply_name(reply)}: {fmt_seconds(b.e2e_s)} {state}; "
                              f"TTFT {ttft}." + (f" {path}." if path else ""))
 
-    def _draw_prefill(self, reply: ReplyRecord, p: PrefillProgress) -> None:
+    def _draw_prefill(self, model: SessionModel, reply: ReplyRecord,
+                      p: PrefillProgress) -> None:
         """Queue, the prefill so far and (faded) what is left of it, before the first token."""
         queue_s = max(reply.prefill_ns - reply.queued_ns, 0) * 1e-9
         so_far_s = max(p.t_ns - reply.prefill_ns, 0) * 1e-9
@@ -598,7 +599,7 @@ class BreakdownPanel(Panel):
         self.plot.setXRange(0, nice_ceiling(queue_s + so_far_s + p.eta_s), padding=0.01)
         self.plot.setYRange(-0.5, 0.5, padding=0)
         self.table.setText("")
-        self.caption.setText(f"Reply #{reply.number}: {prefill_caption(p)}")
+        self.caption.setText(f"{model.reply_name(reply)}: {prefill_caption(p)}")
 
     @staticmethod
     def _table_html(b: Breakdown) -> str:

@@ -508,7 +508,7 @@ class HudWidget(QWidget):
             self.advice_label.setText(f"{reply.name} of “{self._chat_title()}”: no numbers "
                                       "were saved with it (–).")
         elif reply.error:
-            self.advice_label.setText(f"Reply #{reply.number} failed: {reply.error}")
+            self.advice_label.setText(f"{self.model.reply_name(reply)} failed: {reply.error}")
         elif b is None and prefill is not None:
             self.advice_label.setText(f"Live: {prefill_caption(prefill)}.")
         elif b is not None:
