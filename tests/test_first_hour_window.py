@@ -448,3 +448,33 @@ def test_after_a_restart_a_chat_opens_at_its_end_and_counts_its_stopped_turn(
     last = restarted.store.messages(restarted.conversation_id)[-1]
     assert last.status == "stopped" and last.content == reply.text
     assert restarted.context_label.text().startswith(f"context {used:,} / ")
+
+
+# ----- leftover of item 5: the draft model's notices clear when their cause does ----------------
+def test_draft_notices_clear_when_a_draft_loads_or_the_mode_changes(qtbot, make_window,
+                                                                    tiny_model_dir,
+                                                                    tmp_path) -> None:
+    window = make_window()
+    bridge, combo = window.bridge, window.controls.speculative
+
+    def fail_a_draft_load() -> None:
+        with qtbot.waitSignal(bridge.sig_draft_load_failed, timeout=WAIT_MS):
+            window.engine.load_draft(str(tmp_path / "no-such-draft"))
+        assert banner(window).startswith("Draft model not loaded")
+
+    fail_a_draft_load()
+    with qtbot.waitSignal(bridge.sig_draft_changed, timeout=WAIT_MS):
+        window.engine.load_draft(str(tiny_model_dir), kernel="fp32-eager")
+    assert banner(window) == ""  # a later load worked
+
+    combo.setCurrentIndex(combo.findData("draft"))  # drafting with the loaded one
+    fail_a_draft_load()
+    assert "Still drafting with" in banner(window)
+    combo.setFocus()
+    qtbot.keyClick(combo, Qt.Key.Key_Up)  # the user picks prompt lookup instead
+    assert window.controls.speculative_mode() == "ngram"
+    assert banner(window) == ""
+
+    window.notify("Something else")  # other notices stay
+    qtbot.keyClick(combo, Qt.Key.Key_Up)
+    assert window.controls.speculative_mode() is None and banner(window) == "Something else"

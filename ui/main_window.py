@@ -179,8 +179,10 @@ class MainWindow(QMainWindow):
         b.sig_request_finished.connect(self.session.on_finished)
         b.sig_request_failed.connect(self.session.on_failed)
         b.sig_model_loaded.connect(self._show_model)
+        self.controls.speculative.activated.connect(self._draft_notices_end)  # the user's pick
         self.loads = ModelLoads(self, self.engine, b, self.status, self.controls, self.notify,
                                 self.load_options, self.settings)
+        b.sig_draft_changed.connect(self._draft_notices_end)  # after the controls know it
         self.chat.sig_tokens_painted.connect(self._on_tokens_painted)
         self.chat.sig_action.connect(self._on_message_action)
         self.composer.sig_send.connect(self.send)
@@ -460,6 +462,12 @@ class MainWindow(QMainWindow):
         self.controls.set_context_length(info.context_length)
         self._show_context_fill(self.session.visible_messages())
         self._set_text_rate(CPU_FLUSH_INTERVAL_MS if info.device == "cpu" else FLUSH_INTERVAL_MS)
+
+    def _draft_notices_end(self, _cause: object) -> None:
+        """A draft model loaded, or the user chose a mode without one: notices about a
+        missing draft are stale."""
+        if self.controls.draft_name is not None or self.controls.speculative_mode() != "draft":
+            self.pane.cause_ended("draft")
 
     def _set_text_rate(self, interval_ms: int) -> None:
         """Streaming text is handed over and painted at one rate; the HUD judges render lag

@@ -108,5 +108,5 @@ class ModelLoads(QObject):
         self.status.done()
         kept = (f" Still drafting with {self.controls.draft_name}."
                 if self.controls.draft_name else "")
-        self.notify(f"Draft model not loaded: {message.rstrip('.')}.{kept}")
+        self.notify(f"Draft model not loaded: {message.rstrip('.')}.{kept}", "draft")
         self.controls.keep_loaded_draft()

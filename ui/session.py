@@ -39,8 +39,9 @@ from ui.store import (
 
 TITLE_CHARS = 48
 # What clears a notice (see SessionView.notify): a model loaded, the chat on screen's replies
-# ended, its alternatives were kept or dropped.
-Until = Literal["model", "reply", "pick"]
+# ended, its alternatives were kept or dropped, a draft model loaded or the user chose another
+# speculative mode.
+Until = Literal["model", "reply", "pick", "draft"]
 FINISH_STATUS = {"stop": DONE, "length": "length", "cancelled": STOPPED, "error": "error"}
 DEFAULT_ALTERNATIVES = 3  # the Alternatives link when the composer asks for one reply
 
@@ -475,7 +476,7 @@ class ChatSession:
         decode plainly, in one batch)."""
         if count == 1 and options.speculative == "draft" and not options.draft_loaded:
             self._refuse("No draft model is loaded yet: wait for it, or set Speculative to Off "
-                         "(Generation → Advanced).")
+                         "(Generation → Advanced).", until="draft")
             return True
         return False
 
