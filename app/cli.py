@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--interference", action="store_true",
                        help="one chat streams while another's long prompt is prefilled: the "
                             "stream's ITL p99 alone and during the prefill, with the prefill "
-                            "in one pass and in chunks (torch engine)")
+                            "in one pass and in chunks, and its prefill rate alone")
     bench.add_argument("--speculative", action="store_true",
                        help="also decode with prompt-lookup drafts (and the --draft-model's, "
                             "if given); report acceptance, speedup")
@@ -401,13 +401,14 @@ def print_interference_table(r: dict[str, Any]) -> None:
     print(f"\n{r['model']} on {r['device']} ({r['kernel']}): a chat streams while a "
           f"{r['prompt_tokens']}-token prompt is prefilled; {r['rounds']} round(s)")
     print("  prefill                          ITL p99 alone  during prefill   ratio  "
-          "prefill s  tok/s  stream tokens during")
+          "prefill s  tok/s  stream tokens during  tok/s alone")
     for mode, label in INTERFERENCE_LABELS.items():
         print(f"  {label:<31}  {r[f'{mode}_itl_p99_alone_s'] * 1e3:>10.1f} ms  "
               f"{r[f'{mode}_itl_p99_during_prefill_s'] * 1e3:>11.1f} ms  "
               f"{r[f'{mode}_itl_p99_ratio']:>6.2f}  {r[f'{mode}_prefill_s']:>9.2f}  "
               f"{r[f'{mode}_prefill_tok_s']:>5.0f}  "
-              f"{r[f'{mode}_stream_tokens_during_prefill']:>20}")
+              f"{r[f'{mode}_stream_tokens_during_prefill']:>20}  "
+              f"{r[f'{mode}_lone_prefill_tok_s']:>11.0f}")
 
 
 def print_turns_table(r: dict[str, Any]) -> None:

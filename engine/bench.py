@@ -439,7 +439,7 @@ def bench_batch(
 # ----- a long prompt's prefill against a streaming chat ----------------------------------------
 INTERFERENCE_MODES = ("one_pass", "chunked")  # report key prefixes
 INTERFERENCE_LABELS = {"one_pass": "whole prefill between two steps",
-                       "chunked": "chunked, decode between chunks"}
+                       "chunked": "chunked, streams keep decoding"}
 
 
 @torch.inference_mode()
@@ -455,12 +455,8 @@ def bench_interference(
     """One chat streams through the engine's batcher while another submits a prompt_tokens
     prompt: the streaming chat's ITL p99 alone and while the prompt is prefilled, with the
     prefill in one pass between two decode steps (the streams wait) and in chunks with decode
-    steps between them. Modes alternate round by round; ITLs are pooled over rounds."""
-    from engine.batching import Batcher
-
-    if runtimes.is_llama_cpp(loaded):
-        raise InvalidRequestError("bench --interference measures the torch engine's batcher: "
-                                  "run it with --engine torch")
+    steps between them (on llama.cpp, in the rows' own steps), and the same prompt's prefill
+    rate with nothing streaming. Modes alternate round by round; ITLs are pooled over rounds."""
     source = fixed_prompt_ids(loaded, stream_prompt_tokens + prompt_tokens)
     stream_ids, long_ids = source[:stream_prompt_tokens], source[stream_prompt_tokens:]
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in INTERFERENCE_MODES}
@@ -469,13 +465,11 @@ def bench_interference(
     for r in range(rounds):
         for mode in INTERFERENCE_MODES:
             progress(f"round {r + 1}/{rounds}: {INTERFERENCE_LABELS[mode]}")
-            options: dict[str, Any] = ({"interleave": False, "prefill_chunk": prompt_tokens}
-                                       if mode == "one_pass" else {})
-            batcher = Batcher(loaded, PrefixCache(loaded.model.config, budget_bytes=1 << 40),
-                              lambda _job, _event: None, lambda _job, _result, _error: None,
-                              **options)
-            runs[mode].append(_interference_run(loaded, batcher, stream_ids, long_ids,
-                                                alone_tokens))
+            run = _interference_run(loaded, _interference_batcher(loaded, mode), stream_ids,
+                                    long_ids, alone_tokens)
+            run["lone_prefill_s"] = _lone_prefill_s(_interference_batcher(loaded, mode),
+                                                    long_ids)
+            runs[mode].append(run)
     report: dict[str, Any] = {"model": loaded.info.name, "device": loaded.info.device,
                               "kernel": loaded.info.kernel, "prompt_tokens": prompt_tokens,
                               "stream_prompt_tokens": stream_prompt_tokens, "rounds": rounds}
@@ -483,6 +477,42 @@ def bench_interference(
         report.update({f"{mode}_{key}": value
                        for key, value in _interference_summary(mode_runs).items()})
     return report
+
+
+def _interference_batcher(loaded: LoadedModel, mode: str) -> Any:
+    """A fresh batcher on a fresh prefix cache (llama.cpp: an empty KV memory). one_pass: the
+    prompt is prefilled whole between two steps (torch: one forward; llama.cpp: n_batch
+    batches, as before chunking); chunked: the engine's own schedule."""
+    pool = runtimes.new_prefix_cache(loaded, budget_bytes=1 << 40)
+    whole = mode == "one_pass"
+
+    def emit(_job: Any, _event: Any) -> None:
+        pass
+
+    def done(_job: Any, _result: Any, _error: Any) -> None:
+        pass
+
+    if runtimes.is_llama_cpp(loaded):
+        from engine.llamacpp.batcher import LlamaBatcher
+
+        native: int = loaded.n_batch  # type: ignore[attr-defined]  # a LlamaCppModel here
+        return LlamaBatcher(loaded, pool, emit, done,  # type: ignore[arg-type]
+                            interleave=not whole, lone_chunk=native if whole else None)
+    from engine.batching import Batcher
+
+    return Batcher(loaded, pool, emit, done, interleave=not whole,
+                   prefill_chunk=1 << 30 if whole else None)
+
+
+def _lone_prefill_s(batcher: Any, long_ids: list[int]) -> float:
+    """The long prompt's prefill time with nothing streaming (what chunking must not slow)."""
+    from engine.batching import DetachedJob
+
+    long = DetachedJob(GenerationRequest(
+        [], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+        prompt_token_ids=long_ids, reuse_cache=False))
+    batcher.admit([long])
+    return float((long.timeline.first_logits_ns - long.timeline.prefill_start_ns) * 1e-9)
 
 
 def _interference_run(loaded: LoadedModel, batcher: Any, stream_ids: list[int],
@@ -526,6 +556,7 @@ def _interference_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     (alone_p50, alone_p99), (during_p50, during_p99) = (percentiles(alone, (50, 99)),
                                                         percentiles(during, (50, 99)))
     prefill_s = statistics.median(r["prefill_s"] for r in runs)
+    lone_s = statistics.median(r["lone_prefill_s"] for r in runs)
     return {
         "itl_p50_alone_s": alone_p50,
         "itl_p99_alone_s": alone_p99,
@@ -535,4 +566,6 @@ def _interference_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "stream_tokens_during_prefill": len(during) // len(runs),
         "prefill_s": prefill_s,
         "prefill_tok_s": runs[0]["prefill_tokens"] / prefill_s if prefill_s else 0.0,
+        "lone_prefill_s": lone_s,
+        "lone_prefill_tok_s": runs[0]["prefill_tokens"] / lone_s if lone_s else 0.0,
     }

@@ -8,6 +8,7 @@ where llama-cpp-python is not installed (`make llama-cpp`).
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import multiprocessing
 import signal
 import traceback
@@ -232,6 +233,7 @@ def _batch_body() -> dict:
 
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     batcher = new_batcher(loaded, pool, lambda _j, _e: None, done)
+    batcher.interleave = False  # prompts join between steps (mixed steps: the test below)
     for i, ids in enumerate(prompts):
         batcher.admit([DetachedJob(GenerationRequest([], params, request_id=f"r{i}",
                                                      prompt_token_ids=ids, reuse_cache=False))])
@@ -263,6 +265,97 @@ def test_batched_rows_and_alternatives_each_equal_alone() -> None:
     assert all(out["alternatives_agree"]), out
     assert out["first_tokens"]
     assert out["steps"] == 11  # one llama_decode per step for all five rows
+
+
+def _mixed_body() -> dict:
+    from engine.batching import DetachedJob
+    from engine.bench import fixed_prompt_ids
+    from engine.events import PrefillProgress, TokenEmitted
+    from engine.llamacpp.batcher import LlamaBatcher
+    from engine.params import GenerationRequest, SamplingParams
+    from engine.runtimes import new_prefix_cache
+
+    loaded = _load()
+    pool = new_prefix_cache(loaded, 1 << 30)
+    stream_ids, long_ids = _chat_ids(loaded, "Count to five."), fixed_prompt_ids(loaded, 150)
+    stream_alone = _alone_with_margins(loaded, pool, stream_ids, 24)
+    long_alone = _alone_with_margins(loaded, pool, long_ids, 6)
+    events: list = []
+    results: dict[str, Any] = {}
+
+    def emit(_job: Any, event: Any) -> None:
+        if isinstance(event, (PrefillProgress, TokenEmitted)):
+            events.append((type(event).__name__, event.request_id,
+                           getattr(event, "done_tokens", 0)))
+
+    def done(job: Any, result: Any, error: Any) -> None:
+        results[job.request.request_id] = ((result.finish_reason, result.token_ids) if result
+                                           else repr(error))
+
+    def job(name: str, ids: list[int], tokens: int) -> Any:
+        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+        return DetachedJob(GenerationRequest([], params, request_id=name, prompt_token_ids=ids,
+                                             reuse_cache=False))
+
+    def stream_then(long: Any, sink: Any = emit, **options: Any) -> LlamaBatcher:
+        batcher = LlamaBatcher(loaded, pool, sink, done, **options)
+        batcher.admit([job(f"stream-{long.request.request_id}", stream_ids, 24)])
+        batcher.step()
+        batcher.admit([long])
+        while batcher.rows:
+            batcher.step()
+        return batcher
+
+    mixed = stream_then(job("long", long_ids, 6), mixed_chunk=16).mixed_steps
+    schedule = [e for e in events if e[1] in ("long", "stream-long")]
+    events.clear()
+    lone = LlamaBatcher(loaded, pool, emit, done, lone_chunk=64)
+    lone.admit([job("lone", long_ids, 6)])
+    while lone.rows:
+        lone.step()
+    lone_progress = [e[2] for e in events if e[0] == "PrefillProgress"]
+    stop = job("stop", long_ids, 6)
+
+    def stop_on_progress(_job: Any, event: Any) -> None:
+        if isinstance(event, PrefillProgress) and event.request_id == "stop":
+            stop.cancel.set()  # Stop pressed while the first mixed chunk ran
+            events.append(("stopped", "stop", event.done_tokens))
+
+    stream_then(stop, stop_on_progress, mixed_chunk=16)
+    return {
+        "mixed_steps": mixed, "schedule": schedule, "lone_progress": lone_progress,
+        "stream_agrees": _agree_until_near_tie(results["stream-long"][1], *stream_alone),
+        "long_agrees": _agree_until_near_tie(results["long"][1], *long_alone),
+        "lone_agrees": _agree_until_near_tie(results["lone"][1], *long_alone),
+        "stop": results["stop"], "stopped_at": [e[2] for e in events if e[0] == "stopped"],
+        "stream_beside_stop": results["stream-stop"],
+        "stream_beside_stop_agrees": _agree_until_near_tie(results["stream-stop"][1],
+                                                           *stream_alone),
+    }
+
+
+@needs_llama_cpp
+def test_a_prompt_prefilled_in_the_rows_steps_changes_no_row() -> None:
+    """Sarathi-style mixed batches: a joining 150-token prompt rides in the streaming row's
+    decode steps, 16 tokens per llama_decode; the row gets a token every step, its greedy
+    tokens are its alone run's (up to a near-tie, as for any batch), and so are the prompt's.
+    Stop during a mixed prefill ends it within one chunk; the row streams on."""
+    out = run_in_child(_mixed_body)
+    assert out["mixed_steps"] == 10  # ceil(150 / 16): one chunk per step, none on its own
+    progress = [i for i, (kind, rid, _) in enumerate(out["schedule"])
+                if kind == "PrefillProgress" and rid == "long"]
+    assert [out["schedule"][i][2] for i in progress] == [*range(16, 150, 16), 150]
+    for start, end in itertools.pairwise(progress):
+        between = out["schedule"][start + 1 : end]
+        assert between == [("TokenEmitted", "stream-long", 0)]  # one token per mixed step
+    assert out["stream_agrees"] and out["long_agrees"], out
+    assert out["lone_progress"] == [64, 128, 150]  # nothing streaming: lone chunks
+    assert out["lone_agrees"], out
+    assert out["stopped_at"] == [16]
+    assert out["stop"] == ("cancelled", [])
+    finish, tokens = out["stream_beside_stop"]
+    assert finish == "length" and len(tokens) == 24
+    assert out["stream_beside_stop_agrees"], out
 
 
 # ----- the engine thread, events and metrics ------------------------------------------------

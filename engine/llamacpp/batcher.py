@@ -1,16 +1,19 @@
 """Continuous batching on llama.cpp: each row is a KV sequence, one llama_batch per step.
 
-A joining request is prefilled on its own lease's sequence (as when it runs alone); then each
-step puts every row's last token, at its own position on its own sequence, into one
-llama_decode. Nothing is re-packed when rows join or leave: a leaving row's sequence goes
-back to the prefix cache as it is. N alternatives of one prompt share one prefill: the
-others' sequences are seq_cp copies of the first (cells shared), each samples with its own
-generator. Runs only on the engine thread; the worker drives it like engine/batching.py's.
+A joining request is prefilled on its own lease's sequence in chunks; while rows stream, each
+chunk rides in their decode step (Sarathi-Serve's stall-free batching): one llama_decode holds
+every row's next token and a chunk of the prompt, sized by the clock so the step takes about
+STEP_STALL plain decode steps, and the rows keep their pace. Once joined, each step puts every
+row's last token, at its own position on its own sequence, into one llama_decode. Nothing is
+re-packed when rows join or leave: a leaving row's sequence goes back to the prefix cache as it
+is. N alternatives of one prompt share one prefill: the others' sequences are seq_cp copies of
+the first (cells shared), each samples with its own generator. Runs only on the engine thread;
+the worker drives it like engine/batching.py's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -26,19 +29,38 @@ from engine.generate import (
     token_event,
     token_text,
 )
-from engine.llamacpp.decode import decode, feed, prefill_reporter
+from engine.llamacpp.decode import decode, prefill_reporter
 from engine.llamacpp.model import LlamaCppModel
 from engine.llamacpp.prefix_pool import SeqPrefixCache
 from engine.llamacpp.session import eos_ids
 from engine.metrics import compute_metrics
+from engine.prefix_cache import CacheLease
 from engine.sampling import make_generator, sample_token
+
+# A mixed step (rows' tokens + a prompt chunk) aims at STEP_STALL plain decode steps, so a
+# streaming row's ITL stays about that multiple of its ITL alone. On the Xeon VM a prompt token
+# in a step costs about a third of a plain decode step at the start of a 4,000-token prompt and
+# more as its context grows (attention over it), so the chunk shrinks as the prompt goes in.
+STEP_STALL = 1.8
+FIRST_MIXED_CHUNK = 4  # tokens, before a mixed step has been timed
+# A prompt prefilled with no row streaming: chunks sized so progress and Stop come at least
+# this often (n_batch tokens took 2.5-5 s here), never below MIN_LONE_CHUNK tokens.
+LONE_CHUNK_S = 0.4
+MIN_LONE_CHUNK = 64
+FIRST_LONE_CHUNK = 128
+
+
+def _clamp(value: int, lowest: int, highest: int) -> int:
+    return max(lowest, min(highest, value))
 
 
 class LlamaBatcher:
-    """admit (prefill + join), step (one llama_decode for all rows), leave."""
+    """admit (prefill + join, a prompt's chunks riding in the rows' steps), step (one
+    llama_decode for all rows), leave."""
 
     def __init__(self, loaded: LlamaCppModel, prefix_cache: SeqPrefixCache, emit: Emit,
-                 done: Done) -> None:
+                 done: Done, *, interleave: bool = True, lone_chunk: int | None = None,
+                 mixed_chunk: int | None = None) -> None:
         self.loaded = loaded
         self.prefix_cache = prefix_cache
         self._emit = emit
@@ -47,6 +69,15 @@ class LlamaBatcher:
         self.stops = template_stops(loaded)  # type: ignore[arg-type]  # reads .info only
         self.rows: list[Row] = []
         self.steps = 0
+        self.mixed_steps = 0
+        # interleave=False: a joining prompt is prefilled whole while the rows wait (the
+        # baseline of bench --interference). Chunk sizes given here stay fixed (tests); else
+        # they follow the clock.
+        self.interleave = interleave
+        self._fixed_lone, self._fixed_mixed = lone_chunk is not None, mixed_chunk is not None
+        self._lone_chunk = min(lone_chunk or FIRST_LONE_CHUNK, loaded.n_batch)
+        self._mixed_chunk = float(mixed_chunk or FIRST_MIXED_CHUNK)  # fractional: grows smoothly
+        self._decode_step_s = 0.0  # moving average of a plain decode step (rows only)
 
     @property
     def room(self) -> int:
@@ -93,18 +124,62 @@ class LlamaBatcher:
         self._emit(job, PrefillStarted(request.request_id, timeline.prefill_start_ns,
                                        len(prompt.ids), lease.cached_tokens, lease.miss_reason))
         row = self._new_row(job, prompt.ids, lease)
+        uncached = prompt.ids[lease.cached_tokens :]
+        report = prefill_reporter(request.request_id, len(uncached),
+                                  lambda event: self._emit(job, event))
         try:
-            uncached = prompt.ids[lease.cached_tokens :]
-            report = prefill_reporter(request.request_id, len(uncached),
-                                      lambda event: self._emit(job, event))
-            if job.cancel.is_set() or not feed(self.loaded, pool, lease, uncached, 1,
-                                               job.cancel, report):
-                return row, torch.empty(0)
+            logits = self._feed_prompt(job, lease, uncached, report)
         except BaseException:
             pool.discard(lease)
             raise
+        if logits is None:
+            return row, torch.empty(0)
         timeline.first_logits_ns = now_ns()
-        return row, self.loaded.logits(1)[0]
+        return row, logits
+
+    def _feed_prompt(self, job: BatchJob, lease: CacheLease, ids: list[int],
+                     report: Callable[[int], None]) -> torch.Tensor | None:
+        """Feed ids onto the lease's sequence a chunk per llama_decode, each riding in the
+        streaming rows' step (with none streaming, chunks of about LONE_CHUNK_S); progress after
+        each. The last position's logits (a copy), or None if Stop came between two chunks."""
+        done, logits = 0, None
+        while done < len(ids):
+            if job.cancel.is_set():
+                return None
+            self._leave([r for r in self.rows if r.job.cancel.is_set()], "cancelled")
+            mixed = self.interleave and bool(self.rows)
+            if mixed and not (self._decode_step_s or self._fixed_mixed):
+                self.step()  # a timed plain step: what a mixed chunk is sized against
+                continue
+            room = self.loaded.n_batch - len(self.rows)
+            size = _clamp(round(self._mixed_chunk) if mixed else self._lone_chunk, 1, room)
+            chunk = ids[done : done + size]
+            done += len(chunk)
+            start = now_ns()
+            logits = self._step(chunk, lease, last=done == len(ids))
+            elapsed_s = (now_ns() - start) * 1e-9
+            if done < len(ids):  # a final, shorter chunk says little about the next prompt's
+                if mixed:
+                    self._size_mixed_chunk(len(chunk), elapsed_s)
+                else:
+                    self._size_lone_chunk(len(chunk), elapsed_s)
+            report(done)
+        return logits
+
+    def _size_mixed_chunk(self, tokens: int, step_s: float) -> None:
+        """Scale the next mixed chunk so its step takes about STEP_STALL plain decode steps
+        (halfway there each time in log scale, so one noisy step cannot swing it)."""
+        if self._fixed_mixed or self._decode_step_s <= 0 or step_s <= 0:
+            return
+        scale = (STEP_STALL * self._decode_step_s / step_s) ** 0.5
+        self._mixed_chunk = max(1.0, min(float(self.loaded.n_batch), tokens * scale))
+
+    def _size_lone_chunk(self, tokens: int, step_s: float) -> None:
+        """The next lone chunk: as many tokens as the last chunk's rate runs in LONE_CHUNK_S."""
+        if self._fixed_lone or step_s <= 0:
+            return
+        self._lone_chunk = _clamp(round(tokens / step_s * LONE_CHUNK_S), MIN_LONE_CHUNK,
+                                  self.loaded.n_batch)
 
     def _sibling(self, job: BatchJob, source: Row, index: int) -> Row:
         """An alternative of source's prompt: its sequence is a copy of source's prefill."""
@@ -136,18 +211,44 @@ class LlamaBatcher:
         self._leave([r for r in self.rows if r.job.cancel.is_set()], "cancelled")
         if not self.rows:
             return
+        start = now_ns()
+        self._step()
+        step_s = (now_ns() - start) * 1e-9
+        self._decode_step_s = step_s if not self._decode_step_s else \
+            0.7 * self._decode_step_s + 0.3 * step_s
+
+    def _step(self, chunk: Sequence[int] = (), lease: CacheLease | None = None,
+              last: bool = False) -> torch.Tensor | None:
+        """One llama_decode: each row's next token (logits for each) plus a chunk of a joining
+        prompt on lease's sequence (logits for its final token when `last`: returned, a copy).
+        A decode error fails every row, and is raised for the joining prompt."""
         rows = self.rows
+        start = len(lease.ids) if lease is not None else 0
         try:
-            decode(self.loaded, self.prefix_cache, [r.generated[-1] for r in rows],
-                   [r.kv_len for r in rows], [r.lease.cache for r in rows], [True] * len(rows))
+            decode(self.loaded, self.prefix_cache, [r.generated[-1] for r in rows] + list(chunk),
+                   [r.kv_len for r in rows] + list(range(start, start + len(chunk))),
+                   [r.lease.cache for r in rows] + [lease.cache if lease else 0] * len(chunk),
+                   [True] * len(rows) + [last and i == len(chunk) - 1 for i in range(len(chunk))])
         except Exception as exc:
             self.rows = []
             for row in rows:
                 self.prefix_cache.discard(row.lease)
                 self._done(row.job, None, exc)
-            return
-        self.steps += 1
-        logits = self.loaded.logits(len(rows))
+            if chunk:
+                raise
+            return None
+        logits = self.loaded.logits(len(rows) + (1 if chunk and last else 0))
+        prompt_logits = logits[len(rows)].clone() if chunk and last else None
+        if lease is not None:
+            lease.ids.extend(chunk)
+        if rows:
+            self.steps += 1
+            self.mixed_steps += bool(chunk)
+            self._take_tokens(rows, logits)
+        return prompt_logits
+
+    def _take_tokens(self, rows: list[Row], logits: torch.Tensor) -> None:
+        """Each row's token from its logits row; failed and finished rows leave."""
         failed = []
         for i, row in enumerate(rows):
             row.lease.ids.append(row.generated[-1])
