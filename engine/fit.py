@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+
+from engine.gguf_header import read_gguf
 
 MIN_CONTEXT = 512  # a smaller context is not worth offering
 TORCH_OVERHEAD = 0.05  # of the weights: allocator slack, embeddings' copies, small buffers
@@ -297,93 +298,3 @@ def config_shape(config: dict[str, Any]) -> Shape:
     return Shape(kv_values_per_token=with_kv * kv_heads * head_dim * 2, heads=heads,
                  hidden=hidden, vocab=int(text.get("vocab_size") or 0),
                  context_length=context_length(SimpleNamespace(**text)))
-
-
-# ----- GGUF headers ----------------------------------------------------------------------------
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
-            11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-
-
-@dataclass(frozen=True)
-class GGUFHeader:
-    metadata: dict[str, Any]  # scalars and numeric arrays; a string array is its length
-    tensor_dims: dict[str, tuple[int, ...]]
-    data_start: int
-
-    def field(self, key: str, default: Any = None) -> Any:
-        arch = self.metadata.get("general.architecture", "")
-        return self.metadata.get(f"{arch}.{key}", default)
-
-    def elements(self) -> int:
-        return sum(math.prod(dims) for dims in self.tensor_dims.values())
-
-    def shape(self) -> Shape:
-        layers = int(self.field("block_count", 0))
-        heads = _per_layer(self.field("attention.head_count", 1), layers)
-        kv_heads = _per_layer(self.field("attention.head_count_kv", heads), layers)
-        hidden = int(self.field("embedding_length", 0))
-        head_dim = hidden // max(1, max(heads))
-        key = int(self.field("attention.key_length", head_dim))
-        value = int(self.field("attention.value_length", head_dim))
-        vocab = self.field("vocab_size") or self.metadata.get("tokenizer.ggml.tokens", 0)
-        return Shape(kv_values_per_token=sum(kv_heads) * (key + value), heads=max(heads),
-                     hidden=hidden, vocab=int(vocab),
-                     context_length=int(self.field("context_length", 2048)))
-
-
-def _per_layer(value: Any, layers: int) -> list[int]:
-    """A per-layer count (a GGUF array for hybrid models, 0 where a layer has no KV)."""
-    if isinstance(value, list):
-        return [int(v) for v in value[:layers]]
-    return [int(value)] * layers
-
-
-def read_gguf(path: Path) -> GGUFHeader:
-    """Metadata and tensor shapes of a GGUF, from its header alone (milliseconds)."""
-    with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        if data[:4] != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file")
-        n_tensors, n_kv = struct.unpack_from("<QQ", data, 8)
-        pos = 24
-        metadata: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key, pos = _string(data, pos)
-            (kind,) = struct.unpack_from("<I", data, pos)
-            metadata[key], pos = _value(data, pos + 4, kind)
-        dims: dict[str, tuple[int, ...]] = {}
-        for _ in range(n_tensors):
-            name, pos = _string(data, pos)
-            (n_dims,) = struct.unpack_from("<I", data, pos)
-            dims[name] = struct.unpack_from(f"<{n_dims}Q", data, pos + 4)
-            pos += 4 + 8 * n_dims + 4 + 8  # dims, type, offset
-        alignment = int(metadata.get("general.alignment", 32))
-    return GGUFHeader(metadata, dims, -(-pos // alignment) * alignment)
-
-
-def _string(data: mmap.mmap, pos: int) -> tuple[str, int]:
-    (n,) = struct.unpack_from("<Q", data, pos)
-    return data[pos + 8 : pos + 8 + n].decode("utf-8", "replace"), pos + 8 + n
-
-
-def _value(data: mmap.mmap, pos: int, kind: int) -> tuple[Any, int]:
-    if kind in _SCALARS:
-        fmt = _SCALARS[kind]
-        return struct.unpack_from(fmt, data, pos)[0], pos + struct.calcsize(fmt)
-    if kind == _STRING:
-        return _string(data, pos)
-    if kind != _ARRAY:
-        raise ValueError(f"unknown GGUF value type {kind}")
-    item, count = struct.unpack_from("<IQ", data, pos)
-    pos += 12
-    if item in _SCALARS:
-        fmt = _SCALARS[item]
-        end = pos + count * struct.calcsize(fmt)
-        values = list(struct.unpack_from(f"<{count}{fmt[1]}", data, pos)) if count < 4096 else []
-        return values, end
-    for _ in range(count):  # strings (the vocabulary) or nested arrays: only their count
-        if item == _STRING:
-            pos += 8 + struct.unpack_from("<Q", data, pos)[0]
-        else:
-            pos = _value(data, pos, item)[1]
-    return count, pos

@@ -181,3 +181,27 @@ def test_a_folder_too_big_for_torch_is_refused_before_loading(tmp_path: Path) ->
     with pytest.raises(ModelLoadError, match="giant does not fit in memory") as info:
         runtimes.load(str(folder), runtimes.TORCH, device="cpu")
     assert "\n" not in str(info.value)
+
+
+def test_a_gguf_s_own_sampling_settings_are_read(tmp_path: Path) -> None:
+    """llama.cpp's general.sampling.* keys become the model's sampling defaults (the window
+    starts its sliders there); a file without them suggests nothing."""
+    from gguf import GGUFWriter
+
+    from engine.events import SamplingDefaults
+    from engine.gguf_header import read_gguf
+
+    plain = write_gguf(tmp_path / "plain.gguf", layers=1, kv_heads=1)
+    assert read_gguf(plain).sampling_defaults() == SamplingDefaults()
+    writer = GGUFWriter(str(tmp_path / "suggests.gguf"), "llama")
+    writer.add_float32("general.sampling.temp", 0.25)
+    writer.add_float32("general.sampling.top_p", 0.5)
+    writer.add_int32("general.sampling.top_k", 40)
+    writer.add_float32("general.sampling.penalty_repeat", 1.5)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert read_gguf(tmp_path / "suggests.gguf").sampling_defaults() == SamplingDefaults(
+        0.25, 0.5, 40, 1.5)

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from engine.errors import ModelLoadError
-from engine.events import ModelInfo
+from engine.events import ModelInfo, SamplingDefaults
+from engine.gguf_header import read_gguf
 from engine.llamacpp.tokenizer import LlamaCppTokenizer
 
 LLAMA_CPP = "llama.cpp"
@@ -214,6 +215,7 @@ def _assemble(llama_cpp: Any, model: Any, ctx: Any, path: Path, name: str, sourc
         kernel=f"llama.cpp-{threads}t",
         template_fallback=tokenizer.chat_template is None,
         engine=LLAMA_CPP,
+        sampling_defaults=_sampling_defaults(path),
     )
     loaded = LlamaCppModel(
         llama_cpp=llama_cpp, model=model, ctx=ctx, memory=llama_cpp.llama_get_memory(ctx),
@@ -227,6 +229,14 @@ def _assemble(llama_cpp: Any, model: Any, ctx: Any, path: Path, name: str, sourc
     )
     loaded.batch = llama_cpp.llama_batch_init(loaded.n_batch, 0, loaded.n_seq_max)
     return loaded
+
+
+def _sampling_defaults(path: Path) -> SamplingDefaults:
+    """What the file suggests for sampling (general.sampling.*); none where it cannot say."""
+    try:
+        return read_gguf(path).sampling_defaults()
+    except (OSError, ValueError, struct.error):
+        return SamplingDefaults()
 
 
 def _check_readable(path: Path) -> None:
