@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QPoint, Qt
 from PySide6.QtWidgets import QMessageBox, QScrollArea
 
 WAIT_MS = 30_000
@@ -339,6 +339,27 @@ def test_docks_recover_their_width_after_a_trip_to_the_minimum_size(qtbot, make_
     window.close()
     restarted = make_window()  # the chosen width is kept across a restart
     assert restarted.dock_widths.wanted == width
+
+
+def test_a_dragged_dock_width_is_the_one_given_back(qtbot, make_window) -> None:
+    window = make_window()
+    window.show()
+    qtbot.waitExposed(window)
+    dock, full = window.settings_dock, window.size()
+    width = dock.width()
+    gap = (window.centralWidget().geometry().right() + dock.geometry().left()) // 2
+    grip = QPoint(gap, dock.geometry().center().y())  # the separator between chat and docks
+    qtbot.mousePress(window, Qt.MouseButton.LeftButton, pos=grip)
+    qtbot.mouseMove(window, grip + QPoint(60, 0))
+    qtbot.waitUntil(lambda: dock.width() < width, timeout=WAIT_MS)  # Qt moves it on a timer
+    qtbot.mouseRelease(window, Qt.MouseButton.LeftButton, pos=grip + QPoint(60, 0))
+    dragged = dock.width()
+    assert window.dock_widths.wanted == dragged
+
+    window.resize(window.minimumSizeHint())
+    qtbot.waitUntil(lambda: dock.width() < dragged, timeout=WAIT_MS)
+    window.resize(full)
+    qtbot.waitUntil(lambda: dock.width() == dragged, timeout=WAIT_MS)
 
 
 # ----- item 12: settings that would do nothing say so ------------------------------------------
