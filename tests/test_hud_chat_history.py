@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from PySide6.QtWidgets import QApplication, QFileDialog, QToolTip
+from PySide6.QtWidgets import QApplication, QFileDialog, QToolTip, QWidget
 
 from engine.events import RequestFinished
 from engine.hud_model import SavedChat, SessionModel, fmt_ms, saved_metrics, saved_reply
@@ -173,9 +173,23 @@ def test_rename_renames_the_chats_entries_in_the_picker(hud: HudWidget) -> None:
     assert "“Rome in May”" in hud.history_label.text()
 
 
+def test_a_long_chat_title_in_the_picker_never_widens_the_hud(qtbot) -> None:
+    hud = HudWidget(calibrate=False)  # as at start-up: the chat is restored before the show
+    qtbot.addWidget(hud)
+    title = "What is the capital of France, and what else should I see there in May?"
+    hud.show_chat(SavedChat("chat-a", title, [saved(11, 1), saved(12, 2)]))
+    hud.resize(hud.minimumWidth(), 900)
+    hud.show()
+    qtbot.waitExposed(hud)
+    body = hud.findChild(QWidget, "hudScrollBody")
+    assert body.minimumSizeHint().width() <= hud.minimumWidth()  # no sideways scrolling
+    assert hud.reply_combo.itemText(2) == f"{title} · turn 2 (saved)"  # listed in full
+
+
+@pytest.mark.parametrize("width", [0, 640])  # 0: the narrowest the dock allows (stacked)
 def test_itl_percentile_labels_never_overlap_when_the_values_are_close(
-        qtbot, hud: HudWidget) -> None:
-    hud.resize(hud.minimumWidth(), 900)  # the narrowest the dock allows
+        qtbot, hud: HudWidget, width: int) -> None:
+    hud.resize(width or hud.minimumWidth(), 900)
     hud.show()
     qtbot.waitExposed(hud)
     for n, spec in enumerate((ReplySpec("flat", 2_000 * MS, 100, 0, 60),
@@ -196,7 +210,8 @@ def test_itl_percentile_labels_never_overlap_when_the_values_are_close(
         for a, b in itertools.combinations(rects, 2):
             assert not a.intersects(b), (a, b)
         assert all(area.left() - 1 <= r.left() and r.right() <= area.right() + 1
-                   for r in rects)
+                   and area.top() - 1 <= r.top() and r.bottom() <= area.bottom() + 1
+                   for r in rects), (area, rects)
 
 
 # ----- through the window ---------------------------------------------------------------------

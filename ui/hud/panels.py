@@ -392,7 +392,9 @@ class ItlPanel(Panel):
             self.plot.addItem(line, ignoreBounds=True)
             self._lines[name] = line
         self._itl: list[float] = []
-        self.plot.getPlotItem().vb.sigResized.connect(self._layout_percentile_labels)
+        vb = self.plot.getPlotItem().vb
+        vb.sigResized.connect(self._layout_percentile_labels)
+        vb.sigYRangeChanged.connect(self._layout_percentile_labels)
 
     def refresh(self, ctx: HudContext) -> None:
         reply = ctx.reply
@@ -424,16 +426,39 @@ class ItlPanel(Panel):
             f"{fmt_ms(pcts[1])} · p99 {fmt_ms(pcts[2])}. " + burst_note(reply))
 
     def _layout_percentile_labels(self, *_args: object) -> None:
-        """The p50, p90 and p99 labels side by side from the right edge (p50 rightmost), each
-        clear of the next: close values put the lines close, never the labels on each other."""
-        width = self.plot.getPlotItem().vb.width()
+        """Close percentiles put their lines close, never their labels on each other: the
+        p50, p90 and p99 labels sit side by side from the right edge (p50 rightmost) where
+        the plot is wide enough, else stacked at the right edge, p99 on top, each pushed down
+        just clear of the one above."""
+        vb = self.plot.getPlotItem().vb
+        width = vb.width()
+        labels = [line.label for line in self._lines.values()]
         if width <= 0:
             return
-        right = width - LABEL_GAP_PX
-        for line in self._lines.values():
-            label_width = line.label.boundingRect().width()
-            line.label.setPosition(max(right - label_width / 2, label_width / 2) / width)
-            right -= label_width + LABEL_GAP_PX
+        widths = [label.boundingRect().width() for label in labels]
+        if sum(widths) + LABEL_GAP_PX * (len(labels) + 1) <= width:
+            right = width - LABEL_GAP_PX
+            for label, label_width in zip(labels, widths, strict=True):
+                self._place_label(label, (right - label_width / 2) / width, 1.0)
+                right -= label_width + LABEL_GAP_PX
+            return
+        x = (width - LABEL_GAP_PX - max(widths) / 2) / width
+        top = vb.sceneBoundingRect().top()  # the previous label's bottom, in scene pixels
+        for label in reversed(labels):  # p99, p90, p50: highest line first
+            height = label.boundingRect().height()
+            line_y = vb.mapViewToScene(QPointF(0, label.line.value())).y()
+            bottom = max(line_y, top + height)  # above its line unless that overlaps
+            self._place_label(label, x, 1 - (bottom - line_y) / height)
+            top = bottom + LABEL_GAP_PX / 2
+
+    @staticmethod
+    def _place_label(label: pg.InfLineLabel, position: float, anchor_y: float) -> None:
+        """Centre the label at `position` along its line, its bottom anchor_y heights above
+        the line (1: just above it; below 1: lower)."""
+        anchor = (0.5, anchor_y)
+        label.anchors = [anchor, anchor]
+        label.setAnchor(anchor)
+        label.setPosition(position)
 
     def percentile_label_rects(self) -> list[object]:
         """The shown percentile labels' scene rectangles (QRectF), p50 first."""

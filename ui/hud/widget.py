@@ -179,6 +179,12 @@ class HudWidget(QWidget):
         row = QHBoxLayout()
         self.reply_combo = QComboBox()
         self.reply_combo.addItem(LIVE_ITEM, None)
+        # Its width comes from the layout, not from the longest chat title in it (a restored
+        # chat's saved replies are listed before the first show): the HUD never scrolls
+        # sideways because of a title.
+        self.reply_combo.setSizeAdjustPolicy(
+            QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.reply_combo.setMinimumContentsLength(12)
         self.reply_combo.setToolTip("Which reply the ITL, breakdown and advisor describe; "
                                     "picking a past reply pins it")
         self.reply_combo.activated.connect(self._on_combo_activated)
