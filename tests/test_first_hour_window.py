@@ -1,8 +1,9 @@
-"""Issue 20's first-hour findings in the window (items 1, 2, 4, 5, 6, 7, 10, 11), through the app's
-own wiring (app.gui's build_window over the tiny engine)."""
+"""Issue 20's first-hour findings in the window (items 1, 2, 4-7, 10-13 and leftovers), through
+the app's own wiring (app.gui's build_window over the tiny engine)."""
 
 from __future__ import annotations
 
+import csv
 from typing import Any
 
 from PySide6.QtCore import QPoint, Qt
@@ -363,8 +364,8 @@ def test_a_dragged_dock_width_is_the_one_given_back(qtbot, make_window) -> None:
 
 
 # ----- item 12: settings that would do nothing say so ------------------------------------------
-def test_prompt_lookup_says_when_it_cannot_run_and_the_result_records_it(qtbot,
-                                                                         make_window) -> None:
+def test_prompt_lookup_says_when_it_cannot_run_and_the_export_records_it(qtbot, make_window,
+                                                                         tmp_path) -> None:
     window = make_window()
     controls = window.controls
     controls.max_tokens.setValue(8)
@@ -382,6 +383,11 @@ def test_prompt_lookup_says_when_it_cannot_run_and_the_result_records_it(qtbot,
     assert note.isVisibleTo(controls)
     controls.speculative.setCurrentIndex(0)  # Off: nothing to warn about
     assert not note.isVisibleTo(controls)
+
+    path = window.hud.export_csv(tmp_path / "session.csv")[0]  # the HUD's session export
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [row["speculative"] for row in rows] == ["", "ngram"]  # which replies drafted
 
 
 def test_greedy_offers_one_reply_instead_of_identical_alternatives(qtbot, make_window) -> None:
