@@ -313,19 +313,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def load_for_bench(args: argparse.Namespace, progress: Any) -> tuple[Any, Any, Any]:
     """(the model as loaded, the model with its decode path, the draft model or None).
     On the llama.cpp engine the first is None: there is no torch model for --vs hf."""
-    from engine.draft import load_draft
     from engine.kernels import select_kernel
     from engine.loader import load_model
-    from engine.runtimes import LLAMA_CPP, load, resolve_engine
+    from engine.runtimes import LLAMA_CPP, load, load_draft, resolve_engine
 
     if resolve_engine(args.model, args.engine, args.device) == LLAMA_CPP:
         if "hf" in args.vs:
             raise CliError("--vs hf compares the torch engine with generate(); use --engine "
                            "torch, or --vs llama.cpp for the llama.cpp engine")
-        if args.draft_model:
-            raise CliError("--draft-model needs the torch engine (--engine torch)")
-        return None, load(args.model, LLAMA_CPP, kernel=args.kernel, progress=progress,
-                          context_length=args.context), None
+        gguf_model = load(args.model, LLAMA_CPP, kernel=args.kernel, progress=progress,
+                          context_length=args.context)
+        gguf_draft = load_draft(args.draft_model, gguf_model, kernel=args.draft_kernel,
+                                progress=progress) if args.draft_model else None
+        return None, gguf_model, gguf_draft
     reference = load_model(args.model, progress=progress, **model_options(args))
     loaded = select_kernel(reference, args.kernel, progress=progress)
     draft = load_draft(args.draft_model, loaded, kernel=args.draft_kernel,

@@ -13,7 +13,7 @@ proposal is accepted, and its steps cost a fraction of the target's.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -161,6 +161,18 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+class Drafter(Protocol):
+    """What DraftProposer needs of a loaded draft: DraftModel (torch) or
+    engine/llamacpp/draft.py's LlamaDraftModel."""
+
+    context: int
+    last_probs: list[torch.Tensor]
+
+    def propose(self, history: Sequence[int], k: int, stop_ids: Collection[int] = (),
+                params: SamplingParams | None = None,
+                generator: torch.Generator | None = None) -> list[int]: ...
+
+
 class DraftProposer:
     """One request's drafter: what has been accepted so far, and a draft length k that grows
     while whole drafts are accepted and shrinks after a rejection.
@@ -169,7 +181,7 @@ class DraftProposer:
     sampling params, drafts are sampled and draft_probs holds their distributions.
     """
 
-    def __init__(self, draft: DraftModel, prompt_ids: Sequence[int],
+    def __init__(self, draft: Drafter, prompt_ids: Sequence[int],
                  stop_ids: Collection[int] = (), params: SamplingParams | None = None,
                  generator: torch.Generator | None = None) -> None:
         self.draft = draft

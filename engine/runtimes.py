@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import ModelLoadError
 from engine.loader import (
@@ -24,6 +24,10 @@ from engine.loader import (
     load_model,
 )
 from engine.prefix_cache import PrefixCache
+
+if TYPE_CHECKING:
+    from engine.draft import DraftModel
+    from engine.llamacpp.draft import LlamaDraftModel
 
 AUTO = "auto"
 TORCH = "torch"
@@ -174,12 +178,33 @@ def new_session(loaded: Model, prefix_cache: Any, draft: Any = None) -> Any:
     if is_llama_cpp(loaded):
         from engine.llamacpp.session import LlamaSession
 
-        if draft is not None:
-            raise ModelLoadError("draft models run on the torch engine")
-        return LlamaSession(loaded, prefix_cache)
+        return LlamaSession(loaded, prefix_cache, draft)
     from engine.generate import DecodeSession
 
     return DecodeSession(loaded, prefix_cache, draft=draft)
+
+
+def load_draft(spec: str, target: Model, *, kernel: str = AUTO,
+               progress: Progress | None = None, **torch_options: Any
+               ) -> DraftModel | LlamaDraftModel:
+    """A draft model for target's speculative="draft" requests, on target's runtime: a GGUF
+    in a second llama.cpp context for a llama.cpp model (engine/llamacpp/draft.py), else
+    engine/draft.py's torch draft; ModelLoadError with one line on failure."""
+    if not is_llama_cpp(target):
+        from engine.draft import load_draft as load_torch_draft
+
+        return load_torch_draft(spec, target, kernel=kernel, progress=progress,
+                                **torch_options)
+    if kernel != AUTO:
+        raise ModelLoadError("--draft-kernel chooses a torch decode path; a llama.cpp draft "
+                             "runs its GGUF's own quantization")
+    if classify(spec) not in ("default", "gguf"):
+        raise ModelLoadError(f"a llama.cpp model's draft must be a .gguf file too; {spec} is "
+                             "not one (or load the model with --engine torch)")
+    from engine.llamacpp.draft import load_llama_draft
+
+    path, name, source = gguf_path(spec)
+    return load_llama_draft(path, target, name=name, source=source, progress=progress)
 
 
 def supports_batching(loaded: Model) -> bool:

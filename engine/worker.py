@@ -14,13 +14,13 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine import runtimes
 from engine.batching import alternative_cache_key, batchable
-from engine.draft import DraftModel, load_draft
+from engine.draft import DraftModel
 from engine.errors import ModelLoadError, PhasewiseError
 from engine.events import (
     DraftModelChanged,
@@ -41,6 +41,9 @@ from engine.metrics import RequestTimeline
 from engine.params import GenerationRequest
 from engine.prefix_cache import PrefixCache
 from engine.protocol import SPECULATIVE_METHODS, Backend, Capabilities
+
+if TYPE_CHECKING:
+    from engine.llamacpp.draft import LlamaDraftModel
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +190,8 @@ class Engine(EventSource, Backend):
         self._thread = threading.Thread(target=self._run, name="phasewise-engine", daemon=True)
         self._loaded: runtimes.Model | None = None  # a torch LoadedModel or a LlamaCppModel
         self._prefix_cache: PrefixCache | None = None
-        self._draft: DraftModel | None = None  # for speculative="draft"; dropped on model change
+        # for speculative="draft", on the model's runtime; dropped on model change
+        self._draft: DraftModel | LlamaDraftModel | None = None
         self._cache_budget = cache_budget_bytes
         self._active: dict[str, _Job] = {}
         self._batching = False  # the loaded model's cache can be batched row-wise
@@ -218,12 +222,9 @@ class Engine(EventSource, Backend):
     @property
     def capabilities(self) -> Capabilities:
         """Alternatives share one prefill where the model's cache batches row-wise (plain
-        full-attention layers); otherwise they run one after another. The llama.cpp
-        engine speculates by prompt lookup only."""
-        caps = replace(LOCAL_CAPABILITIES, shared_prefill_alternatives=self._batching)
-        if self._loaded is not None and runtimes.is_llama_cpp(self._loaded):
-            caps = replace(caps, speculative=("ngram",), draft_model=False)
-        return caps
+        full-attention layers); otherwise they run one after another. Both local runtimes
+        speculate by prompt lookup and with a draft model (a GGUF for llama.cpp)."""
+        return replace(LOCAL_CAPABILITIES, shared_prefill_alternatives=self._batching)
 
     @property
     def prefix_cache(self) -> PrefixCache | None:
@@ -438,8 +439,8 @@ class Engine(EventSource, Backend):
 
     def _load_draft(self, cmd: LoadDraft) -> None:
         spec = cmd.spec
-        # A draft always runs on torch: the model's engine choice (the window passes its
-        # load options to both) does not apply to it.
+        # A draft runs on its model's runtime: the engine choice (the window passes its load
+        # options to both) does not apply to it.
         options = {k: v for k, v in cmd.options.items() if k != "engine"}
         if spec is None:
             self._draft = None
@@ -447,14 +448,10 @@ class Engine(EventSource, Backend):
         elif self._loaded is None:
             self._fail_load("load a model before its draft model", cmd, draft=True)
             return
-        elif runtimes.is_llama_cpp(self._loaded):
-            self._fail_load("draft models run on the torch engine (--engine torch); the "
-                            "llama.cpp engine speculates by prompt lookup", cmd, draft=True)
-            return
         else:
             try:
-                self._draft = load_draft(spec, self._loaded, progress=self._load_progress,
-                                         **options)
+                self._draft = runtimes.load_draft(spec, self._loaded,
+                                                  progress=self._load_progress, **options)
             except PhasewiseError as exc:
                 self._fail_load(str(exc), cmd, draft=True)
                 return

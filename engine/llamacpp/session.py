@@ -4,8 +4,9 @@ llama.cpp's kernels.
 The same steps as engine/generate.py's DecodeSession: prefill what the prefix cache lacks (in
 llama_decode batches, Stop checked between them), then one timed llama_decode per token, the
 token drawn by engine/sampling.py from a view of llama.cpp's logits buffer. Prompt-lookup
-drafts are verified in one llama_decode with logits for every drafted position; rejected
-positions are dropped from the sequence with seq_rm. Runs only in the engine thread.
+drafts and a draft model's (engine/llamacpp/draft.py, a second context) are verified in one
+llama_decode with logits for every drafted position; rejected positions are dropped from the
+sequence with seq_rm. Runs only in the engine thread.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from engine.detok import IncrementalDetokenizer, StopMatcher
+from engine.draft import DraftProposer
 from engine.errors import InvalidRequestError
 from engine.events import FinishReason, GenerationResult, PrefillStarted, TextFlushed
 from engine.generate import (
@@ -29,13 +31,14 @@ from engine.generate import (
     token_text,
 )
 from engine.llamacpp.decode import feed, prefill_reporter
+from engine.llamacpp.draft import LlamaDraftModel
 from engine.llamacpp.model import LlamaCppModel
 from engine.llamacpp.prefix_pool import SeqPrefixCache
 from engine.metrics import RequestTimeline, compute_metrics
 from engine.params import GenerationRequest
 from engine.prefix_cache import CacheLease
 from engine.sampling import make_generator, sample_token
-from engine.speculative import PromptLookup, SpecStats
+from engine.speculative import PromptLookup, SpecStats, verify_sampled
 
 
 def eos_ids(loaded: LlamaCppModel) -> set[int]:
@@ -49,9 +52,11 @@ def eos_ids(loaded: LlamaCppModel) -> set[int]:
 class LlamaSession:
     """Runs one request to completion on the engine thread (DecodeSession's contract)."""
 
-    def __init__(self, loaded: LlamaCppModel, prefix_cache: SeqPrefixCache) -> None:
+    def __init__(self, loaded: LlamaCppModel, prefix_cache: SeqPrefixCache,
+                 draft: LlamaDraftModel | None = None) -> None:
         self.loaded = loaded
         self.prefix_cache = prefix_cache
+        self.draft = draft  # proposes tokens for speculative="draft" requests
         self.eos_ids = eos_ids(loaded)
         self.stops = template_stops(loaded)  # type: ignore[arg-type]  # reads .info only
         self._last_snapshot_ns = 0
@@ -61,9 +66,9 @@ class LlamaSession:
             cancel: threading.Event, emit: Emit) -> GenerationResult:
         timeline.prefill_start_ns = now_ns()
         prompt = prepare_prompt(self.loaded, request)  # type: ignore[arg-type]
-        if request.speculative == "draft":
-            raise InvalidRequestError("draft-model speculation runs on the torch engine "
-                                      "(--engine torch); use --speculative ngram here")
+        if request.speculative == "draft" and self.draft is None:
+            raise InvalidRequestError("speculative decoding with a draft model needs one: "
+                                      "load it first (--draft-model SPEC)")
         budget = min(request.params.max_tokens, self.loaded.info.context_length - len(prompt.ids))
         pool = self.prefix_cache
         if request.reuse_cache:
@@ -89,14 +94,15 @@ class LlamaSession:
         stopper = StopMatcher(tuple(params.stop) + self.stops)
         generated: list[int] = []
         finish: FinishReason = "length"
-        # Greedy only (as on torch); a recurrent state cannot drop rejected drafts.
-        speculate = request.speculative == "ngram" and params.greedy \
-            and self.loaded.can_roll_back
-        drafter = PromptLookup(prompt_ids) if speculate else None
+        drafter = self._drafter(request, prompt_ids, generator)
         stats = SpecStats()
         uncached = prompt_ids[lease.cached_tokens :]
         rows = self._forward(uncached, lease, 1, cancel,
                              prefill_reporter(request.request_id, len(uncached), emit))
+        if rows is not None and isinstance(drafter, DraftProposer):
+            assert self.draft is not None
+            if not self.draft.prefill(prompt_ids, cancel):
+                rows = None
         if rows is None:
             finish = "cancelled"  # Stop before or during the prefill: within one batch
         else:
@@ -111,7 +117,11 @@ class LlamaSession:
                 for j in range(rows.shape[0]):
                     logits = rows[j]
                     seen = prompt_ids + generated if params.repetition_penalty != 1.0 else ()
-                    token = sample_token(logits, params, generator, seen)
+                    if drafter is not None and drafter.draft_probs and j < len(draft):
+                        token = verify_sampled(logits, params, seen, draft[j],
+                                               drafter.draft_probs[j], generator)
+                    else:
+                        token = sample_token(logits, params, generator, seen)
                     self._maybe_snapshot(emit, request, logits, token, len(generated))
                     generated.append(token)
                     if drafter is not None:
@@ -134,6 +144,9 @@ class LlamaSession:
                     finish = outcome
                     break
                 draft = drafter.propose(budget - len(generated) - 1) if drafter else []
+                if draft and cancel.is_set():  # Stop while the draft model proposed
+                    finish = "cancelled"
+                    break
                 stats.proposed += len(draft)
                 rows = self._forward([token, *draft], lease, 1 + len(draft))
         # Plain decoding never feeds the last emitted token; a draft may have gone further.
@@ -153,6 +166,20 @@ class LlamaSession:
             token_ids=generated, prompt_token_ids=prompt_ids, metrics=metrics, model=info,
             speculative=request.speculative if drafter is not None else None,
             spec_proposed=stats.proposed, spec_accepted=stats.accepted)
+
+    def _drafter(self, request: GenerationRequest, prompt_ids: list[int],
+                 generator: torch.Generator | None) -> PromptLookup | DraftProposer | None:
+        """As DecodeSession._drafter: prompt lookup for greedy requests; a draft model for
+        greedy ones (exact) and sampled ones (the speculative sampling rule). None where a
+        recurrent state cannot drop rejected drafts."""
+        params = request.params
+        if request.speculative is None or not self.loaded.can_roll_back:
+            return None
+        if request.speculative == "ngram":
+            return PromptLookup(prompt_ids) if params.greedy else None
+        assert self.draft is not None  # run() refuses a draft request without one
+        stop_ids = () if params.ignore_eos else self.eos_ids
+        return DraftProposer(self.draft, prompt_ids, stop_ids, params, generator)
 
     def _forward(self, ids: list[int], lease: CacheLease, rows: int,
                  cancel: threading.Event | None = None,

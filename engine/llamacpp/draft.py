@@ -1,0 +1,193 @@
+"""Draft-model speculation on llama.cpp: a second GGUF in a second context, same thread.
+
+The draft proposes k tokens one llama_decode at a time on its own KV sequence; the target
+verifies them all in one llama_decode (engine/llamacpp/session.py). Before each proposal the
+draft's sequence is cut back (seq_rm) to the longest prefix it shares with the tokens accepted
+so far, so only the target's correction token (or, after a fully accepted draft, the last
+draft token and the bonus token) is fed. Acceptance rules, adaptive draft length and the
+speculative sampling rule are the torch engine's (engine/draft.py's DraftProposer,
+engine/speculative.py's verify_sampled): only proposing runs here.
+
+A good pair is one model in two quantizations: a bigger file as the target, a 4-bit one as
+the draft. The draft must share the target's vocabulary; it is checked at load.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Collection, Sequence
+from pathlib import Path
+
+import torch
+
+from engine.draft import PROBE_TEXT, VOCAB_SAMPLE, VocabularyMismatchError
+from engine.llamacpp.model import LlamaCppModel, Progress, load_gguf, warm_up_llama
+from engine.params import SamplingParams
+from engine.sampling import filtered_probs
+
+SEQ = 0  # the draft context's only sequence
+
+
+class LlamaDraftModel:
+    """A draft GGUF in its own llama.cpp context. `ids` mirrors the sequence position by
+    position. Only the engine thread may use it (engine/draft.py's Drafter)."""
+
+    def __init__(self, loaded: LlamaCppModel, vocab_limit: int) -> None:
+        self.loaded = loaded
+        self.vocab_limit = vocab_limit  # ids the target can embed: never propose beyond them
+        self.context = loaded.info.context_length
+        self.ids: list[int] = []
+        self.last_probs: list[torch.Tensor] = []  # what each sampled draft token was drawn from
+        self._lib = loaded.llama_cpp
+        self._writer = _Writer(loaded)
+
+    @property
+    def name(self) -> str:
+        return self.loaded.info.name
+
+    def reset(self) -> None:
+        self._lib.llama_memory_clear(self.loaded.memory, False)
+        self.ids = []
+
+    def close(self) -> None:
+        self.loaded.close()
+
+    def prefill(self, prompt_ids: Sequence[int], cancel: threading.Event) -> bool:
+        """Bring the sequence up to prompt_ids (all but the last token, which the first
+        proposal feeds) during the target's prefill, so the draft's share of the prompt counts
+        as prefill, not decode. False if cancel was set between two batches."""
+        keep = _common_prefix(self.ids, prompt_ids[:-1])
+        if len(self.ids) > keep:
+            self._lib.llama_memory_seq_rm(self.loaded.memory, SEQ, keep, -1)
+            del self.ids[keep:]
+        rest = list(prompt_ids[keep:-1])
+        step = self.loaded.n_batch
+        for begin in range(0, len(rest), step):
+            if cancel.is_set():
+                return False
+            chunk = rest[begin : begin + step]
+            self._writer.decode(chunk, len(self.ids), logits_last=False)
+            self.ids.extend(chunk)
+        return True
+
+    @torch.inference_mode()
+    def propose(self, history: Sequence[int], k: int, stop_ids: Collection[int] = (),
+                params: SamplingParams | None = None,
+                generator: torch.Generator | None = None) -> list[int]:
+        """Up to k tokens continuing history, ending early at a stop id: greedy, or drawn
+        with params' temperature and filters (no repetition penalty), keeping each token's
+        distribution in last_probs for the target's acceptance test."""
+        self.last_probs = []
+        if k <= 0 or not history:
+            return []
+        try:
+            logits = self._logits_after(history)
+            drafts: list[int] = []
+            while True:
+                token = self._pick(logits[: self.vocab_limit], params, generator)
+                drafts.append(token)
+                if len(drafts) >= k or token in stop_ids:
+                    return drafts
+                logits = self._feed([token])
+        except BaseException:
+            self.reset()  # a failed decode leaves the sequence in an unknown state
+            raise
+
+    def _pick(self, logits: torch.Tensor, params: SamplingParams | None,
+              generator: torch.Generator | None) -> int:
+        if params is None or params.greedy:
+            return int(logits.argmax())
+        probs = filtered_probs(logits, params)  # a copy: the logits view dies at the next decode
+        self.last_probs.append(probs)
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+    def _logits_after(self, history: Sequence[int]) -> torch.Tensor:
+        """Cut the sequence to what it shares with history (keeping one token to feed, for
+        fresh logits), feed the rest, return the last position's logits."""
+        keep = min(_common_prefix(self.ids, history), len(history) - 1)
+        if len(self.ids) > keep:
+            self._lib.llama_memory_seq_rm(self.loaded.memory, SEQ, keep, -1)
+            del self.ids[keep:]
+        return self._feed(list(history[keep:]))
+
+    def _feed(self, ids: list[int]) -> torch.Tensor:
+        """Append ids to the sequence in batches; the last position's logits (a view valid
+        until the next decode)."""
+        step = self.loaded.n_batch
+        for begin in range(0, len(ids), step):
+            chunk = ids[begin : begin + step]
+            start = len(self.ids)
+            last = begin + len(chunk) == len(ids)
+            self._writer.decode(chunk, start, last)
+            self.ids.extend(chunk)
+        return self.loaded.logits(1)[0]
+
+
+class _Writer:
+    """One sequence's rows into the draft's llama_batch (logits for the last row only)."""
+
+    def __init__(self, loaded: LlamaCppModel) -> None:
+        from engine.llamacpp.decode import writer_for
+
+        self.loaded = loaded
+        self.batch = writer_for(loaded)
+
+    def decode(self, tokens: list[int], start: int, logits_last: bool) -> None:
+        n = len(tokens)
+        outputs = [logits_last and i == n - 1 for i in range(n)]
+        self.batch.fill(tokens, range(start, start + n), [SEQ] * n, outputs)
+        code = self.loaded.llama_cpp.llama_decode(self.loaded.ctx, self.loaded.batch)
+        if code != 0:
+            raise RuntimeError(f"llama.cpp failed to decode a draft batch (code {code})")
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case, compared at C speed
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
+
+
+def vocabulary_difference(draft: LlamaCppModel, target: LlamaCppModel) -> str | None:
+    """A one-line reason why two GGUF vocabularies differ, or None if they look the same:
+    size, BOS/EOS, end-of-generation tokens, a sample of token pieces across the vocabulary,
+    and one encoded text."""
+    ours, theirs = draft.tokenizer, target.tokenizer
+    if draft.n_vocab != target.n_vocab:
+        return f"{draft.n_vocab} tokens vs the model's {target.n_vocab}"
+    if ours.bos_token_id != theirs.bos_token_id:
+        return f"BOS is token {ours.bos_token_id} vs the model's {theirs.bos_token_id}"
+    if ours.eos_token_id != theirs.eos_token_id:
+        return f"EOS is token {ours.eos_token_id} vs the model's {theirs.eos_token_id}"
+    if ours.end_of_generation_ids() != (target.eog_ids or theirs.end_of_generation_ids()):
+        return "different end-of-generation tokens"
+    size = target.n_vocab
+    ids = set(range(0, size, max(1, size // VOCAB_SAMPLE))) | {size - 1}
+    for token in sorted(ids):
+        a, b = ours.token_to_piece(token, True), theirs.token_to_piece(token, True)
+        if a != b:
+            return f"token {token} is {a.decode('utf-8', 'replace')!r} vs the model's " \
+                   f"{b.decode('utf-8', 'replace')!r}"
+    if ours.encode(PROBE_TEXT) != theirs.encode(PROBE_TEXT):
+        return "the same text splits into different tokens"
+    return None
+
+
+def load_llama_draft(path: Path, target: LlamaCppModel, *, name: str, source: str,
+                     progress: Progress | None = None) -> LlamaDraftModel:
+    """Load a draft GGUF for target into a second context (the target's context length and
+    threads), check its vocabulary, warm it up; ModelLoadError in one line on failure."""
+    loaded = load_gguf(path, name=name, source=source,
+                       context_length=target.info.context_length,
+                       n_threads=target.n_threads, progress=progress)
+    reason = vocabulary_difference(loaded, target)
+    if reason is not None:
+        loaded.close()
+        raise VocabularyMismatchError(
+            f"draft model {name} does not share the vocabulary of {target.info.name} "
+            f"({reason}); pick a draft from the same model family")
+    warm_up_llama(loaded)
+    return LlamaDraftModel(loaded, vocab_limit=target.n_vocab)
