@@ -226,10 +226,7 @@ def _torch_sources(spec: str) -> tuple[int, Shape, bool] | None:
     from engine import loader
 
     kind = loader.classify(spec)
-    if kind in ("default", "gguf"):
-        bundled = loader.bundled_model_dir() if kind == "default" else None
-        if bundled is not None and (bundled / "config.json").is_file():  # shipped converted
-            return _folder_sources(bundled)
+    if kind in ("default", "gguf"):  # the default is a GGUF too (an installer's bundled copy)
         path = loader.default_gguf_path() if kind == "default" else Path(spec).expanduser()
         if not path.is_file():
             return None

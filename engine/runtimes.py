@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 from engine.errors import ModelLoadError
 from engine.loader import (
     DEFAULT_MODEL_NAME,
-    bundled_model_dir,
     classify,
     default_gguf_path,
     load_model,
@@ -87,8 +86,6 @@ def engine_reason(spec: str, device: str = AUTO) -> tuple[str, str]:
         return TORCH, "llama-cpp-python is not installed"
     if device not in (AUTO, "cpu"):
         return TORCH, f"--device {device}: llama.cpp runs on the CPU here"
-    if kind == "default" and bundled_model_dir() is not None:
-        return TORCH, "the bundled model ships converted for torch"
     return TORCH, "a CUDA GPU is present: torch runs it there"
 
 

