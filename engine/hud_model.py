@@ -187,7 +187,8 @@ class ReplyRecord:
     result: GenerationResult | None = None  # the engine's own, once finished
     # A reply read back from a saved chat (history, not live): `number` is its turn in the
     # chat, `metrics` the saved engine-clock numbers (None when none were saved), and
-    # `saved` what else was saved with it (message id, model, engine, kernel, ...).
+    # `saved` what else was saved with it (message id, model, engine, kernel, ...);
+    # finish_reason is then the status the chat saved (done, stopped, length, error).
     history: bool = False
     saved: dict[str, object] = field(default_factory=dict)
 
@@ -338,7 +339,7 @@ class SavedChat:
         rows = []
         for r in self.turns:
             row: dict[str, object] = {"chat": self.title, "turn": r.number,
-                                      "finish_reason": r.finish_reason}
+                                      "status": r.finish_reason}  # as the chat saved it
             if r.metrics is not None:
                 row.update({k: v for k, v in r.metrics.to_dict().items() if k != "itl_s"})
                 if not r.metrics.prompt_tokens_known:

@@ -97,7 +97,7 @@ def test_a_chat_export_blanks_counts_the_server_did_not_report(tmp_path: Path) -
     assert rows[0]["prompt_tokens"] == "400" and rows[0]["message_id"] == "1"
     assert rows[1]["prompt_tokens"] == "" and rows[1]["cached_tokens"] == ""
     assert rows[1]["ttft_s"] == str(remote["ttft_s"])
-    assert rows[2]["ttft_s"] == "" and rows[2]["finish_reason"] == "stopped"
+    assert rows[2]["ttft_s"] == "" and rows[2]["status"] == "stopped"
     (json_path,) = chat.export_json(tmp_path / "chat.json")
     data = json.loads(json_path.read_text("utf-8"))
     assert data["chat"] == "Remote chat"
