@@ -268,12 +268,16 @@ def test_batched_rows_and_alternatives_each_equal_alone() -> None:
 
 
 def _mixed_body() -> dict:
+    import threading
+
     from engine.batching import DetachedJob
     from engine.bench import fixed_prompt_ids
     from engine.events import PrefillProgress, TokenEmitted
+    from engine.generate import now_ns
     from engine.llamacpp.batcher import LlamaBatcher
+    from engine.metrics import RequestTimeline
     from engine.params import GenerationRequest, SamplingParams
-    from engine.runtimes import new_prefix_cache
+    from engine.runtimes import new_prefix_cache, new_session
 
     loaded = _load()
     pool = new_prefix_cache(loaded, 1 << 30)
@@ -322,7 +326,13 @@ def _mixed_body() -> dict:
             events.append(("stopped", "stop", event.done_tokens))
 
     stream_then(stop, stop_on_progress, mixed_chunk=16)
+    session_progress: list[int] = []
+    new_session(loaded, pool).run(
+        job("session", long_ids, 2).request, RequestTimeline(now_ns()), threading.Event(),
+        lambda e: session_progress.append(e.done_tokens) if isinstance(e, PrefillProgress)
+        else None)
     return {
+        "session_progress": session_progress,
         "mixed_steps": mixed, "schedule": schedule, "lone_progress": lone_progress,
         "stream_agrees": _agree_until_near_tie(results["stream-long"][1], *stream_alone),
         "long_agrees": _agree_until_near_tie(results["long"][1], *long_alone),
@@ -350,6 +360,7 @@ def test_a_prompt_prefilled_in_the_rows_steps_changes_no_row() -> None:
         assert between == [("TokenEmitted", "stream-long", 0)]  # one token per mixed step
     assert out["stream_agrees"] and out["long_agrees"], out
     assert out["lone_progress"] == [64, 128, 150]  # nothing streaming: lone chunks
+    assert out["session_progress"] == [128, 150]  # a lone request: 128 first, then by the clock
     assert out["lone_agrees"], out
     assert out["stopped_at"] == [16]
     assert out["stop"] == ("cancelled", [])

@@ -29,7 +29,7 @@ from engine.generate import (
     token_event,
     token_text,
 )
-from engine.llamacpp.decode import decode, prefill_reporter
+from engine.llamacpp.decode import decode, next_lone_chunk, prefill_reporter
 from engine.llamacpp.model import LlamaCppModel
 from engine.llamacpp.prefix_pool import SeqPrefixCache
 from engine.llamacpp.session import eos_ids
@@ -43,11 +43,6 @@ from engine.sampling import make_generator, sample_token
 # more as its context grows (attention over it), so the chunk shrinks as the prompt goes in.
 STEP_STALL = 1.8
 FIRST_MIXED_CHUNK = 4  # tokens, before a mixed step has been timed
-# A prompt prefilled with no row streaming: chunks sized so progress and Stop come at least
-# this often (n_batch tokens took 2.5-5 s here), never below MIN_LONE_CHUNK tokens.
-LONE_CHUNK_S = 0.4
-MIN_LONE_CHUNK = 64
-FIRST_LONE_CHUNK = 128
 
 
 def _clamp(value: int, lowest: int, highest: int) -> int:
@@ -75,7 +70,7 @@ class LlamaBatcher:
         # they follow the clock.
         self.interleave = interleave
         self._fixed_lone, self._fixed_mixed = lone_chunk is not None, mixed_chunk is not None
-        self._lone_chunk = min(lone_chunk or FIRST_LONE_CHUNK, loaded.n_batch)
+        self._lone_chunk = min(lone_chunk or next_lone_chunk(loaded, 0, 0.0), loaded.n_batch)
         self._mixed_chunk = float(mixed_chunk or FIRST_MIXED_CHUNK)  # fractional: grows smoothly
         self._decode_step_s = 0.0  # moving average of a plain decode step (rows only)
 
@@ -140,7 +135,7 @@ class LlamaBatcher:
     def _feed_prompt(self, job: BatchJob, lease: CacheLease, ids: list[int],
                      report: Callable[[int], None]) -> torch.Tensor | None:
         """Feed ids onto the lease's sequence a chunk per llama_decode, each riding in the
-        streaming rows' step (with none streaming, chunks of about LONE_CHUNK_S); progress after
+        streaming rows' step (with none streaming, decode.LONE_CHUNK_S long); progress after
         each. The last position's logits (a copy), or None if Stop came between two chunks."""
         done, logits = 0, None
         while done < len(ids):
@@ -156,7 +151,7 @@ class LlamaBatcher:
             chunk = ids[done : done + size]
             done += len(chunk)
             start = now_ns()
-            logits = self._step(chunk, lease, last=done == len(ids))
+            logits = self._step(self.rows if mixed else [], chunk, lease, done == len(ids))
             elapsed_s = (now_ns() - start) * 1e-9
             if done < len(ids):  # a final, shorter chunk says little about the next prompt's
                 if mixed:
@@ -175,11 +170,9 @@ class LlamaBatcher:
         self._mixed_chunk = max(1.0, min(float(self.loaded.n_batch), tokens * scale))
 
     def _size_lone_chunk(self, tokens: int, step_s: float) -> None:
-        """The next lone chunk: as many tokens as the last chunk's rate runs in LONE_CHUNK_S."""
-        if self._fixed_lone or step_s <= 0:
-            return
-        self._lone_chunk = _clamp(round(tokens / step_s * LONE_CHUNK_S), MIN_LONE_CHUNK,
-                                  self.loaded.n_batch)
+        """The next lone chunk: as many tokens as the last one's rate runs in LONE_CHUNK_S."""
+        if not self._fixed_lone and step_s > 0:
+            self._lone_chunk = next_lone_chunk(self.loaded, tokens, step_s)
 
     def _sibling(self, job: BatchJob, source: Row, index: int) -> Row:
         """An alternative of source's prompt: its sequence is a copy of source's prefill."""
@@ -212,17 +205,16 @@ class LlamaBatcher:
         if not self.rows:
             return
         start = now_ns()
-        self._step()
+        self._step(self.rows)
         step_s = (now_ns() - start) * 1e-9
         self._decode_step_s = step_s if not self._decode_step_s else \
             0.7 * self._decode_step_s + 0.3 * step_s
 
-    def _step(self, chunk: Sequence[int] = (), lease: CacheLease | None = None,
+    def _step(self, rows: list[Row], chunk: Sequence[int] = (), lease: CacheLease | None = None,
               last: bool = False) -> torch.Tensor | None:
-        """One llama_decode: each row's next token (logits for each) plus a chunk of a joining
-        prompt on lease's sequence (logits for its final token when `last`: returned, a copy).
-        A decode error fails every row, and is raised for the joining prompt."""
-        rows = self.rows
+        """One llama_decode: each of rows' next token (logits for each) plus a chunk of a
+        joining prompt on lease's sequence (logits for its final token when `last`: returned, a
+        copy). A decode error fails every row, and is raised for the joining prompt."""
         start = len(lease.ids) if lease is not None else 0
         try:
             decode(self.loaded, self.prefix_cache, [r.generated[-1] for r in rows] + list(chunk),
@@ -230,7 +222,7 @@ class LlamaBatcher:
                    [r.lease.cache for r in rows] + [lease.cache if lease else 0] * len(chunk),
                    [True] * len(rows) + [last and i == len(chunk) - 1 for i in range(len(chunk))])
         except Exception as exc:
-            self.rows = []
+            self.rows = [r for r in self.rows if r not in rows]
             for row in rows:
                 self.prefix_cache.discard(row.lease)
                 self._done(row.job, None, exc)

@@ -20,6 +20,19 @@ from engine.llamacpp.prefix_pool import KvFullError, SeqPrefixCache
 from engine.prefix_cache import CacheLease
 
 NO_KV_SLOT = 1
+# A prompt prefilled with no other row in its batches: chunks sized so progress and Stop come
+# at least this often (an n_batch of 512 took 2.5-5 s on the Xeon VM), from FIRST_LONE_CHUNK
+# tokens, then as many as the last chunk's rate runs in that time, never under MIN_LONE_CHUNK.
+LONE_CHUNK_S = 0.4
+FIRST_LONE_CHUNK = 128
+MIN_LONE_CHUNK = 64
+
+
+def next_lone_chunk(loaded: LlamaCppModel, tokens: int, seconds: float) -> int:
+    """The next lone prefill chunk after one of `tokens` took `seconds`."""
+    if seconds <= 0:
+        return min(FIRST_LONE_CHUNK, loaded.n_batch)
+    return max(MIN_LONE_CHUNK, min(loaded.n_batch, round(tokens / seconds * LONE_CHUNK_S)))
 
 
 class BatchWriter:
@@ -80,27 +93,30 @@ def feed(loaded: LlamaCppModel, pool: SeqPrefixCache, lease: CacheLease, ids: Se
          rows: int = 1, cancel: threading.Event | None = None,
          on_batch: Callable[[int], None] | None = None) -> bool:
     """Append ids to the lease's sequence, in batches from the first token (as
-    llama-cpp-python's Llama.eval splits them), with logits for the last `rows` tokens; the
-    lease's ids follow each batch, on_batch hears how many ids are in. False if cancel was
-    set between two batches."""
+    llama-cpp-python's Llama.eval splits them; a prefill that reports progress, in lone chunks
+    of about LONE_CHUNK_S), with logits for the last `rows` tokens; the lease's ids follow each
+    batch, on_batch hears how many ids are in. False if cancel was set between two batches."""
     n = len(ids)
     if not 1 <= rows <= n:
         raise ValueError(f"need 1 <= rows <= {n}")
-    step = loaded.n_batch
-    for begin in range(0, n, step):
+    step = loaded.n_batch if on_batch is None else next_lone_chunk(loaded, 0, 0.0)
+    begin = 0
+    while begin < n:
         if begin and cancel is not None and cancel.is_set():
             return False
         chunk = list(ids[begin : begin + step])
         end = begin + len(chunk)
         if end == n and len(chunk) < rows:
             raise ValueError("the logits rows straddle two batches")
-        start = len(lease.ids)
+        start, began = len(lease.ids), time.perf_counter()
         outputs = [i >= n - rows for i in range(begin, end)]
         decode(loaded, pool, chunk, range(start, start + len(chunk)),
                [lease.cache] * len(chunk), outputs)
         lease.ids.extend(chunk)
         if on_batch is not None:
+            step = next_lone_chunk(loaded, len(chunk), time.perf_counter() - began)
             on_batch(end)
+        begin = end
     return True
 
 
