@@ -369,6 +369,24 @@ def test_a_prompt_prefilled_in_the_rows_steps_changes_no_row() -> None:
     assert out["stream_beside_stop_agrees"], out
 
 
+def _interference_body() -> dict:
+    from engine.bench import bench_interference
+
+    return bench_interference(_load(), prompt_tokens=150, stream_prompt_tokens=16,
+                              alone_tokens=6)
+
+
+@needs_llama_cpp
+def test_interference_bench_runs_on_llama_cpp() -> None:
+    r = run_in_child(_interference_body)
+    assert r["one_pass_stream_tokens_during_prefill"] == 1  # one n_batch: the stream waits
+    assert r["chunked_stream_tokens_during_prefill"] >= 2  # the first mixed chunk is 4 tokens
+    for mode in ("one_pass", "chunked"):
+        assert r[f"{mode}_lone_prefill_tok_s"] > 0
+        assert r[f"{mode}_itl_p99_ratio"] == pytest.approx(
+            r[f"{mode}_itl_p99_during_prefill_s"] / r[f"{mode}_itl_p99_alone_s"])
+
+
 # ----- the engine thread, events and metrics ------------------------------------------------
 def _engine_body() -> dict:
     from engine import Engine, GenerationRequest, SamplingParams
