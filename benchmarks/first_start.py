@@ -56,9 +56,12 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     args = parser.parse_args()
     runs: dict[Path, list[dict]] = {b: [] for b in args.bundles}
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
         for bundle in args.bundles:
             runs[bundle].append(run_once(bundle, args.max_tokens))
+            last = runs[bundle][-1]
+            print(f"run {repeat + 1}: {bundle}: {last['wall_s']:.1f} s, {last['engine']}",
+                  flush=True)
     base = statistics.median(r["wall_s"] for r in runs[args.bundles[0]])
     print(f"{'bundle':<40} {'MB':>7} {'engine':>10} {'first start s':>14} {'x first':>8} "
           f"{'peak RSS MB':>12}")
