@@ -92,7 +92,7 @@ class FakeLayer:
 
 
 class FakeCache:
-    """Stands in for DynamicCache: a length, crop(-n), and two bytes per cached token."""
+    """Stands in for new_cache()'s DynamicCache: a length, crop(-n), two bytes per token."""
 
     def __init__(self, config: object = None) -> None:
         self.length = 0
@@ -147,7 +147,7 @@ def run_turns(pool: PrefixCache, script: list[tuple[str, list[int], int]]) -> It
 @given(turns)
 def test_prefix_cache_reuses_the_longest_prefix(script: list) -> None:
     history: dict[str, list[int]] = {}
-    with mock.patch.object(prefix_cache, "DynamicCache", FakeCache):
+    with mock.patch.object(prefix_cache, "new_cache", FakeCache):
         pool = PrefixCache(config=None, budget_bytes=1 << 30)
         for conv, prompt, lease, computed in run_turns(pool, script):
             assert lease.cached_tokens == brute_force_reuse(history, prompt)
@@ -159,7 +159,7 @@ def test_prefix_cache_reuses_the_longest_prefix(script: list) -> None:
 @given(turns, st.integers(0, 40))
 def test_prefix_cache_stays_within_budget_and_never_overclaims(script: list, budget: int) -> None:
     history: dict[str, list[int]] = {}
-    with mock.patch.object(prefix_cache, "DynamicCache", FakeCache):
+    with mock.patch.object(prefix_cache, "new_cache", FakeCache):
         pool = PrefixCache(config=None, budget_bytes=budget)
         for conv, prompt, lease, computed in run_turns(pool, script):
             assert lease.cached_tokens <= brute_force_reuse(history, prompt)
