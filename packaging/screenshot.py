@@ -1,6 +1,7 @@
-"""Make the README screenshot: the real window, offscreen, after two real greedy replies.
+"""Make the README screenshots: the real window, offscreen, after two real greedy replies.
 
-    QT_QPA_PLATFORM=offscreen .venv/bin/python packaging/screenshot.py assets/screenshot-chat.png
+    QT_QPA_PLATFORM=offscreen .venv/bin/python packaging/screenshot.py assets/screenshot-chat.png \
+        --hud assets/screenshot-hud.png
 
 Uses throwaway chats and settings; never touches the user's data.
 """
@@ -35,6 +36,8 @@ def main() -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--model", default="default")
     parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--hud", type=Path, default=None,
+                        help="also save the Performance panel alone, from the same run")
     args = parser.parse_args()
     app = QApplication([])
     apply_theme(app)
@@ -61,6 +64,9 @@ def main() -> int:
     def save() -> None:
         window.grab().save(str(args.out))
         print(f"saved {args.out}")
+        if args.hud is not None:
+            window.hud_dock.grab().save(str(args.hud))
+            print(f"saved {args.hud}")
         app.quit()
 
     window.bridge.sig_model_loaded.connect(send_next)
