@@ -12,6 +12,7 @@ proposal is accepted, and its steps cost a fraction of the target's.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
@@ -68,7 +69,57 @@ def check_same_vocabulary(draft: LoadedModel, target: LoadedModel) -> None:
             f"{target.info.name} ({reason}); pick a draft from the same model family")
 
 
-class DraftModel:
+class TokenProposer(ABC):
+    """What both engines' draft models share: propose k tokens one step at a time on a
+    sequence kept in step with the accepted tokens. Subclasses own the KV state: reset,
+    _logits_after (re-sync to history, feed the rest) and _feed (append, return the last
+    position's logits)."""
+
+    vocab_limit: int  # ids the target can embed: never propose beyond them
+    last_probs: list[torch.Tensor]  # what each sampled draft token was drawn from
+
+    @abstractmethod
+    def reset(self) -> None: ...
+
+    @abstractmethod
+    def _logits_after(self, history: Sequence[int]) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _feed(self, ids: list[int]) -> torch.Tensor: ...
+
+    @torch.inference_mode()
+    def propose(self, history: Sequence[int], k: int, stop_ids: Collection[int] = (),
+                params: SamplingParams | None = None,
+                generator: torch.Generator | None = None) -> list[int]:
+        """Up to k tokens continuing history, ending early at a stop id: greedy, or drawn
+        with params' temperature and filters (no repetition penalty), keeping each token's
+        distribution in last_probs for the target's acceptance test."""
+        self.last_probs = []
+        if k <= 0 or not history:
+            return []
+        try:
+            logits = self._logits_after(history)
+            drafts: list[int] = []
+            while True:
+                token = self._pick(logits[: self.vocab_limit], params, generator)
+                drafts.append(token)
+                if len(drafts) >= k or token in stop_ids:
+                    return drafts
+                logits = self._feed([token])
+        except BaseException:
+            self.reset()  # a failed step leaves the KV state unknown
+            raise
+
+    def _pick(self, logits: torch.Tensor, params: SamplingParams | None,
+              generator: torch.Generator | None) -> int:
+        if params is None or params.greedy:
+            return int(logits.argmax())
+        probs = filtered_probs(logits, params)  # a copy: a logits view may die at the next step
+        self.last_probs.append(probs)
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class DraftModel(TokenProposer):
     """A loaded draft model and its KV cache. Only the engine thread may use it.
 
     `ids` mirrors the cache position by position; any sequence can be drafted for, since
@@ -91,37 +142,6 @@ class DraftModel:
     def reset(self) -> None:
         self.cache = new_cache(self.loaded.model.config)
         self.ids = []
-
-    @torch.inference_mode()
-    def propose(self, history: Sequence[int], k: int, stop_ids: Collection[int] = (),
-                params: SamplingParams | None = None,
-                generator: torch.Generator | None = None) -> list[int]:
-        """Up to k tokens continuing history, ending early at a stop id: greedy, or drawn
-        with params' temperature and filters (no repetition penalty), keeping each token's
-        distribution in last_probs for the target's acceptance test."""
-        self.last_probs = []
-        if k <= 0 or not history:
-            return []
-        try:
-            logits = self._logits_after(history)
-            drafts: list[int] = []
-            while True:
-                token = self._pick(logits[: self.vocab_limit], params, generator)
-                drafts.append(token)
-                if len(drafts) >= k or token in stop_ids:
-                    return drafts
-                logits = self._feed([token])
-        except BaseException:
-            self.reset()  # a failed forward leaves the cache in an unknown state
-            raise
-
-    def _pick(self, logits: torch.Tensor, params: SamplingParams | None,
-              generator: torch.Generator | None) -> int:
-        if params is None or params.greedy:
-            return int(logits.argmax())
-        probs = filtered_probs(logits, params)
-        self.last_probs.append(probs)
-        return int(torch.multinomial(probs, 1, generator=generator))
 
     def _logits_after(self, history: Sequence[int]) -> torch.Tensor:
         """Crop the cache to what it shares with history (keeping one token to feed, for

@@ -15,20 +15,18 @@ the draft. The draft must share the target's vocabulary; it is checked at load.
 from __future__ import annotations
 
 import threading
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from engine.draft import PROBE_TEXT, VOCAB_SAMPLE, VocabularyMismatchError
+from engine.draft import PROBE_TEXT, VOCAB_SAMPLE, TokenProposer, VocabularyMismatchError
 from engine.llamacpp.model import LlamaCppModel, Progress, load_gguf, warm_up_llama
-from engine.params import SamplingParams
-from engine.sampling import filtered_probs
 
 SEQ = 0  # the draft context's only sequence
 
 
-class LlamaDraftModel:
+class LlamaDraftModel(TokenProposer):
     """A draft GGUF in its own llama.cpp context. `ids` mirrors the sequence position by
     position. Only the engine thread may use it (engine/draft.py's Drafter)."""
 
@@ -69,37 +67,6 @@ class LlamaDraftModel:
             self._writer.decode(chunk, len(self.ids), logits_last=False)
             self.ids.extend(chunk)
         return True
-
-    @torch.inference_mode()
-    def propose(self, history: Sequence[int], k: int, stop_ids: Collection[int] = (),
-                params: SamplingParams | None = None,
-                generator: torch.Generator | None = None) -> list[int]:
-        """Up to k tokens continuing history, ending early at a stop id: greedy, or drawn
-        with params' temperature and filters (no repetition penalty), keeping each token's
-        distribution in last_probs for the target's acceptance test."""
-        self.last_probs = []
-        if k <= 0 or not history:
-            return []
-        try:
-            logits = self._logits_after(history)
-            drafts: list[int] = []
-            while True:
-                token = self._pick(logits[: self.vocab_limit], params, generator)
-                drafts.append(token)
-                if len(drafts) >= k or token in stop_ids:
-                    return drafts
-                logits = self._feed([token])
-        except BaseException:
-            self.reset()  # a failed decode leaves the sequence in an unknown state
-            raise
-
-    def _pick(self, logits: torch.Tensor, params: SamplingParams | None,
-              generator: torch.Generator | None) -> int:
-        if params is None or params.greedy:
-            return int(logits.argmax())
-        probs = filtered_probs(logits, params)  # a copy: the logits view dies at the next decode
-        self.last_probs.append(probs)
-        return int(torch.multinomial(probs, 1, generator=generator))
 
     def _logits_after(self, history: Sequence[int]) -> torch.Tensor:
         """Cut the sequence to what it shares with history (keeping one token to feed, for
