@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -22,20 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from engine.bench import fixed_prompt_ids, run_ours, speculative_summary
+from engine.kernels import cpu_name
 from engine.loader import default_gguf_path
 from engine.runtimes import LLAMA_CPP, load, load_draft
 
 TARGETS = ("F16", "Q8_0")
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def requantize(source: Path, folder: Path, kind: str) -> Path:

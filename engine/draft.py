@@ -21,7 +21,7 @@ import torch
 from engine.errors import ModelLoadError
 from engine.loader import LoadedModel, load_model
 from engine.params import SamplingParams
-from engine.prefix_cache import RollbackError, crop_to, new_cache
+from engine.prefix_cache import RollbackError, common_prefix_len, crop_to, new_cache
 from engine.sampling import filtered_probs
 
 START_DRAFT = 4
@@ -146,7 +146,7 @@ class DraftModel(TokenProposer):
     def _logits_after(self, history: Sequence[int]) -> torch.Tensor:
         """Crop the cache to what it shares with history (keeping one token to feed, for
         fresh logits), feed the rest, return the last position's logits."""
-        keep = min(_common_prefix(self.ids, history), len(history) - 1)
+        keep = min(common_prefix_len(self.ids, history), len(history) - 1)
         if len(self.ids) > keep:
             try:
                 crop_to(self.cache, keep)
@@ -171,14 +171,6 @@ class DraftModel(TokenProposer):
         return logits
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the usual case, compared at C speed
-        return n
-    i = 0
-    while a[i] == b[i]:
-        i += 1
-    return i
 
 
 class Drafter(Protocol):
@@ -233,7 +225,7 @@ class DraftProposer:
         if not self._last:
             return
         emitted = self.history[self._last_at : self._last_at + len(self._last)]
-        accepted = _common_prefix(emitted, self._last)
+        accepted = common_prefix_len(emitted, self._last)
         if accepted == len(self._last):
             self.k = min(self.k + 1, MAX_DRAFT)
         else:

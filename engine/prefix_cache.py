@@ -47,8 +47,10 @@ _anonymous = itertools.count(1)
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case (a cache that holds all it shares), at C speed
+        return n
     i = 0
-    while i < n and a[i] == b[i]:
+    while i < n and a[i] == b[i]:  # bounded: a list and a tuple never compare equal above
         i += 1
     return i
 

@@ -22,6 +22,7 @@ import torch
 
 from engine.draft import PROBE_TEXT, VOCAB_SAMPLE, TokenProposer, VocabularyMismatchError
 from engine.llamacpp.model import LlamaCppModel, Progress, load_gguf, warm_up_llama
+from engine.prefix_cache import common_prefix_len
 
 SEQ = 0  # the draft context's only sequence
 
@@ -54,7 +55,7 @@ class LlamaDraftModel(TokenProposer):
         """Bring the sequence up to prompt_ids (all but the last token, which the first
         proposal feeds) during the target's prefill, so the draft's share of the prompt counts
         as prefill, not decode. False if cancel was set between two batches."""
-        keep = _common_prefix(self.ids, prompt_ids[:-1])
+        keep = common_prefix_len(self.ids, prompt_ids[:-1])
         if len(self.ids) > keep:
             self._lib.llama_memory_seq_rm(self.loaded.memory, SEQ, keep, -1)
             del self.ids[keep:]
@@ -71,7 +72,7 @@ class LlamaDraftModel(TokenProposer):
     def _logits_after(self, history: Sequence[int]) -> torch.Tensor:
         """Cut the sequence to what it shares with history (keeping one token to feed, for
         fresh logits), feed the rest, return the last position's logits."""
-        keep = min(_common_prefix(self.ids, history), len(history) - 1)
+        keep = min(common_prefix_len(self.ids, history), len(history) - 1)
         if len(self.ids) > keep:
             self._lib.llama_memory_seq_rm(self.loaded.memory, SEQ, keep, -1)
             del self.ids[keep:]
@@ -108,14 +109,6 @@ class _Writer:
             raise RuntimeError(f"llama.cpp failed to decode a draft batch (code {code})")
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the usual case, compared at C speed
-        return n
-    i = 0
-    while a[i] == b[i]:
-        i += 1
-    return i
 
 
 def vocabulary_difference(draft: LlamaCppModel, target: LlamaCppModel) -> str | None:
