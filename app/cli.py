@@ -212,7 +212,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
         if sys.stderr.isatty():  # first start converts the model: say what is happening
             engine.add_listener(show_loading_stage)
         try:
-            engine.load_model_sync(args.model, kernel=args.kernel, **engine_options(args))
+            info = engine.load_model_sync(args.model, kernel=args.kernel, **engine_options(args))
+            note_context_clamp(args.context, info.context_length, info.name)
             if args.draft_model:
                 if not engine.capabilities.draft_model:
                     raise CliError("--draft-model needs a local model (not --backend)")
@@ -239,6 +240,14 @@ def cmd_ask(args: argparse.Namespace) -> int:
     if report_remote_outcome(result):  # a remote reply broke off: partial text was kept
         return EXIT_ERROR
     return EXIT_CANCELLED if result.finish_reason == "cancelled" else 0
+
+
+def note_context_clamp(asked: int | None, got: int, model: str) -> None:
+    """Say so when --context asked for more than the model was trained for (the engines
+    allocate at most that), instead of running on a smaller context without a word."""
+    if asked is not None and asked > got:
+        print(f"phasewise: note: {model} supports {got:,} tokens of context; using {got:,} "
+              f"(asked for {asked:,})", file=sys.stderr)
 
 
 def show_loading_stage(event: object) -> None:
@@ -323,6 +332,7 @@ def load_for_bench(args: argparse.Namespace, progress: Any) -> tuple[Any, Any, A
                            "torch, or --vs llama.cpp for the llama.cpp engine")
         gguf_model = load(args.model, LLAMA_CPP, kernel=args.kernel, progress=progress,
                           context_length=args.context)
+        note_context_clamp(args.context, gguf_model.info.context_length, gguf_model.info.name)
         gguf_draft = load_draft(args.draft_model, gguf_model, kernel=args.draft_kernel,
                                 progress=progress) if args.draft_model else None
         return None, gguf_model, gguf_draft

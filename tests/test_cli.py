@@ -92,6 +92,13 @@ def test_prompt_over_context_says_how_many_tokens_over(capsys, tiny_model_dir: P
     assert len(err.strip().splitlines()) == 1
 
 
+def test_a_context_over_the_models_says_what_it_runs_with(capsys, tiny_model_dir: Path) -> None:
+    code, _, err = run_cli(capsys, "ask", "--model", str(tiny_model_dir), "--context", "100000",
+                           "--max-tokens", "2", "hi")
+    assert code == 0
+    assert "supports 256 tokens of context; using 256 (asked for 100,000)" in err
+
+
 def test_console_script_error_has_no_traceback(tmp_path: Path) -> None:
     bogus = tmp_path / "broken.gguf"
     bogus.write_bytes(b"GGUF" + b"\x00" * 64)
