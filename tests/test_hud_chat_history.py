@@ -21,7 +21,7 @@ from engine.hud_model import SavedChat, SessionModel, fmt_ms, saved_metrics, sav
 from tests.hud_events import MS, ReplySpec, loaded_event, reply_events
 from ui.hud import HudWidget
 from ui.hud.panels import HISTORY_ALPHA
-from ui.store import metrics_record
+from ui.store import ChatStore, metrics_record
 
 WAIT_MS = 30_000
 
@@ -342,3 +342,34 @@ def test_a_reply_saved_without_numbers_shows_dashes_after_a_restart(qtbot, make_
     assert hud._kpis["TTFT"].text() == "–" and hud._kpis["total"].text() == "–"
     assert "0.0 ms" not in hud.panels["itl"].caption.text()
     assert hud.selected_reply().request_id == f"message-{message_id}"
+
+
+def test_opening_a_chat_reads_its_messages_once_for_the_view_and_the_hud(
+        qtbot, make_window, monkeypatch) -> None:
+    window = make_window()
+    store = window.store
+    chat = store.create_conversation("Saved chat")
+    store.add_message(chat, "user", "Hello")
+    reply_id = store.add_message(chat, "assistant", "Hi there")
+    store.finish_message(reply_id, "Hi there", "done",
+                         metrics_record(finished(ReplySpec("old", 0, 400, 0, 20)).result))
+    window.new_chat()
+    reads: list[str] = []
+    real = ChatStore.messages
+
+    def spy(self: ChatStore, conv_id: str) -> list[Any]:
+        reads.append(conv_id)
+        return real(self, conv_id)
+
+    monkeypatch.setattr(ChatStore, "messages", spy)
+    window.open_conversation(chat)  # from the sidebar or the menus
+    assert reads == [chat]
+    window.hud.flush()  # the same rows reached both: the view and the HUD's history
+    assert [m.content for m in window.chat._messages] == ["Hello", "Hi there"]
+    assert [t.number for t in window.hud.model.chat.turns] == [1]
+
+    reads.clear()
+    restarted = make_window()  # a restart opens the latest chat through the app's factory
+    assert restarted.conversation_id == chat and reads == [chat]
+    restarted.hud.flush()
+    assert [t.history for t in restarted.hud.model.chat.turns] == [True]

@@ -47,7 +47,7 @@ from ui.session import (
 )
 from ui.shortcuts import WindowMenus
 from ui.sidebar import Sidebar
-from ui.store import DONE, ChatStore, Message
+from ui.store import DONE, ChatStore, Conversation, Message
 from ui.window_settings import restore_layout, save_layout
 
 SAVE_INTERVAL_MS = 500  # how often a streaming reply's text is written to the database
@@ -222,7 +222,7 @@ class MainWindow(QMainWindow):
         self.sidebar.refresh(select="")
         self.sidebar.clear_selection()
         self._show_context_fill(None)
-        self._show_chat_history()
+        self._show_chat_history(None, [])
         self.composer.focus()
 
     def open_conversation(self, conv_id: str) -> None:
@@ -235,8 +235,7 @@ class MainWindow(QMainWindow):
         self.drafts.take(conv_id)
         self.pane.set_title(conv.title)
         self.controls.set_system_prompt(conv.system_prompt)
-        self._render_conversation()
-        self._show_chat_history()
+        self._show_conversation(conv)
         self.sidebar.refresh(select=conv_id)
         self._update_busy()
 
@@ -268,9 +267,16 @@ class MainWindow(QMainWindow):
         else:
             self.sidebar.refresh()
 
-    def _render_conversation(self) -> None:
+    def _show_conversation(self, conv: Conversation | None) -> None:
+        """The chat on screen in the view and in the HUD's history, from one read of its
+        messages (None: it is not in the store, so nothing saved shows)."""
+        saved = self.store.messages(conv.id) if conv is not None else []
+        self._render_conversation(saved)
+        self._show_chat_history(conv, saved)
+
+    def _render_conversation(self, saved: list[Message]) -> None:
         """Saved messages, finished alternatives, then this chat's live replies."""
-        messages = self.session.visible_messages()
+        messages = self.session.visible_messages(saved)
         alternatives = [Alternative(i, f"Alternative {i + 1}", r.text,
                                     FINISH_STATUS.get(r.finish_reason, DONE))
                         for i, r in self.session.finished_alternatives(self.conversation_id)]
@@ -281,12 +287,10 @@ class MainWindow(QMainWindow):
         self.chat.flush()
         self._show_context_fill(messages)
 
-    def _show_chat_history(self) -> None:
+    def _show_chat_history(self, conv: Conversation | None, saved: list[Message]) -> None:
         """The HUD's per-turn panels follow the chat on screen: its saved replies as history
         (a new chat has none yet)."""
-        conv = self.store.conversation(self.conversation_id) if self.conversation_id else None
-        self.hud.show_chat(None if conv is None else
-                           saved_chat(conv.id, conv.title, self.store.messages(conv.id)))
+        self.hud.show_chat(None if conv is None else saved_chat(conv.id, conv.title, saved))
 
     def _update_busy(self) -> None:
         """The composer's Stop button follows the chat on screen, and so do notices about it
@@ -373,7 +377,8 @@ class MainWindow(QMainWindow):
         self.drafts.created(conv_id)
         self.pane.set_title(title)
         self.sidebar.refresh(select=conv_id)
-        self._show_chat_history()
+        conv = self.store.conversation(conv_id)
+        self._show_chat_history(conv, self.store.messages(conv_id) if conv is not None else [])
 
     def message_saved(self) -> None:
         self.pane.hide_notice()
@@ -400,8 +405,7 @@ class MainWindow(QMainWindow):
 
     def conversation_changed(self, conv_id: str) -> None:
         if conv_id == self.conversation_id:
-            self._render_conversation()
-            self._show_chat_history()
+            self._show_conversation(self.store.conversation(conv_id))
         self._update_busy()
         self.sidebar.refresh()
 

@@ -149,12 +149,15 @@ class ChatSession:
     def running(self, conv_id: str | None) -> list[ActiveReply]:
         return [r for r in self.replies.values() if r.conversation_id == conv_id]
 
-    def visible_messages(self) -> list[Message]:
-        """The chat on screen's saved messages, less those still streaming."""
+    def visible_messages(self, saved: list[Message] | None = None) -> list[Message]:
+        """The chat on screen's saved messages (`saved`: as already read from the store),
+        less those still streaming."""
         if self.conversation_id is None:
             return []
+        if saved is None:
+            saved = self.store.messages(self.conversation_id)
         streaming = {r.message_id for r in self.replies.values()}
-        return [m for m in self.store.messages(self.conversation_id) if m.id not in streaming]
+        return [m for m in saved if m.id not in streaming]
 
     def finished_alternatives(self, conv_id: str | None) -> list[tuple[int, GenerationResult]]:
         alts = self.alternative_sets.get(conv_id) if conv_id else None
