@@ -10,7 +10,7 @@ from PySide6.QtWidgets import QMessageBox
 from app.gui import build_backend, build_window
 from engine import Engine
 from tests.fault_injection import ForwardFault
-from tests.test_ui_window import LONG, WAIT_MS, greedy, send_and_wait
+from tests.window_helpers import LONG, WAIT_MS, greedy, send_and_wait
 from ui.main_window import MainWindow
 from ui.store import STOPPED, ChatStore
 

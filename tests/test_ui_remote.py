@@ -13,16 +13,8 @@ from engine.backends import BackendRouter
 from engine.events import TokenEmitted
 from engine.remote import REMOTE_SPEC
 from tests.fake_servers import PARTIAL, fake_app
-from ui.main_window import MainWindow
+from tests.window_helpers import WAIT_MS, greedy, send_and_wait
 from ui.model_picker import ModelPickerDialog
-
-WAIT_MS = 30_000
-
-
-def send_and_wait(qtbot, window: MainWindow, text: str):
-    with qtbot.waitSignal(window.sig_reply_finished, timeout=WAIT_MS) as blocker:
-        assert window.send(text)
-    return blocker.args[0]
 
 
 def test_chat_streams_through_phasewise_serve_with_hud(
@@ -31,8 +23,7 @@ def test_chat_streams_through_phasewise_serve_with_hud(
     window = remote_window(phasewise_server.base_url)
     assert router.is_remote
     assert window.model_info.source == "remote"
-    window.controls.temperature.setValue(0)
-    window.controls.max_tokens.setValue(6)
+    greedy(window, 6)
     result = send_and_wait(qtbot, window, "Hello")
     assert result.model.source == "remote" and result.error is None
     saved = window.store.messages(window.conversation_id)[-1]

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from engine import GenerationResult
+from tests.window_helpers import WAIT_MS, greedy, send_and_wait
 from ui.main_window import MainWindow
 from ui.model_picker import ModelChoice
-
-WAIT_MS = 30_000
 
 
 class FakePicker:
@@ -43,13 +43,11 @@ def picker(monkeypatch) -> type[FakePicker]:
     return FakePicker
 
 
-def greedy_reply(qtbot, window: MainWindow, max_tokens: int = 24):
-    window.controls.temperature.setValue(0)
-    window.controls.max_tokens.setValue(max_tokens)
-    with qtbot.waitSignal(window.sig_reply_finished, timeout=WAIT_MS) as blocker:
-        assert window.send("Say something, please.")
+def greedy_reply(qtbot, window: MainWindow, max_tokens: int = 24) -> GenerationResult:
+    greedy(window, max_tokens)
+    result = send_and_wait(qtbot, window, "Say something, please.")
     window.hud.flush()
-    return blocker.args[0]
+    return result
 
 
 def set_mode(window: MainWindow, mode: str | None) -> None:

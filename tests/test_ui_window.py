@@ -9,11 +9,8 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QMessageBox
 
 from engine import Engine, GenerationRequest, PrefillStarted, SamplingParams, TokenEmitted
-from ui.main_window import MainWindow
+from tests.window_helpers import LONG, WAIT_MS, greedy, send_and_wait
 from ui.store import STOPPED, ChatStore
-
-WAIT_MS = 30_000
-LONG = 240  # the tiny model (context 256) greedily runs to max tokens without an EOS
 
 
 @pytest.fixture
@@ -28,17 +25,6 @@ def submitted(monkeypatch, tiny_engine: Engine) -> list[GenerationRequest]:
 
     monkeypatch.setattr(tiny_engine, "submit", spy)
     return requests
-
-
-def greedy(window: MainWindow, max_tokens: int) -> None:
-    window.controls.temperature.setValue(0)
-    window.controls.max_tokens.setValue(max_tokens)
-
-
-def send_and_wait(qtbot, window: MainWindow, text: str):
-    with qtbot.waitSignal(window.sig_reply_finished, timeout=WAIT_MS) as blocker:
-        assert window.send(text)
-    return blocker.args[0]
 
 
 def test_reply_streams_into_view_and_is_saved(qtbot, make_window) -> None:

@@ -1,0 +1,44 @@
+"""Helpers for tests that drive the chat window (conftest's make_window and remote_window) or a
+bare HUD widget: set the sampling controls, send and wait for the reply, read the banner."""
+
+from __future__ import annotations
+
+from pytestqt.qtbot import QtBot
+
+from engine import GenerationResult
+from ui.hud import HudWidget
+from ui.main_window import MainWindow
+
+WAIT_MS = 30_000  # a wait that fails the test only when something hangs, never a timing check
+LONG = 240  # the tiny model (context 256) greedily runs to max tokens without an EOS
+
+
+def settings(window: MainWindow, *, temperature: float, max_tokens: int) -> None:
+    """Set the temperature slider (hundredths) and then max tokens, as the user would."""
+    window.controls.temperature.setValue(temperature)
+    window.controls.max_tokens.setValue(max_tokens)
+
+
+def greedy(window: MainWindow, max_tokens: int) -> None:
+    """Greedy replies (temperature 0) of at most max_tokens tokens."""
+    settings(window, temperature=0, max_tokens=max_tokens)
+
+
+def send_and_wait(qtbot: QtBot, window: MainWindow, text: str) -> GenerationResult:
+    """Send text (asserting the window took it) and return the reply's result when it ends."""
+    with qtbot.waitSignal(window.sig_reply_finished, timeout=WAIT_MS) as blocker:
+        assert window.send(text)
+    return blocker.args[0]
+
+
+def banner(window: MainWindow) -> str:
+    """The notice banner's text while it shows, else ''."""
+    return window.notice_label.text() if window.notice.isVisibleTo(window) else ""
+
+
+def new_hud(qtbot: QtBot) -> HudWidget:
+    """A HUD widget owned by qtbot, uncalibrated, at a dock's size (420 x 900), with no events."""
+    widget = HudWidget(calibrate=False)
+    qtbot.addWidget(widget)
+    widget.resize(420, 900)
+    return widget
