@@ -83,6 +83,18 @@ def make_window(qtbot, tiny_engine: Engine, tmp_path: Path) -> Iterator[Callable
         store.close()
 
 
+@pytest.fixture
+def hud(qtbot) -> Any:
+    """A HUD widget on its own (tests.window_helpers.new_hud) that has seen a model load;
+    test_hud_widget.py overrides it with one that has device peaks instead."""
+    from tests.hud_events import loaded_event
+    from tests.window_helpers import new_hud
+
+    widget = new_hud(qtbot)
+    widget.on_engine_event(loaded_event())
+    return widget
+
+
 @pytest.fixture(scope="session")
 def _qasync_session_loop(qapp: Any) -> Iterator[Any]:
     """One qasync loop on the test QApplication for the whole session: stopping a qasync

@@ -18,19 +18,11 @@ from PySide6.QtWidgets import QApplication, QDockWidget, QFileDialog, QLabel, QM
 from engine import Engine, GenerationRequest, InvalidRequestError, SamplingParams
 from engine.events import RequestFinished, TokenEmitted
 from engine.hud_model import SessionModel, advise
-from tests.hud_events import MS, ReplySpec, loaded_event, reply_events
+from tests.hud_events import MS, ReplySpec, reply_events
+from tests.window_helpers import show_and_wait
 from ui.compare import LOCAL, CompareDialog
 from ui.hud import HudWidget, style
 from ui.hud.panels import NO_HOVER, Panel, short_token
-
-
-@pytest.fixture
-def hud(qtbot) -> HudWidget:
-    widget = HudWidget(calibrate=False)
-    qtbot.addWidget(widget)
-    widget.resize(420, 900)
-    widget.on_engine_event(loaded_event())
-    return widget
 
 
 def feed(hud: HudWidget, events: list) -> None:
@@ -66,8 +58,7 @@ def test_alternatives_of_the_largest_seed_stay_in_range() -> None:
 # ----- item 7: hover, picker, live TTFT, stopped replies, advisor ------------------------------
 def test_hover_readout_clears_when_the_pointer_leaves(qtbot, hud: HudWidget) -> None:
     feed(hud, reply("req-1", 2) + reply("req-2", 10))
-    hud.show()
-    qtbot.waitExposed(hud)
+    show_and_wait(qtbot, hud)
     hud.flush()
     panel: Panel = hud.panels["ttft"]
     vb = panel.plot.getPlotItem().vb
@@ -191,8 +182,7 @@ def visible_label_rects(panel: Panel) -> list:
 
 def test_marker_labels_never_overlap_on_screen_or_in_the_png(
         qtbot, hud: HudWidget, tmp_path: Path) -> None:
-    hud.show()
-    qtbot.waitExposed(hud)
+    show_and_wait(qtbot, hud)
     start = 2.0
     for n in range(8):  # short replies with a settings change after each
         feed(hud, reply(f"req-{n}", start, tokens=12))

@@ -6,26 +6,12 @@ from __future__ import annotations
 import csv
 from typing import Any
 
-from PySide6.QtCore import QPoint, Qt
+from PySide6.QtCore import QPoint, QSize, Qt
 from PySide6.QtWidgets import QMessageBox, QScrollArea
 
-WAIT_MS = 30_000
+from tests.window_helpers import WAIT_MS, banner, greedy, send_and_wait, show_and_wait
+
 HUGE_SEED = "99999999999999999999999"
-
-
-def greedy(window: Any, max_tokens: int = 8) -> None:
-    window.controls.temperature.setValue(0)
-    window.controls.max_tokens.setValue(max_tokens)
-
-
-def send_and_wait(qtbot, window: Any, text: str) -> Any:
-    with qtbot.waitSignal(window.sig_reply_finished, timeout=WAIT_MS) as blocker:
-        assert window.send(text)
-    return blocker.args[0]
-
-
-def banner(window: Any) -> str:
-    return window.notice_label.text() if window.notice.isVisibleTo(window) else ""
 
 
 # ----- item 1: the seed field ------------------------------------------------------------------
@@ -44,7 +30,7 @@ def test_the_seed_field_takes_only_a_whole_number_in_range(qtbot, make_window) -
 
 def test_a_bad_seed_is_refused_before_regenerate_deletes_the_reply(qtbot, make_window) -> None:
     window = make_window()
-    greedy(window)
+    greedy(window, 8)
     send_and_wait(qtbot, window, "Hello")
     before = window.store.messages(window.conversation_id)
     window.controls.seed.setText(HUGE_SEED)  # e.g. from a hand-edited settings file
@@ -63,7 +49,7 @@ def test_a_bad_seed_is_refused_before_regenerate_deletes_the_reply(qtbot, make_w
 # ----- item 2: drafts are kept per chat ------------------------------------------------------
 def test_drafts_stay_with_their_chat_across_switches_and_a_restart(qtbot, make_window) -> None:
     window = make_window()
-    greedy(window)
+    greedy(window, 8)
     window.controls.temperature.setValue(80)  # sampled: alternatives differ
     window.composer.alternatives.setValue(2)
     with qtbot.waitSignal(window.sig_alternatives_ready, timeout=WAIT_MS):
@@ -213,8 +199,7 @@ def test_edit_and_resend_says_how_many_turns_it_drops(qtbot, make_window, monkey
 # ----- item 10: keyboard -------------------------------------------------------------------------
 def test_tab_from_the_message_box_never_types_into_the_system_prompt(qtbot, make_window) -> None:
     window = make_window()
-    window.show()
-    qtbot.waitExposed(window)
+    show_and_wait(qtbot, window)
     editor, prompt = window.composer.editor, window.controls.system_prompt
     prompt.setPlainText("Be brief.")
     editor.setFocus()
@@ -231,8 +216,7 @@ def test_tab_from_the_message_box_never_types_into_the_system_prompt(qtbot, make
 def test_shortcuts_search_and_switch_chats_and_are_all_listed(qtbot, make_window,
                                                              monkeypatch) -> None:
     window = make_window()
-    window.show()
-    qtbot.waitExposed(window)
+    show_and_wait(qtbot, window)
     greedy(window, 2)
     chats = []
     for text in ("One", "Two", "Three"):
@@ -320,18 +304,24 @@ def hud_scrolls_sideways(window: Any) -> bool:
     return scroll.horizontalScrollBar().isVisible()
 
 
+def squeeze_and_restore(qtbot, window: Any, full: QSize, width: int) -> None:
+    """Resize to the minimum (the settings dock gets narrower than width, as Qt does) and back
+    to full; return once the dock is back at width."""
+    dock = window.settings_dock
+    window.resize(window.minimumSizeHint())
+    qtbot.waitUntil(lambda: dock.width() < width, timeout=WAIT_MS)
+    window.resize(full)
+    qtbot.waitUntil(lambda: dock.width() == width, timeout=WAIT_MS)
+
+
 def test_docks_recover_their_width_after_a_trip_to_the_minimum_size(qtbot, make_window) -> None:
     window = make_window()
-    window.show()
-    qtbot.waitExposed(window)
+    show_and_wait(qtbot, window)
     dock, full = window.settings_dock, window.size()
     width = dock.width()
     assert not hud_scrolls_sideways(window)
 
-    window.resize(window.minimumSizeHint())
-    qtbot.waitUntil(lambda: dock.width() < width, timeout=WAIT_MS)  # squeezed, as Qt does
-    window.resize(full)
-    qtbot.waitUntil(lambda: dock.width() == width, timeout=WAIT_MS)
+    squeeze_and_restore(qtbot, window, full, width)
     assert window.hud_dock.width() == width and not hud_scrolls_sideways(window)
 
     window.resize(full.width() - 300, full.height())  # a smaller window: the chat gives way
@@ -344,8 +334,7 @@ def test_docks_recover_their_width_after_a_trip_to_the_minimum_size(qtbot, make_
 
 def test_a_dragged_dock_width_is_the_one_given_back(qtbot, make_window) -> None:
     window = make_window()
-    window.show()
-    qtbot.waitExposed(window)
+    show_and_wait(qtbot, window)
     dock, full = window.settings_dock, window.size()
     width = dock.width()
     gap = (window.centralWidget().geometry().right() + dock.geometry().left()) // 2
@@ -357,10 +346,7 @@ def test_a_dragged_dock_width_is_the_one_given_back(qtbot, make_window) -> None:
     dragged = dock.width()
     assert window.dock_widths.wanted == dragged
 
-    window.resize(window.minimumSizeHint())
-    qtbot.waitUntil(lambda: dock.width() < dragged, timeout=WAIT_MS)
-    window.resize(full)
-    qtbot.waitUntil(lambda: dock.width() == dragged, timeout=WAIT_MS)
+    squeeze_and_restore(qtbot, window, full, dragged)
 
 
 # ----- item 12: settings that would do nothing say so ------------------------------------------
@@ -467,8 +453,7 @@ def test_after_a_restart_a_chat_opens_at_its_end_and_counts_its_stopped_turn(
 
     restarted = make_window()
     restarted.resize(900, 360)  # short enough that the chat scrolls
-    restarted.show()
-    qtbot.waitExposed(restarted)
+    show_and_wait(qtbot, restarted)
     bar = restarted.chat.verticalScrollBar()
     qtbot.waitUntil(lambda: bar.maximum() > 0, timeout=WAIT_MS)
     assert bar.value() == bar.maximum()  # at its end, where the last turn is

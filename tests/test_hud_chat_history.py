@@ -18,12 +18,11 @@ from PySide6.QtWidgets import QApplication, QFileDialog, QToolTip, QWidget
 
 from engine.events import RequestFinished
 from engine.hud_model import SavedChat, SessionModel, fmt_ms, saved_metrics, saved_reply
-from tests.hud_events import MS, ReplySpec, loaded_event, reply_events
+from tests.hud_events import MS, ReplySpec, reply_events
+from tests.window_helpers import greedy, send_and_wait, show_and_wait
 from ui.hud import HudWidget
 from ui.hud.panels import HISTORY_ALPHA
 from ui.store import ChatStore, metrics_record
-
-WAIT_MS = 30_000
 
 
 def finished(spec: ReplySpec, *, jitter: bool = True) -> RequestFinished:
@@ -39,15 +38,6 @@ def saved(message_id: int, turn: int, *, metrics: dict | None = None, **kw: Any)
                          20, **kw)
         metrics = metrics_record(finished(spec).result)
     return saved_reply(message_id, turn, "done", metrics, {"temperature": 0.7})
-
-
-@pytest.fixture
-def hud(qtbot) -> HudWidget:
-    widget = HudWidget(calibrate=False)
-    qtbot.addWidget(widget)
-    widget.resize(420, 900)
-    widget.on_engine_event(loaded_event())
-    return widget
 
 
 def alpha(bar: Any, index: int) -> int:
@@ -179,8 +169,7 @@ def test_a_long_chat_title_in_the_picker_never_widens_the_hud(qtbot) -> None:
     title = "What is the capital of France, and what else should I see there in May?"
     hud.show_chat(SavedChat("chat-a", title, [saved(11, 1), saved(12, 2)]))
     hud.resize(hud.minimumWidth(), 900)
-    hud.show()
-    qtbot.waitExposed(hud)
+    show_and_wait(qtbot, hud)
     body = hud.findChild(QWidget, "hudScrollBody")
     assert body.minimumSizeHint().width() <= hud.minimumWidth()  # no sideways scrolling
     assert hud.reply_combo.itemText(2) == f"{title} · turn 2 (saved)"  # listed in full
@@ -190,8 +179,7 @@ def test_a_long_chat_title_in_the_picker_never_widens_the_hud(qtbot) -> None:
 def test_itl_percentile_labels_never_overlap_when_the_values_are_close(
         qtbot, hud: HudWidget, width: int) -> None:
     hud.resize(width or hud.minimumWidth(), 900)
-    hud.show()
-    qtbot.waitExposed(hud)
+    show_and_wait(qtbot, hud)
     for n, spec in enumerate((ReplySpec("flat", 2_000 * MS, 100, 0, 60),
                               ReplySpec("near", 9_000 * MS, 100, 0, 60))):
         for event in reply_events(spec, jitter=n == 1):
@@ -215,21 +203,10 @@ def test_itl_percentile_labels_never_overlap_when_the_values_are_close(
 
 
 # ----- through the window ---------------------------------------------------------------------
-def greedy(window: Any, max_tokens: int = 6) -> None:
-    window.controls.temperature.setValue(0)
-    window.controls.max_tokens.setValue(max_tokens)
-
-
-def send_and_wait(qtbot, window: Any, text: str) -> Any:
-    with qtbot.waitSignal(window.sig_reply_finished, timeout=WAIT_MS) as blocker:
-        assert window.send(text)
-    return blocker.args[0]
-
-
 def test_a_restart_shows_the_reopened_chats_turns_in_the_hud(qtbot, make_window,
                                                             monkeypatch) -> None:
     first = make_window()
-    greedy(first)
+    greedy(first, 6)
     results = [send_and_wait(qtbot, first, text) for text in ("Hello", "And then?")]
     chat = first.conversation_id
     first.close()
@@ -253,7 +230,7 @@ def test_a_restart_shows_the_reopened_chats_turns_in_the_hud(qtbot, make_window,
     window.show_reply_stats(first_reply.id)  # a click on its stats line: its panels
     assert window.hud.selected_reply() is turns[0] and tips[0].startswith("TTFT ")
 
-    greedy(window)
+    greedy(window, 6)
     live = send_and_wait(qtbot, window, "One more")  # appends live after the history
     window.hud.flush()
     rows = window.hud.panels["ttft"]._rows
@@ -263,7 +240,7 @@ def test_a_restart_shows_the_reopened_chats_turns_in_the_hud(qtbot, make_window,
 
 def test_opening_a_chat_from_the_sidebar_swaps_the_hud_history(qtbot, make_window) -> None:
     window = make_window()
-    greedy(window)
+    greedy(window, 6)
     send_and_wait(qtbot, window, "First chat")
     chat_a = window.conversation_id
     window.new_chat()
@@ -296,7 +273,7 @@ def test_opening_a_chat_from_the_sidebar_swaps_the_hud_history(qtbot, make_windo
 def test_any_chat_exports_from_the_menus_with_feedback(qtbot, make_window, tmp_path: Path,
                                                        monkeypatch) -> None:
     window = make_window()
-    greedy(window)
+    greedy(window, 6)
     result = send_and_wait(qtbot, window, "Export me")
     chat_a = window.conversation_id
     window.new_chat()  # the chat to export is not the one on screen

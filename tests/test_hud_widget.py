@@ -11,6 +11,7 @@ from engine import ChatMessage, Engine, GenerationRequest, SamplingParams
 from engine.calibrate import CACHE_FILE, DevicePeaks, device_name
 from engine.events import EngineEvent, RequestFinished, SamplerSnapshot, TokenEmitted
 from tests.hud_events import MS, ReplySpec, conversation_specs, loaded_event, reply_events
+from tests.window_helpers import new_hud
 from ui.hud import HudWidget
 
 PEAKS = DevicePeaks("cpu: test", 28.0, 0.16, "calibrated (cached)")
@@ -18,9 +19,8 @@ PEAKS = DevicePeaks("cpu: test", 28.0, 0.16, "calibrated (cached)")
 
 @pytest.fixture
 def hud(qtbot) -> HudWidget:
-    widget = HudWidget(calibrate=False)
-    qtbot.addWidget(widget)
-    widget.resize(420, 900)
+    """Overrides conftest's hud: calibrated device peaks, and no model loaded yet."""
+    widget = new_hud(qtbot)
     widget.set_device_peaks(PEAKS)
     return widget
 

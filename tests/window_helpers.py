@@ -3,6 +3,7 @@ bare HUD widget: set the sampling controls, send and wait for the reply, read th
 
 from __future__ import annotations
 
+from PySide6.QtWidgets import QWidget
 from pytestqt.qtbot import QtBot
 
 from engine import GenerationResult
@@ -42,3 +43,9 @@ def new_hud(qtbot: QtBot) -> HudWidget:
     qtbot.addWidget(widget)
     widget.resize(420, 900)
     return widget
+
+
+def show_and_wait(qtbot: QtBot, widget: QWidget) -> None:
+    """Show a window or HUD and wait until it is exposed (focus, sizes, scroll bars are real)."""
+    widget.show()
+    qtbot.waitExposed(widget)
