@@ -12,17 +12,16 @@ from typing import Any
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QFileDialog, QToolButton
 
-WAIT_MS = 30_000
+from tests.window_helpers import (
+    WAIT_MS,
+    banner,
+    greedy,
+    settings,
+    show_and_wait,
+    squeeze_and_restore,
+)
+
 HUGE_SEED = "99999999999999999999999"
-
-
-def banner(window: Any) -> str:
-    return window.notice_label.text() if window.notice.isVisibleTo(window) else ""
-
-
-def settings(window: Any, *, temperature: int = 0, max_tokens: int = 6) -> None:
-    window.controls.temperature.setValue(temperature)  # hundredths
-    window.controls.max_tokens.setValue(max_tokens)
 
 
 def type_and_send(qtbot, window: Any, text: str) -> Any:
@@ -47,8 +46,7 @@ def hud_export_button(window: Any) -> QToolButton:
 def test_the_first_hour(qtbot, make_window, monkeypatch, tmp_path, caplog, capfd) -> None:
     caplog.set_level(logging.WARNING)
     window = make_window()
-    window.show()
-    qtbot.waitExposed(window)
+    show_and_wait(qtbot, window)
     with qtbot.captureExceptions() as exceptions:
         walk(qtbot, window, monkeypatch, tmp_path)
     assert not exceptions
@@ -59,12 +57,12 @@ def test_the_first_hour(qtbot, make_window, monkeypatch, tmp_path, caplog, capfd
 
 def walk(qtbot, window: Any, monkeypatch, tmp_path) -> None:
     # Send.
-    settings(window)
+    greedy(window, 6)
     type_and_send(qtbot, window, "Hello there")
     chat_a = window.conversation_id
 
     # Stop (Esc) a long reply: its partial text is kept, marked stopped.
-    settings(window, max_tokens=200)  # the tiny model writes to max tokens
+    greedy(window, 200)  # the tiny model writes to max tokens
     window.composer.clear()
     qtbot.keyClicks(window.composer.editor, "Tell me a long story")
     qtbot.keyClick(window.composer.editor, Qt.Key.Key_Return)
@@ -78,7 +76,7 @@ def walk(qtbot, window: Any, monkeypatch, tmp_path) -> None:
     assert window.sidebar.streaming_ids() == []
 
     # Regenerate the stopped reply.
-    settings(window)
+    greedy(window, 6)
     with qtbot.waitSignal(window.sig_reply_finished, timeout=WAIT_MS):
         window.chat.sig_action.emit("regenerate", saved[-1].id)
     regenerated = window.store.messages(chat_a)
@@ -93,7 +91,7 @@ def walk(qtbot, window: Any, monkeypatch, tmp_path) -> None:
                                           ("user", "Tell me a short story"), ("assistant", "*")]
 
     # × 2 alternatives (sampled), keep the second.
-    settings(window, temperature=80)
+    settings(window, temperature=80, max_tokens=6)
     window.composer.alternatives.setValue(2)
     with qtbot.waitSignal(window.sig_alternatives_ready, timeout=WAIT_MS):
         assert window.send("Two takes")
@@ -115,7 +113,7 @@ def walk(qtbot, window: Any, monkeypatch, tmp_path) -> None:
     assert window.composer.text() == "draft for A"
     window.menus.new_action.trigger()
     assert window.composer.text() == "draft for B"
-    settings(window)
+    greedy(window, 6)
     with qtbot.waitSignal(window.sig_reply_finished, timeout=WAIT_MS):
         qtbot.keyClick(window.composer.editor, Qt.Key.Key_Return)
     chat_b = window.conversation_id
@@ -142,12 +140,8 @@ def walk(qtbot, window: Any, monkeypatch, tmp_path) -> None:
     window.controls.seed.clear()
 
     # Resize to the minimum and back: the docks get their width back.
-    dock, full = window.settings_dock, window.size()
-    width = dock.width()
-    window.resize(window.minimumSizeHint())
-    qtbot.waitUntil(lambda: dock.width() < width, timeout=WAIT_MS)
-    window.resize(full)
-    qtbot.waitUntil(lambda: dock.width() == width, timeout=WAIT_MS)
+    full, width = window.size(), window.settings_dock.width()
+    squeeze_and_restore(qtbot, window, full, width)
 
     # The draft goes out as A's next message; the refusal's banner goes with the send.
     window.composer.set_text(window.composer.text() + ", thanks")

@@ -6,10 +6,17 @@ from __future__ import annotations
 import csv
 from typing import Any
 
-from PySide6.QtCore import QPoint, QSize, Qt
+from PySide6.QtCore import QPoint, Qt
 from PySide6.QtWidgets import QMessageBox, QScrollArea
 
-from tests.window_helpers import WAIT_MS, banner, greedy, send_and_wait, show_and_wait
+from tests.window_helpers import (
+    WAIT_MS,
+    banner,
+    greedy,
+    send_and_wait,
+    show_and_wait,
+    squeeze_and_restore,
+)
 
 HUGE_SEED = "99999999999999999999999"
 
@@ -302,16 +309,6 @@ def test_max_tokens_has_a_number_box_kept_in_step_with_the_slider(qtbot, make_wi
 def hud_scrolls_sideways(window: Any) -> bool:
     scroll = window.hud.findChild(QScrollArea)
     return scroll.horizontalScrollBar().isVisible()
-
-
-def squeeze_and_restore(qtbot, window: Any, full: QSize, width: int) -> None:
-    """Resize to the minimum (the settings dock gets narrower than width, as Qt does) and back
-    to full; return once the dock is back at width."""
-    dock = window.settings_dock
-    window.resize(window.minimumSizeHint())
-    qtbot.waitUntil(lambda: dock.width() < width, timeout=WAIT_MS)
-    window.resize(full)
-    qtbot.waitUntil(lambda: dock.width() == width, timeout=WAIT_MS)
 
 
 def test_docks_recover_their_width_after_a_trip_to_the_minimum_size(qtbot, make_window) -> None:

@@ -4,16 +4,10 @@ chats streaming side by side. The engine batches them."""
 from __future__ import annotations
 
 from engine import Engine, TokenEmitted
-from ui.main_window import MainWindow
+from tests.window_helpers import WAIT_MS, settings
 from ui.store import DONE
 
-WAIT_MS = 30_000
 LONG = 200  # the tiny model (context 256) runs to max tokens without an EOS
-
-
-def settings(window: MainWindow, *, temperature: float, max_tokens: int) -> None:
-    window.controls.temperature.setValue(temperature)
-    window.controls.max_tokens.setValue(max_tokens)
 
 
 def test_alternatives_stream_at_once_and_one_is_kept(qtbot, make_window,

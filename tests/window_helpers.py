@@ -1,8 +1,9 @@
 """Helpers for tests that drive the chat window (conftest's make_window and remote_window) or a
-bare HUD widget: set the sampling controls, send and wait for the reply, read the banner."""
+bare HUD widget: set the sampling controls, send and wait for a reply, read the banner, resize."""
 
 from __future__ import annotations
 
+from PySide6.QtCore import QSize
 from PySide6.QtWidgets import QWidget
 from pytestqt.qtbot import QtBot
 
@@ -49,3 +50,13 @@ def show_and_wait(qtbot: QtBot, widget: QWidget) -> None:
     """Show a window or HUD and wait until it is exposed (focus, sizes, scroll bars are real)."""
     widget.show()
     qtbot.waitExposed(widget)
+
+
+def squeeze_and_restore(qtbot: QtBot, window: MainWindow, full: QSize, width: int) -> None:
+    """Resize to the minimum (the settings dock gets narrower than width, as Qt does) and back
+    to full; return once the dock is back at width."""
+    dock = window.settings_dock
+    window.resize(window.minimumSizeHint())
+    qtbot.waitUntil(lambda: dock.width() < width, timeout=WAIT_MS)
+    window.resize(full)
+    qtbot.waitUntil(lambda: dock.width() == width, timeout=WAIT_MS)
