@@ -281,6 +281,54 @@ def test_hud_draws_the_prefill_while_the_prompt_is_read(qtbot) -> None:
     assert panel._prefill_left.opts["width"][0] == 0
 
 
+def test_a_new_chats_prefill_shows_no_other_chats_numbers_and_an_unclipped_marker(
+        qtbot) -> None:
+    """A long prompt pasted into a new chat after another chat's replies: the per-turn
+    panels drop that chat's range and TTFT percentiles, and the settings marker before turn 1
+    is labelled inside the plot (it was drawn off the left edge, clipped)."""
+    from engine.events import PrefillStarted, RequestQueued
+    from engine.hud_model import SavedChat
+    from tests.hud_events import MS, ReplySpec, loaded_event, reply_events
+    from ui.hud import HudWidget
+
+    hud = HudWidget(calibrate=False)
+    qtbot.addWidget(hud)
+    hud.resize(420, 900)
+    for key in ("itl", "throughput", "breakdown"):  # the two per-turn panels in view
+        hud.set_panel_visible(key, False)
+    hud.show()
+    qtbot.waitExposed(hud)
+    hud.on_engine_event(loaded_event())
+    hud.show_chat(SavedChat("chat-a", "A", []))
+    for turn, start in enumerate((2_000, 7_000), start=1):
+        for event in reply_events(ReplySpec(f"a{turn}", start * MS, 300, 0, 20)):
+            hud.on_engine_event(event)
+        hud.name_reply(f"a{turn}", "A", turn, chat_id="chat-a")
+    hud.flush()
+    assert "This chat's TTFT p50" in hud.panels["ttft"].caption.text()
+
+    hud.show_chat(None)  # New chat; the reply cap is lowered; the long prompt is sent
+    hud.mark_setting_change("max_tokens", 64, 20_000 * MS)
+    hud.show_chat(SavedChat("chat-b", "B", []))
+    for event in (RequestQueued("b1", 21_000 * MS),
+                  PrefillStarted("b1", 21_001 * MS, 6_000, 0, "first_turn"),
+                  PrefillProgress("b1", 24_000 * MS, 2_000, 6_000, 660.0, 4_000 / 660)):
+        hud.on_engine_event(event)
+    hud.name_reply("b1", "B", 1, chat_id="chat-b")
+    hud.flush()
+
+    ttft, cache = hud.panels["ttft"], hud.panels["cache"]
+    assert "TTFT p50" not in ttft.caption.text()  # chat B has no finished reply yet
+    assert cache.caption.text().endswith("Turn 1: 0 reused, 6,000 recomputed (miss: first turn).")
+    for panel in (ttft, cache):
+        area = panel.plot.getPlotItem().vb.sceneBoundingRect()
+        [(_x, text, line)] = panel._markers
+        assert text == "max_tokens=64" and line.label.isVisible()
+        label = line.label.sceneBoundingRect()
+        assert area.left() - 1 <= label.left() and label.right() <= area.right() + 1, \
+            (panel.key, area, label)
+
+
 # ----- in the window ---------------------------------------------------------------------------
 def test_window_shows_prompt_progress_then_the_reply_stats_line(qtbot, make_window,
                                                                 monkeypatch) -> None:

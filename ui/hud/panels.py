@@ -33,6 +33,7 @@ from ui.hud.live_label import LiveLabel
 MAX_TURNS_SHOWN = 40  # per-turn bar plots show the latest turns only
 MARKER_LABEL_GAP_PX = 8  # a marker label shows only if it clears the next one by this much
 HISTORY_ALPHA = 90  # saved replies (history) are drawn faded beside live ones
+WAITING = "Waiting for a reply."  # a caption before there is anything to describe
 LABEL_GAP_PX = 6  # between the ITL plot's percentile labels
 NO_HOVER = " "  # the readout's resting text (keeps its line's height)
 SAMPLER_ROWS = 10
@@ -95,7 +96,7 @@ class Panel(QFrame):
         self.setObjectName("hudCard")
         self.plot = style.make_plot(self.plot_height)
         self.readout = self._live_label("hudReadout", NO_HOVER)
-        self.caption = self._live_label("hudCaption", "Waiting for a reply.")
+        self.caption = self._live_label("hudCaption", WAITING)
         layout = self._column = QVBoxLayout(self)
         layout.setContentsMargins(10, 8, 10, 8)
         layout.setSpacing(4)
@@ -170,13 +171,15 @@ class Panel(QFrame):
         smear into each other. The newest is always labelled, right of its line if need be;
         hovering a line reads out any marker's changes."""
         left_edge = math.inf  # the left end of the newest label shown so far, in pixels
+        plot_width = self._plot_width()
         for n, (x, _text, line) in enumerate(reversed(self._markers)):
             px, width = self._marker_px(x), line.label.boundingRect().width()
             anchor = (0, 0) if n == 0 and px < width else (1, 0)
             line.label.anchors = [anchor, anchor]
             line.label.setAnchor(anchor)
             left = px if anchor == (0, 0) else px - width
-            shown = n == 0 or (px <= left_edge - MARKER_LABEL_GAP_PX and left >= 0)
+            on_plot = 0 <= px <= plot_width  # a line out of view labels nothing (clipped)
+            shown = on_plot and (n == 0 or (px <= left_edge - MARKER_LABEL_GAP_PX and left >= 0))
             line.label.setVisible(shown)
             if shown:
                 left_edge = left
@@ -185,10 +188,12 @@ class Panel(QFrame):
         if self._markers:
             self.layout_markers()
 
+    def _plot_width(self) -> float:
+        return self.plot.getPlotItem().vb.width() or self.plot.width()
+
     def _marker_px(self, x: float) -> float:
         """A view x as pixels from the plot area's left edge."""
-        vb = self.plot.getPlotItem().vb
-        (x0, x1), width = vb.viewRange()[0], vb.width() or self.plot.width()
+        (x0, x1), width = self.plot.getPlotItem().vb.viewRange()[0], self._plot_width()
         return (x - x0) * width / (x1 - x0) if x1 > x0 else 0.0
 
     def marker_text(self, x: float) -> str | None:
@@ -223,10 +228,13 @@ def key_html(pairs: list[tuple[str, str]]) -> str:
     return " &nbsp;".join(f"<span style='color:{color}'>■</span> {name}" for name, color in pairs)
 
 
-def integer_ticks(plot: pg.PlotWidget, values: list[int], most: int = 12) -> None:
-    """Whole-number ticks for a per-turn axis (no 1.5, 2.5), thinned when there are many."""
+def turn_axis(plot: pg.PlotWidget, values: list[int], most: int = 12) -> None:
+    """A per-turn axis: whole-number ticks (no 1.5, 2.5), thinned when there are many, over
+    the turns' slots (turn 1's alone when there are none yet), so a settings marker between
+    turns stays in view and no other chat's range lingers."""
     step = max(1, math.ceil(len(values) / most))
     plot.getPlotItem().getAxis("bottom").setTicks([[(v, str(v)) for v in values[::step]]])
+    plot.setXRange(min(values, default=1) - 0.5, max(values, default=1) + 0.5, padding=0.02)
 
 
 def bar_brushes(rows: Sequence[tuple[int, ReplyRecord]], color: str) -> list[object]:
@@ -331,9 +339,9 @@ class TtftPanel(Panel):
         share = np.array([m[i].cached_tokens / m[i].prompt_tokens if m[i].prompt_tokens
                           else 0.0 for i in known])
         self._cached.setData(x=x[known], y=ttft[known] * share)
-        integer_ticks(self.plot, [turn for turn, _r in self._rows])
+        turn_axis(self.plot, [turn for turn, _r in self._rows])
         if not m:
-            self._live_caption(ctx.model, ctx.reply)
+            self.caption.setText(self._live_caption(ctx.model, ctx.reply))
             return
         if ctx.model.chat is None:
             p50, p90, p99 = ctx.model.ttft_percentiles()
@@ -349,12 +357,15 @@ class TtftPanel(Panel):
             f"p99 {fmt_seconds(p99)}."
         )
 
-    def _live_caption(self, model: SessionModel, reply: ReplyRecord | None) -> None:
-        """Before any reply finishes: the live reply's TTFT once its first token is out."""
+    @staticmethod
+    def _live_caption(model: SessionModel, reply: ReplyRecord | None) -> str:
+        """Before any reply (of the open chat) finishes: the live reply's TTFT once its first
+        token is out; until then no numbers (another chat's would be stale)."""
         b = reply.breakdown() if reply is not None else None
-        if reply is not None and b is not None and b.has_first_token:
-            self.caption.setText(f"{model.reply_name(reply)}: TTFT {fmt_seconds(b.ttft_s)} (live); "
-                                 "its bar appears when the reply finishes.")
+        if reply is None or b is None or not b.has_first_token:
+            return WAITING
+        return (f"{model.reply_name(reply)}: TTFT {fmt_seconds(b.ttft_s)} (live); "
+                "its bar appears when the reply finishes.")
 
     def hover_text(self, x: float, y: float) -> str | None:
         i = _nearest([turn for turn, _r in self._rows], x)
@@ -678,11 +689,11 @@ class CachePanel(Panel):
                              brushes=bar_brushes(drawn, style.CACHED))
         self._recomputed.setOpts(x=x, height=fresh, y0=reused,
                                  brushes=bar_brushes(drawn, style.RECOMPUTED))
-        integer_ticks(self.plot, [turn for turn, _r in self._rows])
-        if self._rows:
-            self.caption.setText(
-                key_html([("reused", style.CACHED), ("recomputed", style.RECOMPUTED)])
-                + history_key(self._rows) + "<br>" + self._describe(*self._rows[-1]))
+        turn_axis(self.plot, [turn for turn, _r in self._rows])
+        self.caption.setText(
+            key_html([("reused", style.CACHED), ("recomputed", style.RECOMPUTED)])
+            + history_key(self._rows) + "<br>" + self._describe(*self._rows[-1])
+            if self._rows else WAITING)
 
     @staticmethod
     def _describe(turn: int, r: ReplyRecord) -> str:
