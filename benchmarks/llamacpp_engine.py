@@ -48,7 +48,7 @@ def main() -> None:
     loaded = load("default", LLAMA_CPP)
     llm = llama_cpp.Llama(model_path=str(default_gguf_path()), n_ctx=2048,
                           n_threads=loaded.n_threads, n_threads_batch=loaded.n_threads,
-                          verbose=False)
+                          flash_attn=True, verbose=False)  # the same kernels as ours
     ids = fixed_prompt_ids(loaded, args.prompt_tokens)
     ours(loaded, ids[:16], 4)
     greedy_run(llm, ids[:16], 4)

@@ -123,7 +123,7 @@ def _parity_body() -> dict:
     lookup = _greedy(loaded, pool, ids, reuse=False, speculative="ngram")
     peer = llama_cpp.Llama(model_path=str(default_gguf_path()), n_ctx=512,
                            n_threads=loaded.n_threads, n_threads_batch=loaded.n_threads,
-                           verbose=False)
+                           flash_attn=True, verbose=False)  # our kernels: flash attention
     theirs = []
     for token in peer.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0,
                                repeat_penalty=1.0):

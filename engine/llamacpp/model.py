@@ -104,6 +104,7 @@ class LlamaCppModel:
     batch_writer: Any = None  # decode.BatchWriter over `batch`, made on first use
     eog_ids: set[int] | None = None  # end-of-generation tokens, filled on first use
     can_roll_back: bool = True  # False for recurrent/hybrid memory: no partial seq_rm
+    context_params: Any = None  # the llama_context_params ctx was made with (a side context's)
     _views: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -148,8 +149,10 @@ def load_gguf(
     context_length: int | None = None,
     n_threads: int | None = None,
     progress: Progress | None = None,
+    flash_attn: bool = True,
 ) -> LlamaCppModel:
-    """Load a GGUF into llama.cpp; ModelLoadError with one actionable line on failure."""
+    """Load a GGUF into llama.cpp; ModelLoadError with one actionable line on failure.
+    flash_attn=False runs attention as llama-cpp-python's Llama does by default (benchmarks)."""
     notify = progress or (lambda _m: None)
     llama_cpp = import_llama_cpp()
     _init_backend(llama_cpp)
@@ -161,14 +164,16 @@ def load_gguf(
     if not model:
         raise ModelLoadError(_load_failure(path))
     try:
-        return _with_context(llama_cpp, model, path, name, source, context_length, n_threads)
+        return _with_context(llama_cpp, model, path, name, source, context_length, n_threads,
+                             flash_attn)
     except BaseException:
         llama_cpp.llama_model_free(model)
         raise
 
 
 def _with_context(llama_cpp: Any, model: Any, path: Path, name: str, source: str,
-                  context_length: int | None, n_threads: int | None) -> LlamaCppModel:
+                  context_length: int | None, n_threads: int | None,
+                  flash_attn: bool) -> LlamaCppModel:
     trained = llama_cpp.llama_model_n_ctx_train(model)
     n_ctx = min(trained, context_length or DEFAULT_CONTEXT)
     threads = n_threads or physical_cores()
@@ -177,8 +182,11 @@ def _with_context(llama_cpp: Any, model: Any, path: Path, name: str, source: str
     cparams.n_batch = cparams.n_ubatch = min(BATCH_TOKENS, n_ctx)
     cparams.n_seq_max = min(N_SEQ_MAX, llama_cpp.llama_max_parallel_sequences())
     cparams.n_threads = cparams.n_threads_batch = threads
-    # As llama-cpp-python's Llama (the parity peer) runs it: same kernels, same numbers.
-    cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    # Flash attention where the model allows it ("auto", llama.cpp's own default): besides speed,
+    # a token skips the cells its mask hides, so a row's decode step does not read the other
+    # sequences' cells of the unified KV memory (cached chats, a prompt being prefilled).
+    cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO if flash_attn
+                               else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
     cparams.kv_unified = True  # one cell pool: seq_cp shares cells, sequences vary in length
     cparams.swa_full = True  # sliding-window layers keep what a rollback to a prefix needs
     cparams.no_perf = True
@@ -192,11 +200,13 @@ def _with_context(llama_cpp: Any, model: Any, path: Path, name: str, source: str
             f"{need:.0f} MiB of KV cache; {_last_error() or 'out of memory'}): try a smaller "
             "context (context_length)")
     try:
-        return _assemble(llama_cpp, model, ctx, path, name, source, n_ctx, threads,
-                         kv_per_token)
+        loaded = _assemble(llama_cpp, model, ctx, path, name, source, n_ctx, threads,
+                           kv_per_token)
     except BaseException:
         llama_cpp.llama_free(ctx)
         raise
+    loaded.context_params = cparams
+    return loaded
 
 
 def _assemble(llama_cpp: Any, model: Any, ctx: Any, path: Path, name: str, source: str,
