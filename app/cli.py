@@ -412,7 +412,8 @@ def print_interference_table(r: dict[str, Any]) -> None:
           f"{r['prompt_tokens']}-token prompt is prefilled; {r['rounds']} round(s)")
     print("  prefill                          ITL p99 alone  during prefill   ratio  "
           "prefill s  tok/s  stream tokens during  tok/s alone")
-    for mode, label in INTERFERENCE_LABELS.items():
+    for mode in r["modes"]:
+        label = INTERFERENCE_LABELS[mode]
         print(f"  {label:<31}  {r[f'{mode}_itl_p99_alone_s'] * 1e3:>10.1f} ms  "
               f"{r[f'{mode}_itl_p99_during_prefill_s'] * 1e3:>11.1f} ms  "
               f"{r[f'{mode}_itl_p99_ratio']:>6.2f}  {r[f'{mode}_prefill_s']:>9.2f}  "

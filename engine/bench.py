@@ -437,9 +437,15 @@ def bench_batch(
 
 
 # ----- a long prompt's prefill against a streaming chat ----------------------------------------
-INTERFERENCE_MODES = ("one_pass", "chunked")  # report key prefixes
+INTERFERENCE_MODES = ("one_pass", "chunked", "beside")  # report key prefixes
 INTERFERENCE_LABELS = {"one_pass": "whole prefill between two steps",
-                       "chunked": "chunked, streams keep decoding"}
+                       "chunked": "chunked, streams keep decoding",
+                       "beside": "beside, on its own cores"}
+
+
+def interference_modes(loaded: LoadedModel) -> tuple[str, ...]:
+    """The schedules an engine has: llama.cpp can also prefill on a side context."""
+    return INTERFERENCE_MODES if runtimes.is_llama_cpp(loaded) else INTERFERENCE_MODES[:2]
 
 
 @torch.inference_mode()
@@ -454,16 +460,19 @@ def bench_interference(
 ) -> dict[str, Any]:
     """One chat streams through the engine's batcher while another submits a prompt_tokens
     prompt: the streaming chat's ITL p99 alone and while the prompt is prefilled, with the
-    prefill in one pass between two decode steps (the streams wait) and in chunks with decode
-    steps between them (on llama.cpp, in the rows' own steps), and the same prompt's prefill
-    rate with nothing streaming. Modes alternate round by round; ITLs are pooled over rounds."""
+    prefill in one pass between two decode steps (the streams wait), in chunks with decode
+    steps between them (on llama.cpp, in the rows' own steps) and, on llama.cpp, beside the
+    streams on a side context with its own cores (the engine's choice for a long prompt), and
+    the same prompt's prefill rate with nothing streaming. Modes alternate round by round;
+    ITLs are pooled over rounds."""
     source = fixed_prompt_ids(loaded, stream_prompt_tokens + prompt_tokens)
     stream_ids, long_ids = source[:stream_prompt_tokens], source[stream_prompt_tokens:]
-    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in INTERFERENCE_MODES}
+    modes = interference_modes(loaded)
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
     progress("warm-up")
     run_ours(loaded, stream_ids[:16], 4)
     for r in range(rounds):
-        for mode in INTERFERENCE_MODES:
+        for mode in modes:
             progress(f"round {r + 1}/{rounds}: {INTERFERENCE_LABELS[mode]}")
             run = _interference_run(loaded, _interference_batcher(loaded, mode), stream_ids,
                                     long_ids, alone_tokens)
@@ -472,7 +481,8 @@ def bench_interference(
             runs[mode].append(run)
     report: dict[str, Any] = {"model": loaded.info.name, "device": loaded.info.device,
                               "kernel": loaded.info.kernel, "prompt_tokens": prompt_tokens,
-                              "stream_prompt_tokens": stream_prompt_tokens, "rounds": rounds}
+                              "stream_prompt_tokens": stream_prompt_tokens, "rounds": rounds,
+                              "modes": list(modes)}
     for mode, mode_runs in runs.items():
         report.update({f"{mode}_{key}": value
                        for key, value in _interference_summary(mode_runs).items()})
@@ -482,7 +492,8 @@ def bench_interference(
 def _interference_batcher(loaded: LoadedModel, mode: str) -> Any:
     """A fresh batcher on a fresh prefix cache (llama.cpp: an empty KV memory). one_pass: the
     prompt is prefilled whole between two steps (torch: one forward; llama.cpp: n_batch
-    batches, as before chunking); chunked: the engine's own schedule."""
+    batches, as before chunking); chunked: chunks between or in the decode steps (torch's
+    schedule); beside: llama.cpp's own schedule, a long prompt on a side context."""
     pool = runtimes.new_prefix_cache(loaded, budget_bytes=1 << 40)
     whole = mode == "one_pass"
 
@@ -497,7 +508,8 @@ def _interference_batcher(loaded: LoadedModel, mode: str) -> Any:
 
         native: int = loaded.n_batch  # type: ignore[attr-defined]  # a LlamaCppModel here
         return LlamaBatcher(loaded, pool, emit, done,  # type: ignore[arg-type]
-                            interleave=not whole, lone_chunk=native if whole else None)
+                            interleave=not whole, beside=mode == "beside",
+                            lone_chunk=native if whole else None)
     from engine.batching import Batcher
 
     return Batcher(loaded, pool, emit, done, interleave=not whole,

@@ -1,9 +1,11 @@
 """Continuous batching on llama.cpp: each row is a KV sequence, one llama_batch per step.
 
-A joining request is prefilled on its own lease's sequence in chunks; while rows stream, each
-chunk rides in their decode step (Sarathi-Serve's stall-free batching): one llama_decode holds
-every row's next token and a chunk of the prompt, sized by the clock so the step takes about
-STEP_STALL plain decode steps, and the rows keep their pace. Once joined, each step puts every
+A joining request is prefilled on its own lease's sequence in chunks. While rows stream, a
+long prompt is prefilled beside them, on a side context in a thread of its own with part of
+the cores (side_prefill), and joins when its KV is copied over; a short one (or one without
+the cores or memory for that) rides in their decode steps (Sarathi-Serve's stall-free
+batching): one llama_decode holds every row's next token and a chunk of the prompt, sized by
+the clock so the step takes about STEP_STALL plain decode steps. Once joined, each step puts every
 row's last token, at its own position on its own sequence, into one llama_decode. Nothing is
 re-packed when rows join or leave: a leaving row's sequence goes back to the prefix cache as it
 is. N alternatives of one prompt share one prefill: the others' sequences are seq_cp copies of
@@ -33,6 +35,7 @@ from engine.llamacpp.decode import decode, next_lone_chunk, prefill_reporter
 from engine.llamacpp.model import LlamaCppModel
 from engine.llamacpp.prefix_pool import SeqPrefixCache
 from engine.llamacpp.session import eos_ids
+from engine.llamacpp.side_prefill import SidePrefill, can_prefill_beside, set_threads
 from engine.metrics import compute_metrics
 from engine.prefix_cache import CacheLease
 from engine.sampling import make_generator, sample_token
@@ -43,6 +46,7 @@ from engine.sampling import make_generator, sample_token
 # context grows (attention over it), so the clock shrinks the chunk as the prompt goes in.
 STEP_STALL = 1.8
 FIRST_MIXED_CHUNK = 4  # tokens, before a mixed step has been timed
+SIDE_POLL_S = 0.05  # with no row streaming, how often a side prefill's progress is read
 
 
 def _clamp(value: int, lowest: int, highest: int) -> int:
@@ -54,8 +58,8 @@ class LlamaBatcher:
     llama_decode for all rows), leave."""
 
     def __init__(self, loaded: LlamaCppModel, prefix_cache: SeqPrefixCache, emit: Emit,
-                 done: Done, *, interleave: bool = True, lone_chunk: int | None = None,
-                 mixed_chunk: int | None = None) -> None:
+                 done: Done, *, interleave: bool = True, beside: bool = True,
+                 lone_chunk: int | None = None, mixed_chunk: int | None = None) -> None:
         self.loaded = loaded
         self.prefix_cache = prefix_cache
         self._emit = emit
@@ -69,6 +73,8 @@ class LlamaBatcher:
         # baseline of bench --interference). Chunk sizes given here stay fixed (tests); else
         # they follow the clock.
         self.interleave = interleave
+        self.beside = beside  # False: long prompts ride in the rows' steps too (bench, tests)
+        self.side_prefills = 0
         self._fixed_lone, self._fixed_mixed = lone_chunk is not None, mixed_chunk is not None
         self._lone_chunk = min(lone_chunk or next_lone_chunk(loaded, 0, 0.0), loaded.n_batch)
         self._mixed_chunk = float(mixed_chunk or FIRST_MIXED_CHUNK)  # fractional: grows smoothly
@@ -136,7 +142,11 @@ class LlamaBatcher:
                      report: Callable[[int], None]) -> torch.Tensor | None:
         """Feed ids onto the lease's sequence a chunk per llama_decode, each riding in the
         streaming rows' step (with none streaming, decode.LONE_CHUNK_S long); progress after
-        each. The last position's logits (a copy), or None if Stop came between two chunks."""
+        each. The last position's logits (a copy), or None if Stop came between two chunks.
+        A long prompt while rows stream goes beside them instead (_feed_beside)."""
+        if (self.interleave and self.beside and self.rows
+                and can_prefill_beside(self.loaded, len(lease.ids) + len(ids), len(ids))):
+            return self._feed_beside(job, lease, ids, report)
         done, logits = 0, None
         while done < len(ids):
             if job.cancel.is_set():
@@ -160,6 +170,35 @@ class LlamaBatcher:
                     self._size_lone_chunk(len(chunk), elapsed_s)
             report(done)
         return logits
+
+    def _feed_beside(self, job: BatchJob, lease: CacheLease, ids: list[int],
+                     report: Callable[[int], None]) -> torch.Tensor | None:
+        """Feed ids on a side context while the rows keep stepping here on the other cores;
+        progress as its chunks go in, every core to it once no row streams. The logits (a
+        copy), or None if Stop came first."""
+        side = SidePrefill(self.loaded, lease, ids, job.cancel)
+        self.side_prefills += 1
+        plain_step_s = self._decode_step_s  # steps on fewer threads say nothing of the usual
+        set_threads(self.loaded, self.loaded.ctx, self.loaded.n_threads - side.threads)
+        try:
+            side.start()
+            reported = 0
+            while side.running:
+                if self.rows:
+                    self.step()
+                else:
+                    side.use_all_threads()
+                    side.wait(SIDE_POLL_S)
+                if side.done > reported:
+                    reported = side.done
+                    report(reported)
+            if side.done > reported:
+                report(side.done)
+            return side.finish(self.prefix_cache)
+        finally:
+            side.close()
+            set_threads(self.loaded, self.loaded.ctx, self.loaded.n_threads)
+            self._decode_step_s = plain_step_s
 
     def _size_mixed_chunk(self, tokens: int, step_s: float) -> None:
         """Scale the next mixed chunk so its step takes about STEP_STALL plain decode steps

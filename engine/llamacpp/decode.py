@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -38,8 +39,8 @@ def next_lone_chunk(loaded: LlamaCppModel, tokens: int, seconds: float) -> int:
 class BatchWriter:
     """Numpy views over a llama_batch's arrays (no per-token ctypes calls except seq ids)."""
 
-    def __init__(self, loaded: LlamaCppModel) -> None:
-        batch, n = loaded.batch, loaded.n_batch
+    def __init__(self, batch: Any, n: int) -> None:
+        """batch: a llama_batch from llama_batch_init(n, 0, seqs)."""
         self.batch = batch
         self.capacity = n
         self.token = np.ctypeslib.as_array(batch.token, shape=(n,))
@@ -66,7 +67,7 @@ class BatchWriter:
 def writer_for(loaded: LlamaCppModel) -> BatchWriter:
     """The model's batch writer, kept on the model (freed with its batch)."""
     if loaded.batch_writer is None:
-        loaded.batch_writer = BatchWriter(loaded)
+        loaded.batch_writer = BatchWriter(loaded.batch, loaded.n_batch)
     writer: BatchWriter = loaded.batch_writer
     return writer
 

@@ -1,0 +1,195 @@
+"""A long prompt prefilled beside the streaming rows: its own llama.cpp context and thread.
+
+Fed in the rows' own steps, a prompt pays per token the cost of a step over a long context:
+on the Xeon VM a 1-token chunk at 4,000 tokens of context cost about 2.5 decode steps, so the
+rows' ITL tripled while the prompt crawled (24 tok/s against 116 alone). Here the prompt goes
+in large chunks through a second context over the same weights (the llama_model is shared
+read-only; each context has its own KV memory, batch and threads), in a thread of its own,
+while the engine thread keeps decoding the rows on the other cores: prefill and decode
+disaggregated (as in DistServe and Splitwise) across one machine's cores. ctypes releases the
+GIL for each llama_decode, so the two run at once. When the prompt is in, its sequence's KV is
+copied onto the lease's sequence of the main context (llama_state_seq_get/set_data) and the
+request joins the batch. The engine thread owns the object; only `_run` is on the side thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.errors import PhasewiseError
+from engine.fit import free_memory
+from engine.llamacpp.decode import BatchWriter, next_lone_chunk
+from engine.llamacpp.model import LlamaCppModel
+from engine.llamacpp.prefix_pool import KvFullError, SeqPrefixCache
+from engine.prefix_cache import CacheLease
+
+SIDE_MIN_TOKENS = 256  # shorter prompts ride in the rows' steps: a context costs ~50 ms to make
+CONTEXT_PAD = 256  # the side context's tokens, rounded up (as llama.cpp pads n_ctx)
+SIDE_SEQ = 0
+WORK_BYTES = 64 << 20  # the side context's compute buffers and logits, roughly
+
+
+def side_threads(loaded: LlamaCppModel) -> int:
+    """Threads the side context gets (the rows keep the rest); 0 where there is one core."""
+    return loaded.n_threads // 2
+
+
+def side_context_bytes(loaded: LlamaCppModel, tokens: int) -> int:
+    """Memory a side prefill of `tokens` (cached prefix included) takes at its peak: its KV
+    memory, the copy of it on its way to the main context, and compute buffers."""
+    return 2 * loaded.kv_bytes_per_token * _padded(tokens) + WORK_BYTES
+
+
+def can_prefill_beside(loaded: LlamaCppModel, total_tokens: int, new_tokens: int) -> bool:
+    """Whether a prompt of new_tokens (total_tokens with its cached prefix) should go beside:
+    long enough to be worth a context, two cores or more, and memory to spare for it."""
+    if new_tokens < SIDE_MIN_TOKENS or side_threads(loaded) < 1:
+        return False
+    free = free_memory("cpu")
+    return free is None or side_context_bytes(loaded, total_tokens) <= free // 2
+
+
+def set_threads(loaded: LlamaCppModel, ctx: Any, threads: int) -> None:
+    loaded.llama_cpp.llama_set_n_threads(ctx, threads, threads)
+
+
+def _padded(tokens: int) -> int:
+    return -(-(tokens + 1) // CONTEXT_PAD) * CONTEXT_PAD
+
+
+class SidePrefill:
+    """Prefill `ids` after `lease`'s cached prefix on a side context, in a thread. The engine
+    thread polls `running`/`done`, then calls `finish` (the KV moves to the lease's sequence)
+    and always `close`."""
+
+    def __init__(self, loaded: LlamaCppModel, lease: CacheLease, ids: list[int],
+                 cancel: threading.Event) -> None:
+        self.loaded, self.lease, self.ids, self.cancel = loaded, lease, ids, cancel
+        self.threads = side_threads(loaded)
+        self.done = 0  # tokens of ids in the side context (written by the side thread)
+        self.error: BaseException | None = None
+        self._logits: torch.Tensor | None = None
+        self._stop = threading.Event()  # close() before the end: the engine gave up
+        self._wanted_threads = self.threads
+        self._ctx = self._new_context(len(lease.ids) + len(ids))
+        self._thread: threading.Thread | None = None
+        try:
+            if lease.ids:
+                self._copy_seq(loaded.ctx, lease.cache, self._ctx, SIDE_SEQ)
+        except BaseException:
+            self.close()
+            raise
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="phasewise-side-prefill",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self, timeout_s: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def use_all_threads(self) -> None:
+        """Nothing streams any more: the side prefill takes every core from its next chunk."""
+        self._wanted_threads = self.loaded.n_threads
+
+    # ----- the side thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        lib, n_batch = self.loaded.llama_cpp, self.loaded.n_batch
+        batch = lib.llama_batch_init(n_batch, 0, 1)
+        try:
+            self._feed(BatchWriter(batch, n_batch))
+        except BaseException as exc:  # handed to the engine thread by finish()
+            self.error = exc
+        finally:
+            lib.llama_batch_free(batch)
+
+    def _feed(self, writer: BatchWriter) -> None:
+        lib, ids, threads = self.loaded.llama_cpp, self.ids, self.threads
+        start, step = len(self.lease.ids), next_lone_chunk(self.loaded, 0, 0.0)
+        while self.done < len(ids):
+            if self.cancel.is_set() or self._stop.is_set():
+                return
+            if self._wanted_threads != threads:
+                threads = self._wanted_threads
+                set_threads(self.loaded, self._ctx, threads)
+            begin, end = self.done, min(len(ids), self.done + step)
+            last = end == len(ids)
+            writer.fill(ids[begin:end], range(start + begin, start + end),
+                        [SIDE_SEQ] * (end - begin),
+                        [last and i == end - 1 for i in range(begin, end)])
+            began = time.perf_counter()
+            code = lib.llama_decode(self._ctx, writer.batch)
+            if code != 0:
+                raise PhasewiseError(f"llama.cpp failed to decode a batch (code {code})")
+            if last:
+                pointer = lib.llama_get_logits(self._ctx)
+                row = np.ctypeslib.as_array(pointer, shape=(self.loaded.n_vocab,))
+                self._logits = torch.from_numpy(row.copy())
+            step = next_lone_chunk(self.loaded, end - begin, time.perf_counter() - began)
+            self.done = end
+
+    # ----- back on the engine thread ---------------------------------------------------------
+    def finish(self, pool: SeqPrefixCache) -> torch.Tensor | None:
+        """After the thread ended: move the prompt's KV onto the lease's sequence (the lease's
+        ids follow) and return the last position's logits; None if Stop came first."""
+        if self.running:
+            raise RuntimeError("finish() while the side prefill runs")
+        if self.error is not None:
+            raise self.error
+        if self._logits is None:
+            return None
+        while not self._copy_seq(self._ctx, SIDE_SEQ, self.loaded.ctx, self.lease.cache,
+                                 must_fit=False):
+            if not pool.evict_oldest(keep=self.lease.cache):
+                raise KvFullError(
+                    f"the KV cache is full ({self.loaded.info.context_length} tokens shared "
+                    "by the running replies): wait for one to finish, or load a larger context")
+        self.lease.ids.extend(self.ids)
+        return self._logits
+
+    def close(self) -> None:
+        """Stop the thread (after its current chunk) and free the side context."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._ctx is not None:
+            self.loaded.llama_cpp.llama_free(self._ctx)
+            self._ctx = None
+
+    def _new_context(self, tokens: int) -> Any:
+        lib, main = self.loaded.llama_cpp, self.loaded.context_params
+        params = type(main).from_buffer_copy(main)  # same kernels, KV types and attention
+        params.n_ctx = _padded(tokens)
+        params.n_seq_max = 1
+        params.n_threads = params.n_threads_batch = self.threads
+        ctx = lib.llama_init_from_model(self.loaded.model, params)
+        if not ctx:
+            raise KvFullError(f"no memory for a {params.n_ctx}-token side context")
+        return ctx
+
+    def _copy_seq(self, src_ctx: Any, src: int, dst_ctx: Any, dst: int,
+                  must_fit: bool = True) -> bool:
+        """Copy sequence src of src_ctx onto sequence dst of dst_ctx (replacing it). False when
+        dst_ctx has no room for it in one run of cells (unless must_fit: then it raises)."""
+        lib = self.loaded.llama_cpp
+        size = lib.llama_state_seq_get_size(src_ctx, src)
+        buffer = np.empty(size, dtype=np.uint8)
+        pointer = buffer.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        written = lib.llama_state_seq_get_data(src_ctx, pointer, size, src)
+        if lib.llama_state_seq_set_data(dst_ctx, pointer, written, dst):
+            return True
+        if must_fit:
+            raise KvFullError(f"no room for {len(self.lease.ids)} cached tokens in a side "
+                              "context")
+        return False
