@@ -15,8 +15,9 @@ WAIT_MS = 30_000  # a wait that fails the test only when something hangs, never 
 LONG = 240  # the tiny model (context 256) greedily runs to max tokens without an EOS
 
 
-def settings(window: MainWindow, *, temperature: float, max_tokens: int) -> None:
-    """Set the temperature slider (hundredths) and then max tokens, as the user would."""
+def settings(window: MainWindow, *, temperature: int, max_tokens: int) -> None:
+    """Set the temperature slider (in hundredths: 100 is 1.0) and then max tokens, as the
+    user would."""
     window.controls.temperature.setValue(temperature)
     window.controls.max_tokens.setValue(max_tokens)
 
