@@ -9,7 +9,9 @@ while the engine thread keeps decoding the rows on the other cores: prefill and 
 disaggregated (as in DistServe and Splitwise) across one machine's cores. ctypes releases the
 GIL for each llama_decode, so the two run at once. When the prompt is in, its sequence's KV is
 copied onto the lease's sequence of the main context (llama_state_seq_get/set_data) and the
-request joins the batch. The engine thread owns the object; only `_run` is on the side thread.
+request joins the batch. The engine thread owns the object, the main context and the prefix
+cache (design.md's threading rule); the side thread (`_run`) touches only its own context and
+the model's read-only weights, and every event and clock stamp is still the engine thread's.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 
 from engine.errors import PhasewiseError
 from engine.fit import free_memory
-from engine.llamacpp.decode import BatchWriter, next_lone_chunk
+from engine.llamacpp.decode import MIN_LONE_CHUNK, BatchWriter, next_lone_chunk
 from engine.llamacpp.model import LlamaCppModel
 from engine.llamacpp.prefix_pool import KvFullError, SeqPrefixCache
 from engine.prefix_cache import CacheLease
@@ -116,7 +118,8 @@ class SidePrefill:
 
     def _feed(self, writer: BatchWriter) -> None:
         lib, ids, threads = self.loaded.llama_cpp, self.ids, self.threads
-        start, step = len(self.lease.ids), next_lone_chunk(self.loaded, 0, 0.0)
+        # A small first chunk on fewer threads: the first progress comes soon; then the clock.
+        start, step = len(self.lease.ids), MIN_LONE_CHUNK
         while self.done < len(ids):
             if self.cancel.is_set() or self._stop.is_set():
                 return
