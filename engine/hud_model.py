@@ -54,6 +54,19 @@ def fmt_seconds(s: float) -> str:
     return f"{s * 1000:.1f} ms"
 
 
+def fmt_eta(s: float) -> str:
+    """Time left, as precise as it is useful: 'under 1 s', '42 s', '2 min 40 s' (10 s steps
+    past a minute, so a rate that wobbles does not flicker the last digit), '14 min'."""
+    if s < 1:
+        return "under 1 s"
+    if s < 60:
+        return f"{s:.0f} s"
+    if s < 600:
+        minutes, seconds = divmod(round(s / 10) * 10, 60)
+        return f"{minutes} min {seconds} s" if seconds else f"{minutes} min"
+    return f"{round(s / 60)} min"
+
+
 def fmt_ms(s: float) -> str:
     """Seconds shown as milliseconds with one decimal: '23.7 ms'."""
     return f"{s * 1000:.1f} ms"

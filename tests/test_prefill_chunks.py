@@ -255,6 +255,20 @@ def test_placeholder_reads_the_prompt_then_writes(qtbot) -> None:
         "· Reading your prompt: 0% · 2 min 30 s left · 400 tok/s"
 
 
+def test_the_time_left_reads_the_same_in_the_chat_and_the_hud_without_flicker() -> None:
+    from engine.hud_model import fmt_eta
+    from ui.chat_view import prefill_status
+    from ui.hud.panels import prefill_caption
+
+    # A rate that wobbles between two chunks: past a minute, 10 s steps keep one label.
+    wobble = [PrefillProgress("r1", 0, 2_000, 6_000, tok_s, 4_000 / tok_s)
+              for tok_s in (25.5, 24.5)]  # 157 s and 163 s left
+    assert {prefill_status(e).split(" · ")[1] for e in wobble} == {"2 min 40 s left"}
+    assert all(prefill_caption(e).endswith(", 2 min 40 s left") for e in wobble)
+    assert [fmt_eta(s) for s in (0.4, 3.2, 42.4, 59.6, 120, 604, 3_000)] == \
+        ["under 1 s", "3 s", "42 s", "60 s", "2 min", "10 min", "50 min"]
+
+
 # ----- the HUD's live view ---------------------------------------------------------------------
 def test_hud_draws_the_prefill_while_the_prompt_is_read(qtbot) -> None:
     from engine.events import PrefillStarted, RequestQueued
@@ -289,7 +303,7 @@ def test_a_new_chats_prefill_shows_no_other_chats_numbers_and_an_unclipped_marke
     from engine.events import PrefillStarted, RequestQueued
     from engine.hud_model import SavedChat
     from tests.hud_events import MS, ReplySpec, loaded_event, reply_events
-    from ui.hud import HudWidget
+    from ui.hud import HudWidget, style
 
     hud = HudWidget(calibrate=False)
     qtbot.addWidget(hud)
@@ -324,6 +338,7 @@ def test_a_new_chats_prefill_shows_no_other_chats_numbers_and_an_unclipped_marke
         area = panel.plot.getPlotItem().vb.sceneBoundingRect()
         [(_x, text, line)] = panel._markers
         assert text == "max_tokens=64" and line.label.isVisible()
+        assert line.label.fill.color().name() == style.CARD  # readable where it crosses a bar
         label = line.label.sceneBoundingRect()
         assert area.left() - 1 <= label.left() and label.right() <= area.right() + 1, \
             (panel.key, area, label)
@@ -337,13 +352,18 @@ def test_window_shows_prompt_progress_then_the_reply_stats_line(qtbot, make_wind
     monkeypatch.setenv(PREFILL_CHUNK_ENV, "8")  # several chunks even for a short prompt
     window = make_window()
     statuses: list[str] = []
+    contexts: list[tuple[str, int]] = []
     # Connected after the window's own slots: sees the placeholder as they left it.
     window.bridge.sig_prefill_progress.connect(
         lambda e: statuses.append(window.chat.status_text(e.request_id)))
+    window.bridge.sig_prefill_started.connect(  # the status bar's context gauge, at once
+        lambda e: contexts.append((window.context_label.text(), e.prompt_tokens)))
 
     with qtbot.waitSignal(window.sig_reply_finished, timeout=60_000):
         assert window.send("The capital of France is Paris. Hello, how are you today?")
 
+    [(gauge, prompt_tokens)] = contexts
+    assert gauge.startswith(f"context {prompt_tokens:,} / ")  # a new chat: not "context 0"
     reading = [s for s in statuses if s.startswith("· Reading your prompt: ")]
     assert len(reading) >= 3 and reading[-1] == "· Reading your prompt: 100%"
     saved = [m for m in window.store.messages(window.conversation_id) if m.role == "assistant"]

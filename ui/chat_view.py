@@ -29,6 +29,7 @@ from PySide6.QtGui import (
 from PySide6.QtWidgets import QTextBrowser, QWidget
 
 from engine.events import PrefillProgress
+from engine.hud_model import fmt_eta
 from ui.markdown import COPY_SCHEME, Theme, is_safe_link, render_markdown, render_plain
 from ui.store import DONE, Message
 
@@ -46,10 +47,7 @@ def prefill_status(event: PrefillProgress) -> str:
     "· Reading your prompt: 42% · 3 s left · 550 tok/s"."""
     text = f"· Reading your prompt: {event.fraction:.0%}"
     if event.done_tokens < event.total_tokens and event.tok_s > 0:
-        eta = event.eta_s
-        left = ("under 1 s" if eta < 1 else f"{eta:.0f} s" if eta < 60
-                else f"{int(eta // 60)} min {int(eta % 60)} s")
-        text += f" · {left} left · {event.tok_s:.0f} tok/s"
+        text += f" · {fmt_eta(event.eta_s)} left · {event.tok_s:.0f} tok/s"
     return text
 
 

@@ -85,6 +85,7 @@ class MainWindow(QMainWindow):
         self.load_options = dict(load_options or {})
         self.bridge = EngineBridge(engine, self)
         self.session = ChatSession(engine, store, self)
+        self._saved_context = 0  # tokens the chat on screen's last saved reply left
 
         self._build_widgets()
         self._build_docks(hud_calibrate)
@@ -174,6 +175,7 @@ class MainWindow(QMainWindow):
         b.sig_event.connect(self.hud.on_engine_event)
         b.sig_prefill_progress.connect(self.chat.show_prefill_progress)
         b.sig_prefill_started.connect(self.session.on_prefill_started)
+        b.sig_prefill_started.connect(lambda _event: self._show_context_fill(None))
         b.sig_token.connect(self._on_token)
         b.sig_text_flushed.connect(self._on_text_flushed)
         b.sig_request_finished.connect(self.session.on_finished)
@@ -221,7 +223,7 @@ class MainWindow(QMainWindow):
         self._update_busy()
         self.sidebar.refresh(select="")
         self.sidebar.clear_selection()
-        self._show_context_fill(None)
+        self._show_context_fill([])
         self._show_chat_history(None, [])
         self.composer.focus()
 
@@ -481,9 +483,16 @@ class MainWindow(QMainWindow):
         self.hud.set_text_interval(interval_ms / 1000)
 
     def _show_context_fill(self, messages: list[Message] | None) -> None:
-        last = next((m.metrics for m in reversed(messages or []) if m.metrics), None)
-        used = (last["prompt_tokens"] + last["output_tokens"]) if last else 0
-        self.status.show_context(used, self.model_info.context_length if self.model_info else 0)
+        """What the chat on screen fills of the context: a running reply's prompt (shown as
+        soon as it is being read, not after the reply) and its tokens so far, else what its
+        last saved reply used (`messages`: the chat's saved messages; None: as last time)."""
+        if messages is not None:
+            last = next((m.metrics for m in reversed(messages) if m.metrics), None)
+            self._saved_context = (last["prompt_tokens"] + last["output_tokens"]) if last else 0
+        running = [r.prompt_tokens + r.output_tokens for r in
+                   self.session.running(self.conversation_id) if r.prompt_tokens is not None]
+        self.status.show_context(max(running, default=self._saved_context),
+                                 self.model_info.context_length if self.model_info else 0)
 
     # ----- closing ----------------------------------------------------------------------------
     def closeEvent(self, event: QCloseEvent) -> None:

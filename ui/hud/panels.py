@@ -23,6 +23,7 @@ from engine.hud_model import (
     Breakdown,
     ReplyRecord,
     SessionModel,
+    fmt_eta,
     fmt_ms,
     fmt_seconds,
 )
@@ -33,6 +34,7 @@ from ui.hud.live_label import LiveLabel
 MAX_TURNS_SHOWN = 40  # per-turn bar plots show the latest turns only
 MARKER_LABEL_GAP_PX = 8  # a marker label shows only if it clears the next one by this much
 HISTORY_ALPHA = 90  # saved replies (history) are drawn faded beside live ones
+MARKER_LABEL_FILL_ALPHA = 225  # a marker label's backing: bars behind it show faintly
 WAITING = "Waiting for a reply."  # a caption before there is anything to describe
 LABEL_GAP_PX = 6  # between the ITL plot's percentile labels
 NO_HOVER = " "  # the readout's resting text (keeps its line's height)
@@ -52,10 +54,10 @@ class HudContext:
 
 
 def prefill_caption(p: PrefillProgress) -> str:
-    """"reading the prompt: 42% (840 / 2,000 tokens) at 420 tok/s, 3.0 s left"."""
+    """"reading the prompt: 42% (840 / 2,000 tokens) at 420 tok/s, 3 s left"."""
     text = (f"reading the prompt: {p.fraction:.0%} ({p.done_tokens:,} / {p.total_tokens:,} "
             f"tokens) at {p.tok_s:,.0f} tok/s")
-    return text + (f", {fmt_seconds(p.eta_s)} left" if p.done_tokens < p.total_tokens else "")
+    return text + (f", {fmt_eta(p.eta_s)} left" if p.done_tokens < p.total_tokens else "")
 
 
 _CONTROL_TOKEN = re.compile(r"^<\|?([A-Za-z0-9_./-]+)\|?>$")  # <|im_end|>, <s>, </s> ...
@@ -159,7 +161,9 @@ class Panel(QFrame):
             line = pg.InfiniteLine(
                 pos=x, angle=90, pen=style.pen(style.MARKER, 1, DASH), label=text,
                 labelOpts={"position": 0.95, "color": style.MARKER,
-                           "anchors": [(1, 0), (1, 0)]},
+                           "anchors": [(1, 0), (1, 0)],
+                           # backed by the plot's colour: readable where it crosses a bar
+                           "fill": style.brush(style.CARD, MARKER_LABEL_FILL_ALPHA)},
             )
             self.plot.addItem(line, ignoreBounds=True)
             self._markers.append((x, text, line))
