@@ -127,6 +127,7 @@ class Breakdown:
     cached_tokens: int
     output_tokens: int
     final: bool  # False while the reply is still streaming (built from live stamps)
+    prefill_cut: bool = False  # stopped (or failed) while its prompt was being read
 
     @property
     def other_s(self) -> float:
@@ -158,7 +159,8 @@ class Breakdown:
         """(phase, detail, seconds, share) in the seed's table form."""
         return [
             ("queue", "waiting for the engine", self.queue_s, self.share(self.queue_s)),
-            ("prefill", f"{self.prompt_tokens:,} prompt tokens, {self.cached_tokens:,} cached",
+            ("prefill", ("stopped while reading " if self.prefill_cut else "")
+             + f"{self.prompt_tokens:,} prompt tokens, {self.cached_tokens:,} cached",
              self.prefill_s, self.share(self.prefill_s)),
             ("decode", f"{self.decode_steps:,} gaps after the first token x "
              f"{fmt_ms(self.ms_per_token_s)}",
@@ -168,8 +170,13 @@ class Breakdown:
 
     @classmethod
     def from_metrics(cls, m: RequestMetrics) -> Breakdown:
-        return cls(m.queue_s, m.prefill_s, m.decode_s, m.e2e_s, m.ttft_s, m.prompt_tokens,
-                   m.cached_tokens, m.output_tokens, final=True)
+        # Stopped while its prompt was read, a reply has no first logits, so its metrics
+        # count no prefill: the time after its queue was that prefill, cut short (not
+        # "first sample + finish").
+        cut = m.output_tokens == 0 and m.prefill_s == 0 and m.e2e_s > m.queue_s
+        return cls(m.queue_s, m.e2e_s - m.queue_s if cut else m.prefill_s, m.decode_s, m.e2e_s,
+                   m.ttft_s, m.prompt_tokens, m.cached_tokens, m.output_tokens, final=True,
+                   prefill_cut=cut)
 
 
 @dataclass
@@ -386,6 +393,10 @@ def advise(b: Breakdown | None) -> str:
     """
     if b is None or b.e2e_s <= 0:
         return ""
+    if b.prefill_cut:
+        return (f"Stopped while reading the prompt, after {fmt_seconds(b.prefill_s)} of "
+                f"prefill ({b.prefilled_tokens:,} new prompt tokens, {b.cached_tokens:,} "
+                "cached): a shorter prompt, or one whose prefix is cached, answers sooner.")
     phases = {"queue": b.queue_s, "prefill": b.prefill_s, "decode": b.decode_s}
     phase, seconds = max(phases.items(), key=lambda kv: kv[1])
     share = b.share(seconds)

@@ -24,7 +24,7 @@ from pathlib import Path
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from PySide6.QtCore import QSettings, QTimer
+from PySide6.QtCore import QCoreApplication, QEvent, QSettings, QTimer
 from PySide6.QtWidgets import QApplication
 
 from app.gui import build_backend, build_window
@@ -125,6 +125,8 @@ class PrefillShot:
             return self._fail(f"the prompt was {percent}% read before a shot: {self.seen}")
         if percent >= low:
             self.window.hud.flush()  # the HUD's throttled redraw, as it is due
+            # ... and the layout its new texts asked for, before the grab
+            QCoreApplication.sendPostedEvents(None, QEvent.Type.LayoutRequest)
             self.window.grab().save(str(self.out))
             print(f"saved {self.out} at {status!r} ({event.total_tokens:,} prompt tokens)")
             self.stopped_at = time.monotonic()

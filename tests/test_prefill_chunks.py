@@ -295,6 +295,39 @@ def test_hud_draws_the_prefill_while_the_prompt_is_read(qtbot) -> None:
     assert panel._prefill_left.opts["width"][0] == 0
 
 
+def test_a_reply_stopped_while_its_prompt_is_read_shows_that_prefill(qtbot) -> None:
+    """Stopped at 30% of a long prompt: its time after the queue was prefill, cut short (it
+    read as "other: first sample + finish" and the advisor saw no dominant phase)."""
+    from engine.events import GenerationResult, PrefillStarted, RequestFinished, RequestQueued
+    from engine.metrics import compute_metrics
+    from tests.hud_events import INFO, MS
+    from ui.hud import HudWidget
+
+    hud = HudWidget(calibrate=False)
+    qtbot.addWidget(hud)
+    timeline = RequestTimeline(submitted_ns=0)
+    timeline.prefill_start_ns, timeline.done_ns = 2 * MS, 20_000 * MS  # no first logits
+    metrics = compute_metrics(timeline, prompt_tokens=6_000, cached_tokens=20,
+                              parameters=INFO.parameters,
+                              weight_bytes_per_step=INFO.weight_bytes_per_step,
+                              cache_miss_reason="first_turn")
+    result = GenerationResult("r1", "", "cancelled", [], list(range(6_000)), metrics, INFO)
+    for event in (RequestQueued("r1", 0), PrefillStarted("r1", 2 * MS, 6_000, 20, "first_turn"),
+                  PrefillProgress("r1", 19_500 * MS, 1_800, 5_980, 92.0, 45.0),
+                  RequestFinished("r1", 20_000 * MS, result)):
+        hud.on_engine_event(event)
+    hud.flush()
+
+    rows = {phase: (detail, seconds) for phase, detail, seconds, _share
+            in hud.selected_reply().breakdown().rows()}
+    assert rows["prefill"] == ("stopped while reading 6,000 prompt tokens, 20 cached",
+                               pytest.approx(19.998))
+    assert rows["other"][1] == pytest.approx(0.0)
+    assert hud.advice_text().startswith("Stopped while reading the prompt, after 20 s of "
+                                        "prefill (5,980 new prompt tokens, 20 cached)")
+    assert "reading the prompt: " not in hud.panels["breakdown"].caption.text()
+
+
 def test_a_new_chats_prefill_shows_no_other_chats_numbers_and_an_unclipped_marker(
         qtbot) -> None:
     """A long prompt pasted into a new chat after another chat's replies: the per-turn
