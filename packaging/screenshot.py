@@ -46,6 +46,7 @@ PREFILL_WORDS = 4_100  # about 6,000 tokens on the default model's tokenizer
 # Empty until a new chat's first token: hidden (as from the HUD's Panels menu) so the live
 # prefill view (the breakdown) and the cache ledger are in the shot.
 PREFILL_HIDDEN_PANELS = ("ttft", "itl", "throughput")
+LAYOUT_PASSES = 8  # more than the HUD's widgets are deep
 _PERCENT = re.compile(r"Reading your prompt: (\d+)%")
 
 _WHO = ["The night shift", "Our supplier in Lyon", "The river survey team", "Mara's lab",
@@ -77,6 +78,14 @@ def long_prompt(words: int = PREFILL_WORDS, seed: int = 18) -> str:
             count += len(sentence.split())
     return ("Here is this month's report.\n" + " ".join(parts)
             + "\n\nSummarise the report above in three short bullet points.")
+
+
+def settle_layout() -> None:
+    """Apply the layouts that new texts asked for before a grab, without running the event
+    loop (it would deliver the next chunk's progress first): a label's new height climbs one
+    level a pass (card, panel column, scroll body)."""
+    for _ in range(LAYOUT_PASSES):
+        QCoreApplication.sendPostedEvents(None, QEvent.Type.LayoutRequest)
 
 
 class PrefillShot:
@@ -125,8 +134,7 @@ class PrefillShot:
             return self._fail(f"the prompt was {percent}% read before a shot: {self.seen}")
         if percent >= low:
             self.window.hud.flush()  # the HUD's throttled redraw, as it is due
-            # ... and the layout its new texts asked for, before the grab
-            QCoreApplication.sendPostedEvents(None, QEvent.Type.LayoutRequest)
+            settle_layout()
             self.window.grab().save(str(self.out))
             print(f"saved {self.out} at {status!r} ({event.total_tokens:,} prompt tokens)")
             self.stopped_at = time.monotonic()
