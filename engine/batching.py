@@ -47,6 +47,7 @@ from engine.metrics import RequestTimeline, compute_metrics
 from engine.params import GenerationRequest
 from engine.prefix_cache import CacheLease, PrefixCache, crop_to, new_cache
 from engine.sampling import make_generator, sample_token
+from engine.side_prefill import SidePrefill, can_prefill_beside
 
 if TYPE_CHECKING:  # transformers is not imported at run time here: the llama.cpp batcher
     from transformers import DynamicCache  # imports this module and never needs it
@@ -62,6 +63,7 @@ MAX_BATCH = 8  # rows decoding at once; later requests wait in the queue
 STEP_TOKEN_BUDGET = 32
 CHUNK_STALL = 1.0
 MIN_INTERLEAVED_CHUNK = 32
+SIDE_POLL_S = 0.05  # with no row streaming, how often a side prefill's progress is read
 ALT_CACHE_SUFFIX = "~alt"  # prefix-cache key of alternative i >= 1: f"{conversation}~alt{i}"
 
 
@@ -140,7 +142,7 @@ class Batcher:
 
     def __init__(self, loaded: LoadedModel, prefix_cache: PrefixCache, emit: Emit,
                  done: Done, *, prefill_chunk: int | None = None, interleave: bool = True,
-                 step_token_budget: int | None = None) -> None:
+                 step_token_budget: int | None = None, beside: bool = True) -> None:
         self.loaded = loaded
         self.prefix_cache = prefix_cache
         self._emit = emit
@@ -153,6 +155,10 @@ class Batcher:
         self.interleave = interleave
         self.adaptive_budget = step_token_budget is None
         self.step_token_budget = step_token_budget or STEP_TOKEN_BUDGET
+        # A long prompt joining streaming rows on a CPU is prefilled beside them in a thread on
+        # half the cores (engine/side_prefill.py); beside=False keeps it between the steps.
+        self.beside = beside
+        self.side_prefills = 0
         self._decode_step_s = 0.0  # moving average of a decode step's time
         self.eos_ids = eos_token_ids(loaded)
         self.stops = template_stops(loaded)
@@ -205,18 +211,60 @@ class Batcher:
         self._emit(job, PrefillStarted(request.request_id, timeline.prefill_start_ns,
                                        len(prompt.ids), lease.cached_tokens, lease.miss_reason))
         row = self._new_row(job, prompt.ids, lease)
-        prefill = ChunkedPrefill(self.loaded, lease, prompt.ids[lease.cached_tokens :],
-                                 request.request_id, lambda event: self._emit(job, event))
-        while not job.cancel.is_set():  # Stop takes effect within one chunk
+        ids = prompt.ids[lease.cached_tokens :]
+        if (self.beside and self.interleave and self.rows
+                and can_prefill_beside(self.loaded, len(ids))):
+            logits = self._prefill_beside(job, lease, ids)
+        else:
+            logits = self._prefill_between(job, lease, ids)
+        if logits is None:
+            return row, torch.empty(0)
+        timeline.first_logits_ns = now_ns()
+        return row, logits[0]
+
+    def _prefill_between(self, job: BatchJob, lease: CacheLease,
+                         ids: list[int]) -> torch.Tensor | None:
+        """Prefill ids in chunks here, a decode step of the streaming rows between two chunks;
+        the last position's logits, or None if Stop came first (within one chunk)."""
+        prefill = ChunkedPrefill(self.loaded, lease, ids, job.request.request_id,
+                                 lambda event: self._emit(job, event))
+        while not job.cancel.is_set():
             start, streaming = now_ns(), self.interleave and bool(self.rows)
             logits = prefill.step(self._chunk_tokens())
             if logits is not None:
-                timeline.first_logits_ns = now_ns()
-                return row, logits[0]
+                return logits
             if streaming:
                 self._adapt_budget((now_ns() - start) * 1e-9)
                 self.step()  # the streaming rows get their next token between two chunks
-        return row, torch.empty(0)
+        return None
+
+    def _prefill_beside(self, job: BatchJob, lease: CacheLease,
+                        ids: list[int]) -> torch.Tensor | None:
+        """Prefill ids in a side thread on half the cores while the rows keep stepping here
+        on the rest; progress as its chunks finish, every core to it once no row streams. The
+        last position's logits, or None if Stop came first (within one chunk)."""
+        side = SidePrefill(self.loaded, lease, ids, job.request.request_id, self.prefill_chunk,
+                           job.cancel)
+        self.side_prefills += 1
+        threads, plain_step_s = torch.get_num_threads(), self._decode_step_s
+        torch.set_num_threads(max(1, threads - side.threads))  # this (the engine) thread's own
+        try:
+            side.start()
+            while side.running:
+                if self.rows:
+                    self.step()
+                else:
+                    side.use_threads(threads)
+                    side.wait(SIDE_POLL_S)
+                for event in side.progress():
+                    self._emit(job, event)
+            for event in side.progress():
+                self._emit(job, event)
+            return side.finish()
+        finally:
+            side.close()
+            torch.set_num_threads(threads)
+            self._decode_step_s = plain_step_s  # steps on fewer threads say nothing of the usual
 
     def _adapt_budget(self, chunk_s: float) -> None:
         """Scale the step's token budget so the next chunk takes about CHUNK_STALL decode

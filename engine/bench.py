@@ -444,8 +444,10 @@ INTERFERENCE_LABELS = {"one_pass": "whole prefill between two steps",
 
 
 def interference_modes(loaded: LoadedModel) -> tuple[str, ...]:
-    """The schedules an engine has: llama.cpp can also prefill on a side context."""
-    return INTERFERENCE_MODES if runtimes.is_llama_cpp(loaded) else INTERFERENCE_MODES[:2]
+    """The schedules an engine has: llama.cpp can also prefill on a side context, torch on a
+    CPU in a side thread."""
+    beside = runtimes.is_llama_cpp(loaded) or loaded.info.device == "cpu"
+    return INTERFERENCE_MODES if beside else INTERFERENCE_MODES[:2]
 
 
 @torch.inference_mode()
@@ -461,8 +463,8 @@ def bench_interference(
     """One chat streams through the engine's batcher while another submits a prompt_tokens
     prompt: the streaming chat's ITL p99 alone and while the prompt is prefilled, with the
     prefill in one pass between two decode steps (the streams wait), in chunks with decode
-    steps between them (on llama.cpp, in the rows' own steps) and, on llama.cpp, beside the
-    streams on a side context with its own cores (the engine's choice for a long prompt), and
+    steps between them (on llama.cpp, in the rows' own steps) and, on llama.cpp and on a CPU,
+    beside the streams with its own cores (the engine's choice for a long prompt), and
     the same prompt's prefill rate with nothing streaming. Modes alternate round by round;
     ITLs are pooled over rounds."""
     source = fixed_prompt_ids(loaded, stream_prompt_tokens + prompt_tokens)
@@ -493,7 +495,8 @@ def _interference_batcher(loaded: LoadedModel, mode: str) -> Any:
     """A fresh batcher on a fresh prefix cache (llama.cpp: an empty KV memory). one_pass: the
     prompt is prefilled whole between two steps (torch: one forward; llama.cpp: n_batch
     batches, as before chunking); chunked: chunks between or in the decode steps (torch's
-    schedule); beside: llama.cpp's own schedule, a long prompt on a side context."""
+    schedule); beside: the engine's own schedule, a long prompt on a side context (llama.cpp)
+    or in a side thread (torch on a CPU)."""
     pool = runtimes.new_prefix_cache(loaded, budget_bytes=1 << 40)
     whole = mode == "one_pass"
 
@@ -512,7 +515,7 @@ def _interference_batcher(loaded: LoadedModel, mode: str) -> Any:
                             lone_chunk=native if whole else None)
     from engine.batching import Batcher
 
-    return Batcher(loaded, pool, emit, done, interleave=not whole,
+    return Batcher(loaded, pool, emit, done, interleave=not whole, beside=mode == "beside",
                    prefill_chunk=1 << 30 if whole else None)
 
 

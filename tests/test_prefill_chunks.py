@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import shutil
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -221,10 +222,115 @@ def test_interference_bench_reports_both_modes(sharp: LoadedModel) -> None:
     r = bench_interference(sharp, prompt_tokens=150, stream_prompt_tokens=16, alone_tokens=6)
     assert r["one_pass_stream_tokens_during_prefill"] == 1  # one gap spans the whole prefill
     assert r["chunked_stream_tokens_during_prefill"] >= 2
-    for mode in ("one_pass", "chunked"):
+    assert r["modes"] == ["one_pass", "chunked", "beside"]  # torch on a CPU: a side thread
+    for mode in r["modes"]:
         assert r[f"{mode}_itl_p99_ratio"] == pytest.approx(
             r[f"{mode}_itl_p99_during_prefill_s"] / r[f"{mode}_itl_p99_alone_s"])
 
+
+
+# ----- a long prompt prefilled beside the streaming rows, in a side thread ----------------------
+SIDE_THREAD = "phasewise-side-prefill"
+
+
+@pytest.fixture
+def beside_on_two_cores(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
+    """The tiny model's prompts go beside from 100 tokens, with two cores to split whatever
+    this machine has; yields the engine thread's intra-op threads before (restored after)."""
+    from engine import side_prefill
+
+    monkeypatch.setattr(side_prefill, "SIDE_MIN_TOKENS", 100)
+    monkeypatch.setattr(side_prefill, "allowed_cpus", lambda: 2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield 2
+    torch.set_num_threads(before)
+
+
+def stream_then_beside(loaded: LoadedModel, emit: Any, done: Any) -> tuple[Batcher, DetachedJob,
+                                                                          DetachedJob]:
+    """Row A streams; B's 180-token prompt joins beside it (chunks of 64); steps until A ends."""
+    batcher = Batcher(loaded, pool(loaded), emit, done, prefill_chunk=64)
+    a, b = job(prompt(loaded, 20), max_tokens=40), job(prompt(loaded, 180, 5), max_tokens=8)
+    batcher.admit([a])
+    for _ in range(3):
+        batcher.step()
+    batcher.admit([b])
+    while batcher.rows:
+        batcher.step()
+    return batcher, a, b
+
+
+def test_a_long_prompt_beside_the_stream_gives_the_same_replies(
+        sharp: LoadedModel, beside_on_two_cores: int) -> None:
+    rec, threads_seen = Recorder(), []
+
+    def emit(j: BatchJob, event: EngineEvent) -> None:
+        threads_seen.append(threading.current_thread().name)
+        rec.emit(j, event)
+
+    batcher, a, b = stream_then_beside(sharp, emit, rec.done)
+    assert batcher.side_prefills == 1
+    assert torch.get_num_threads() == beside_on_two_cores  # the engine thread's, restored
+    progress = [e for e in rec.events
+                if isinstance(e, PrefillProgress) and e.request_id == b.request.request_id]
+    assert [e.done_tokens for e in progress] == [64, 128, 180]
+    assert SIDE_THREAD not in threads_seen  # every event from the engine thread
+    # The schedule changes, never the output: both replies are the ones between the steps.
+    ref, ref_a, ref_b = stream_then_long_prompt(sharp, interleave=False)
+    assert rec.results[a.request.request_id].token_ids == ref.results[ref_a].token_ids
+    assert rec.results[b.request.request_id].token_ids == ref.results[ref_b].token_ids
+
+
+def in_side_thread(loaded: LoadedModel, action: Any) -> Any:
+    """A forward hook that runs action() whenever the side thread runs the model."""
+    def hook(*_args: Any) -> None:
+        if threading.current_thread().name == SIDE_THREAD:
+            action()
+    return loaded.model.register_forward_hook(hook)
+
+
+def test_stop_beside_the_stream_takes_effect_within_one_chunk(
+        sharp: LoadedModel, beside_on_two_cores: int) -> None:
+    rec = Recorder()
+    batcher = Batcher(sharp, pool(sharp), rec.emit, rec.done, prefill_chunk=64)
+    a, b = job(prompt(sharp, 20), max_tokens=40), job(prompt(sharp, 180, 5), max_tokens=8)
+    batcher.admit([a])
+    handle = in_side_thread(sharp, b.cancel.set)  # Stop pressed while the first chunk runs
+    try:
+        batcher.admit([b])
+    finally:
+        handle.remove()
+    result = rec.results[b.request.request_id]
+    assert result.finish_reason == "cancelled" and result.token_ids == []
+    assert [e.done_tokens for e in rec.events if isinstance(e, PrefillProgress)
+            and e.request_id == b.request.request_id] == [64]
+    assert [r.job for r in batcher.rows] == [a]  # A streams on
+    assert torch.get_num_threads() == beside_on_two_cores
+
+
+def test_an_error_in_the_side_thread_fails_that_request_on_the_engine_thread(
+        sharp: LoadedModel, beside_on_two_cores: int) -> None:
+    rec, failed = Recorder(), {}
+
+    def done(j: BatchJob, result: GenerationResult | None, error: BaseException | None) -> None:
+        if error is not None:
+            failed[j.request.request_id] = (error, threading.current_thread().name)
+        else:
+            rec.done(j, result, error)
+
+    def boom() -> None:
+        raise RuntimeError("side forward failed")
+
+    handle = in_side_thread(sharp, boom)
+    try:
+        _, a, b = stream_then_beside(sharp, rec.emit, done)
+    finally:
+        handle.remove()
+    error, thread = failed[b.request.request_id]
+    assert str(error) == "side forward failed" and thread != SIDE_THREAD
+    assert len(rec.results[a.request.request_id].token_ids) == 40  # A was not disturbed
+    assert torch.get_num_threads() == beside_on_two_cores
 
 # ----- the reply placeholder -------------------------------------------------------------------
 def progress_event(done: int, total: int, tok_s: float = 500.0) -> PrefillProgress:
