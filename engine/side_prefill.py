@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import torch
 
@@ -26,6 +27,13 @@ from engine.loader import LoadedModel
 from engine.prefix_cache import CacheLease
 
 SIDE_MIN_TOKENS = 256  # shorter prompts go in chunks between the rows' steps (a chunk or so)
+# Side chunks follow the clock so that progress and Stop come about every SIDE_CHUNK_S. On the
+# Xeon VM (one core each, bench --interference, 4,000 tokens) 256-token chunks took ~1.3 s at
+# 197-242 tok/s; sized to 0.5 s the prompt ran at 174 tok/s, to 0.4 s (at least 32) at 141,
+# against 156-165 for chunks between the steps: each chunk's ~600 ops also wait for the GIL.
+SIDE_CHUNK_S = 0.5
+FIRST_SIDE_CHUNK = 128
+MIN_SIDE_CHUNK = 64
 
 
 def side_threads() -> int:
@@ -40,8 +48,9 @@ def can_prefill_beside(loaded: LoadedModel, new_tokens: int) -> bool:
 
 
 class SidePrefill:
-    """Prefill `ids` on top of `lease`'s cache in chunks of `chunk`, in a thread. The engine
-    thread polls `running`, emits `progress()`, then calls `finish` and always `close`."""
+    """Prefill `ids` on top of `lease`'s cache in a thread, in chunks of at most `chunk` sized
+    to take about SIDE_CHUNK_S each. The engine thread polls `running`, emits `progress()`,
+    then calls `finish` and always `close`."""
 
     def __init__(self, loaded: LoadedModel, lease: CacheLease, ids: list[int], request_id: str,
                  chunk: int, cancel: threading.Event) -> None:
@@ -87,19 +96,28 @@ class SidePrefill:
 
     def _run(self) -> None:
         try:
-            threads = self.threads
+            threads, size = self.threads, min(FIRST_SIDE_CHUNK, self.chunk)
             torch.set_num_threads(threads)  # this thread's own; the engine thread keeps its own
             with torch.inference_mode():
                 while not (self.cancel.is_set() or self._stop.is_set()):
                     if self._wanted_threads != threads:
                         threads = self._wanted_threads
                         torch.set_num_threads(threads)
-                    logits = self._prefill.step(self.chunk)
+                    began, before = time.perf_counter(), self._prefill.done
+                    logits = self._prefill.step(size)
                     if logits is not None:
                         self._logits = logits
                         return
+                    size = self._next_chunk(self._prefill.done - before,
+                                            time.perf_counter() - began)
         except BaseException as exc:  # handed to the engine thread by finish()
             self.error = exc
+
+    def _next_chunk(self, tokens: int, seconds: float) -> int:
+        """The next chunk after one of `tokens` took `seconds` (the last one's rate)."""
+        if seconds <= 0:
+            return self.chunk
+        return max(MIN_SIDE_CHUNK, min(self.chunk, round(tokens / seconds * SIDE_CHUNK_S)))
 
     # ----- back on the engine thread ---------------------------------------------------------
     def finish(self) -> torch.Tensor | None:

@@ -274,7 +274,8 @@ def test_a_long_prompt_beside_the_stream_gives_the_same_replies(
     assert torch.get_num_threads() == beside_on_two_cores  # the engine thread's, restored
     progress = [e for e in rec.events
                 if isinstance(e, PrefillProgress) and e.request_id == b.request.request_id]
-    assert [e.done_tokens for e in progress] == [64, 128, 180]
+    done = [e.done_tokens for e in progress]  # chunks of at most 64, sized by the clock
+    assert done[0] == 64 and done[-1] == 180 and len(done) >= 3 and done == sorted(set(done))
     assert SIDE_THREAD not in threads_seen  # every event from the engine thread
     # The schedule changes, never the output: both replies are the ones between the steps.
     ref, ref_a, ref_b = stream_then_long_prompt(sharp, interleave=False)
