@@ -48,6 +48,7 @@ from engine.params import GenerationRequest
 from engine.prefix_cache import CacheLease, PrefixCache, crop_to, new_cache
 from engine.sampling import make_generator, sample_token
 from engine.side_prefill import SidePrefill, can_prefill_beside
+from engine.side_thread import step_rows_beside
 
 if TYPE_CHECKING:  # transformers is not imported at run time here: the llama.cpp batcher
     from transformers import DynamicCache  # imports this module and never needs it
@@ -63,7 +64,6 @@ MAX_BATCH = 8  # rows decoding at once; later requests wait in the queue
 STEP_TOKEN_BUDGET = 32
 CHUNK_STALL = 1.0
 MIN_INTERLEAVED_CHUNK = 32
-SIDE_POLL_S = 0.05  # with no row streaming, how often a side prefill's progress is read
 ALT_CACHE_SUFFIX = "~alt"  # prefix-cache key of alternative i >= 1: f"{conversation}~alt{i}"
 
 
@@ -248,18 +248,12 @@ class Batcher:
         self.side_prefills += 1
         threads, plain_step_s = torch.get_num_threads(), self._decode_step_s
         torch.set_num_threads(max(1, threads - side.threads))  # this (the engine) thread's own
-        try:
-            side.start()
-            while side.running:
-                if self.rows:
-                    self.step()
-                else:
-                    side.use_threads(threads)
-                    side.wait(SIDE_POLL_S)
-                for event in side.progress():
-                    self._emit(job, event)
+        def on_progress() -> None:
             for event in side.progress():
                 self._emit(job, event)
+
+        try:
+            step_rows_beside(side, lambda: bool(self.rows), self.step, threads, on_progress)
             return side.finish()
         finally:
             side.close()

@@ -40,7 +40,10 @@ def _side_body(memory_bytes: int | None = None, long_tokens: int = LONG_TOKENS) 
 
     if memory_bytes is not None:
         side_prefill.free_memory = lambda _device: memory_bytes  # type: ignore[assignment]
+    import torch
+
     loaded = _load()
+    torch_threads = torch.get_num_threads()
     pool = new_prefix_cache(loaded, 1 << 30)
     stream_ids = _chat_ids(loaded, "Count to twenty.")
     source = fixed_prompt_ids(loaded, 2 * LONG_TOKENS)
@@ -89,6 +92,7 @@ def _side_body(memory_bytes: int | None = None, long_tokens: int = LONG_TOKENS) 
     return {
         "side_prefills": batcher.side_prefills, "mixed_steps": batcher.mixed_steps,
         "threads": (int(lib.llama_n_threads(loaded.ctx)), loaded.n_threads),
+        "torch_threads": (torch.get_num_threads(), torch_threads),
         "events": events, "results": results,
         "cold_agrees": _agree_until_near_tie(results["cold"][1], *long_alone),
         "turn2_agrees": _agree_until_near_tie(results["turn2"][1], *turn2_alone),
@@ -120,7 +124,8 @@ def test_a_long_prompt_is_prefilled_beside_a_streaming_row() -> None:
     assert 1 <= len(stop_progress) <= 2  # the chunk under way when Stop came may finish
     assert stop_progress[-1] < LONG_TOKENS
     assert results["stream-stop"][0] == "length" and len(results["stream-stop"][1]) == 32
-    assert out["threads"][0] == out["threads"][1]
+    assert out["threads"][0] == out["threads"][1]  # the main context's and the sampler's
+    assert out["torch_threads"][0] == out["torch_threads"][1]  # threads, given back
 
 
 @needs_llama_cpp

@@ -160,11 +160,8 @@ def job(ids: list[int], max_tokens: int) -> DetachedJob:
     return DetachedJob(GenerationRequest([], params, prompt_token_ids=ids, reuse_cache=False))
 
 
-def stream_then_long_prompt(loaded: LoadedModel, interleave: bool) -> tuple[Recorder, str, str]:
-    """Row A streams; then B's 180-token prompt joins. Returns the recorder and both ids."""
-    rec = Recorder()
-    batcher = Batcher(loaded, pool(loaded), rec.emit, rec.done, prefill_chunk=64,
-                      interleave=interleave, step_token_budget=40)
+def stream_then_join(loaded: LoadedModel, batcher: Batcher) -> tuple[DetachedJob, DetachedJob]:
+    """Row A streams for three steps; then B's 180-token prompt joins; steps until all end."""
     a, b = job(prompt(loaded, 20), max_tokens=40), job(prompt(loaded, 180, 5), max_tokens=8)
     batcher.admit([a])
     for _ in range(3):
@@ -172,6 +169,15 @@ def stream_then_long_prompt(loaded: LoadedModel, interleave: bool) -> tuple[Reco
     batcher.admit([b])
     while batcher.rows:
         batcher.step()
+    return a, b
+
+
+def stream_then_long_prompt(loaded: LoadedModel, interleave: bool) -> tuple[Recorder, str, str]:
+    """Row A streams; then B's 180-token prompt joins. Returns the recorder and both ids."""
+    rec = Recorder()
+    batcher = Batcher(loaded, pool(loaded), rec.emit, rec.done, prefill_chunk=64,
+                      interleave=interleave, step_token_budget=40)
+    a, b = stream_then_join(loaded, batcher)
     return rec, a.request.request_id, b.request.request_id
 
 
@@ -251,13 +257,7 @@ def stream_then_beside(loaded: LoadedModel, emit: Any, done: Any) -> tuple[Batch
                                                                           DetachedJob]:
     """Row A streams; B's 180-token prompt joins beside it (chunks of 64); steps until A ends."""
     batcher = Batcher(loaded, pool(loaded), emit, done, prefill_chunk=64)
-    a, b = job(prompt(loaded, 20), max_tokens=40), job(prompt(loaded, 180, 5), max_tokens=8)
-    batcher.admit([a])
-    for _ in range(3):
-        batcher.step()
-    batcher.admit([b])
-    while batcher.rows:
-        batcher.step()
+    a, b = stream_then_join(loaded, batcher)
     return batcher, a, b
 
 

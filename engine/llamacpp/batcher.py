@@ -39,6 +39,7 @@ from engine.llamacpp.side_prefill import SidePrefill, can_prefill_beside, set_th
 from engine.metrics import compute_metrics
 from engine.prefix_cache import CacheLease
 from engine.sampling import make_generator, sample_token
+from engine.side_thread import step_rows_beside
 
 # A mixed step (rows' tokens + a prompt chunk) aims at STEP_STALL plain decode steps, so a
 # streaming row's ITL stays about that multiple of its ITL alone (the target of issue 18 is
@@ -46,7 +47,6 @@ from engine.sampling import make_generator, sample_token
 # context grows (attention over it), so the clock shrinks the chunk as the prompt goes in.
 STEP_STALL = 1.8
 FIRST_MIXED_CHUNK = 4  # tokens, before a mixed step has been timed
-SIDE_POLL_S = 0.05  # with no row streaming, how often a side prefill's progress is read
 
 
 def _clamp(value: int, lowest: int, highest: int) -> int:
@@ -179,25 +179,27 @@ class LlamaBatcher:
         side = SidePrefill(self.loaded, lease, ids, job.cancel)
         self.side_prefills += 1
         plain_step_s = self._decode_step_s  # steps on fewer threads say nothing of the usual
-        set_threads(self.loaded, self.loaded.ctx, self.loaded.n_threads - side.threads)
-        try:
-            side.start()
-            reported = 0
-            while side.running:
-                if self.rows:
-                    self.step()
-                else:
-                    side.use_all_threads()
-                    side.wait(SIDE_POLL_S)
-                if side.done > reported:
-                    reported = side.done
-                    report(reported)
+        main_threads = self.loaded.n_threads - side.threads
+        set_threads(self.loaded, self.loaded.ctx, main_threads)
+        # The sampler's torch ops too: their intra-op workers would take the side's cores.
+        torch_threads = torch.get_num_threads()
+        torch.set_num_threads(max(1, min(torch_threads, main_threads)))
+        reported = 0
+
+        def on_progress() -> None:
+            nonlocal reported
             if side.done > reported:
-                report(side.done)
+                reported = side.done
+                report(reported)
+
+        try:
+            step_rows_beside(side, lambda: bool(self.rows), self.step, self.loaded.n_threads,
+                             on_progress)
             return side.finish(self.prefix_cache)
         finally:
             side.close()
             set_threads(self.loaded, self.loaded.ctx, self.loaded.n_threads)
+            torch.set_num_threads(torch_threads)
             self._decode_step_s = plain_step_s
 
     def _size_mixed_chunk(self, tokens: int, step_s: float) -> None:

@@ -10,7 +10,7 @@ disaggregated (as in DistServe and Splitwise) across one machine's cores. ctypes
 GIL for each llama_decode, so the two run at once. When the prompt is in, its sequence's KV is
 copied onto the lease's sequence of the main context (llama_state_seq_get/set_data) and the
 request joins the batch. The engine thread owns the object, the main context and the prefix
-cache (design.md's threading rule); the side thread (`_run`) touches only its own context and
+cache (design.md's threading rule); the side thread (`work`) touches only its own context and
 the model's read-only weights, and every event and clock stamp is still the engine thread's.
 """
 
@@ -30,6 +30,7 @@ from engine.llamacpp.decode import MIN_LONE_CHUNK, BatchWriter, next_lone_chunk
 from engine.llamacpp.model import LlamaCppModel
 from engine.llamacpp.prefix_pool import KvFullError, SeqPrefixCache
 from engine.prefix_cache import CacheLease
+from engine.side_thread import SideWorker
 
 SIDE_MIN_TOKENS = 256  # shorter prompts ride in the rows' steps: a context costs ~50 ms to make
 CONTEXT_PAD = 256  # the side context's tokens, rounded up (as llama.cpp pads n_ctx)
@@ -65,22 +66,17 @@ def _padded(tokens: int) -> int:
     return -(-(tokens + 1) // CONTEXT_PAD) * CONTEXT_PAD
 
 
-class SidePrefill:
-    """Prefill `ids` after `lease`'s cached prefix on a side context, in a thread. The engine
-    thread polls `running`/`done`, then calls `finish` (the KV moves to the lease's sequence)
-    and always `close`."""
+class SidePrefill(SideWorker):
+    """Prefill `ids` after `lease`'s cached prefix on a side context, in a thread (see
+    engine.side_thread); then `finish` moves the KV to the lease's sequence."""
 
     def __init__(self, loaded: LlamaCppModel, lease: CacheLease, ids: list[int],
                  cancel: threading.Event) -> None:
-        self.loaded, self.lease, self.ids, self.cancel = loaded, lease, ids, cancel
-        self.threads = side_threads(loaded)
+        super().__init__(side_threads(loaded), cancel)
+        self.loaded, self.lease, self.ids = loaded, lease, ids
         self.done = 0  # tokens of ids in the side context (written by the side thread)
-        self.error: BaseException | None = None
         self._logits: torch.Tensor | None = None
-        self._stop = threading.Event()  # close() before the end: the engine gave up
-        self._wanted_threads = self.threads
         self._ctx = self._new_context(len(lease.ids) + len(ids))
-        self._thread: threading.Thread | None = None
         try:
             if lease.ids:
                 self._copy_seq(loaded.ctx, lease.cache, self._ctx, SIDE_SEQ)
@@ -88,44 +84,24 @@ class SidePrefill:
             self.close()
             raise
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="phasewise-side-prefill",
-                                        daemon=True)
-        self._thread.start()
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def wait(self, timeout_s: float) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-
-    def use_all_threads(self) -> None:
-        """Nothing streams any more: the side prefill takes every core from its next chunk."""
-        self._wanted_threads = self.loaded.n_threads
-
     # ----- the side thread -------------------------------------------------------------------
-    def _run(self) -> None:
+    def set_threads(self, threads: int) -> None:
+        set_threads(self.loaded, self._ctx, threads)
+
+    def work(self) -> None:
         lib, n_batch = self.loaded.llama_cpp, self.loaded.n_batch
         batch = lib.llama_batch_init(n_batch, 0, 1)
         try:
             self._feed(BatchWriter(batch, n_batch))
-        except BaseException as exc:  # handed to the engine thread by finish()
-            self.error = exc
         finally:
             lib.llama_batch_free(batch)
 
     def _feed(self, writer: BatchWriter) -> None:
-        lib, ids, threads = self.loaded.llama_cpp, self.ids, self.threads
+        lib, ids = self.loaded.llama_cpp, self.ids
         # A small first chunk on fewer threads: the first progress comes soon; then the clock.
         start, step = len(self.lease.ids), MIN_LONE_CHUNK
-        while self.done < len(ids):
-            if self.cancel.is_set() or self._stop.is_set():
-                return
-            if self._wanted_threads != threads:
-                threads = self._wanted_threads
-                set_threads(self.loaded, self._ctx, threads)
+        while self.done < len(ids) and not self.stopped:
+            self.before_chunk()
             begin, end = self.done, min(len(ids), self.done + step)
             last = end == len(ids)
             writer.fill(ids[begin:end], range(start + begin, start + end),
@@ -146,10 +122,7 @@ class SidePrefill:
     def finish(self, pool: SeqPrefixCache) -> torch.Tensor | None:
         """After the thread ended: move the prompt's KV onto the lease's sequence (the lease's
         ids follow) and return the last position's logits; None if Stop came first."""
-        if self.running:
-            raise RuntimeError("finish() while the side prefill runs")
-        if self.error is not None:
-            raise self.error
+        self.check()
         if self._logits is None:
             return None
         while not self._copy_seq(self._ctx, SIDE_SEQ, self.loaded.ctx, self.lease.cache,
@@ -163,9 +136,7 @@ class SidePrefill:
 
     def close(self) -> None:
         """Stop the thread (after its current chunk) and free the side context."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        super().close()
         if self._ctx is not None:
             self.loaded.llama_cpp.llama_free(self._ctx)
             self._ctx = None
