@@ -11,8 +11,8 @@ or llama.cpp: a GGUF's header, a folder's config.json and safetensors headers.
   both engines keep every position so a chat can roll back (llama.cpp's swa_full, and
   prefix_cache.new_cache); convolution and linear-attention layers keep no KV.
 - working buffers: llama.cpp reserves its compute graph for a 512-token batch over the whole
-  context (attention scores and mask in f32) and logits per sequence; torch needs the
-  activations of one prefill chunk.
+  context (the attention mask in f32; flash attention keeps no per-head scores) and logits per
+  sequence; torch needs the activations of one prefill chunk.
 
 A model that cannot fit is refused before loading, in one line that offers the largest
 context that does fit, instead of failing with an out-of-memory error half way through.
@@ -143,9 +143,9 @@ def llama_cpp_estimate(path: Path, context_length: int | None = None,
 
     def buffers(ctx: int) -> int:
         batch = min(BATCH_TOKENS, ctx)
-        scores = batch * ctx * (shape.heads + 1) * 4  # KQ per head and the mask, f32
+        mask = batch * ctx * 4  # flash attention materializes no per-head scores: the mask
         logits = batch * shape.vocab * 4
-        compute = max(scores, logits) + batch * shape.hidden * 4 * 8
+        compute = max(mask, logits) + batch * shape.hidden * 4 * 8
         return compute + N_SEQ_MAX * shape.vocab * 4  # + the output (logits) buffer
 
     def kv(ctx: int) -> int:
