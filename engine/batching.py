@@ -248,6 +248,7 @@ class Batcher:
         self.side_prefills += 1
         threads, plain_step_s = torch.get_num_threads(), self._decode_step_s
         torch.set_num_threads(max(1, threads - side.threads))  # this (the engine) thread's own
+
         def on_progress() -> None:
             for event in side.progress():
                 self._emit(job, event)

@@ -25,7 +25,7 @@ from engine.generate import ChunkedPrefill
 from engine.kernels import allowed_cpus
 from engine.loader import LoadedModel
 from engine.prefix_cache import CacheLease
-from engine.side_thread import SideWorker
+from engine.side_thread import SideWorker, chunk_for
 
 SIDE_MIN_TOKENS = 256  # shorter prompts go in chunks between the rows' steps (a chunk or so)
 # Side chunks follow the clock so that progress and Stop come about every SIDE_CHUNK_S. On the
@@ -94,7 +94,7 @@ class SidePrefill(SideWorker):
         """The next chunk after one of `tokens` took `seconds` (the last one's rate)."""
         if seconds <= 0:
             return self.chunk
-        return max(MIN_SIDE_CHUNK, min(self.chunk, round(tokens / seconds * SIDE_CHUNK_S)))
+        return chunk_for(tokens, seconds, SIDE_CHUNK_S, MIN_SIDE_CHUNK, self.chunk)
 
     # ----- back on the engine thread ---------------------------------------------------------
     def finish(self) -> torch.Tensor | None:

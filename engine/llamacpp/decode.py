@@ -19,6 +19,7 @@ from engine.events import PrefillProgress
 from engine.llamacpp.model import LlamaCppModel
 from engine.llamacpp.prefix_pool import KvFullError, SeqPrefixCache
 from engine.prefix_cache import CacheLease
+from engine.side_thread import chunk_for
 
 NO_KV_SLOT = 1
 # A prompt prefilled with no other row in its batches: chunks sized so progress and Stop come
@@ -33,7 +34,7 @@ def next_lone_chunk(loaded: LlamaCppModel, tokens: int, seconds: float) -> int:
     """The next lone prefill chunk after one of `tokens` took `seconds`."""
     if seconds <= 0:
         return min(FIRST_LONE_CHUNK, loaded.n_batch)
-    return max(MIN_LONE_CHUNK, min(loaded.n_batch, round(tokens / seconds * LONE_CHUNK_S)))
+    return chunk_for(tokens, seconds, LONE_CHUNK_S, MIN_LONE_CHUNK, loaded.n_batch)
 
 
 class BatchWriter:
