@@ -420,6 +420,10 @@ def print_interference_table(r: dict[str, Any]) -> None:
               f"{r[f'{mode}_prefill_tok_s']:>5.0f}  "
               f"{r[f'{mode}_stream_tokens_during_prefill']:>20}  "
               f"{r[f'{mode}_lone_prefill_tok_s']:>11.0f}")
+    before = ", ".join(f"{r[f'{mode}_itl_p99_before_prefill_s'] * 1e3:.1f}" for mode in r["modes"])
+    print("  alone: the same tokens of the same stream, streamed again with no prompt to read (a "
+          "step costs more as the stream's own context grows);\n"
+          f"  ITL p99 of its tokens before the prompt came: {before} ms")
 
 
 def print_turns_table(r: dict[str, Any]) -> None:

@@ -14,11 +14,13 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from functools import partial
+from itertools import pairwise
 from typing import Any
 
 import torch
 
-from engine import runtimes
+from engine import runtimes, side_prefill
+from engine.batching import DetachedJob
 from engine.draft import DraftModel
 from engine.errors import InvalidRequestError
 from engine.events import GenerationResult
@@ -403,8 +405,6 @@ def bench_batch(
     over all rows plus each row's sampling, detokenizing and events. Batch sizes alternate
     round by round; each step's time is the median over the rounds.
     """
-    from engine.batching import DetachedJob
-
     stride = 7
     source = fixed_prompt_ids(loaded, prompt_tokens + stride * max(batch_sizes))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -444,9 +444,14 @@ INTERFERENCE_LABELS = {"one_pass": "whole prefill between two steps",
 
 
 def interference_modes(loaded: LoadedModel) -> tuple[str, ...]:
-    """The schedules an engine has: llama.cpp can also prefill on a side context, torch on a
-    CPU in a side thread."""
-    beside = runtimes.is_llama_cpp(loaded) or loaded.info.device == "cpu"
+    """The schedules an engine has here: with a core to spare, llama.cpp can also prefill on a
+    side context and torch on a CPU in a side thread."""
+    if runtimes.is_llama_cpp(loaded):
+        from engine.llamacpp.side_prefill import side_threads as llama_side_threads
+
+        beside = llama_side_threads(loaded) >= 1  # type: ignore[arg-type]  # a LlamaCppModel
+    else:
+        beside = loaded.info.device == "cpu" and side_prefill.side_threads() >= 1
     return INTERFERENCE_MODES if beside else INTERFERENCE_MODES[:2]
 
 
@@ -461,7 +466,8 @@ def bench_interference(
     progress: Callable[[str], None] = lambda _m: None,
 ) -> dict[str, Any]:
     """One chat streams through the engine's batcher while another submits a prompt_tokens
-    prompt: the streaming chat's ITL p99 alone and while the prompt is prefilled, with the
+    prompt: the streaming chat's ITL p99 while the prompt is prefilled, and over the same
+    tokens of the same stream run alone (its baseline; also its ITL before the prompt), with the
     prefill in one pass between two decode steps (the streams wait), in chunks with decode
     steps between them (on llama.cpp, in the rows' own steps) and, on llama.cpp and on a CPU,
     beside the streams with its own cores (the engine's choice for a long prompt), and
@@ -476,8 +482,7 @@ def bench_interference(
     for r in range(rounds):
         for mode in modes:
             progress(f"round {r + 1}/{rounds}: {INTERFERENCE_LABELS[mode]}")
-            run = _interference_run(loaded, _interference_batcher(loaded, mode), stream_ids,
-                                    long_ids, alone_tokens)
+            run = _interference_run(loaded, mode, stream_ids, long_ids, alone_tokens)
             run["lone_prefill_s"] = _lone_prefill_s(_interference_batcher(loaded, mode),
                                                     long_ids)
             runs[mode].append(run)
@@ -521,8 +526,6 @@ def _interference_batcher(loaded: LoadedModel, mode: str) -> Any:
 
 def _lone_prefill_s(batcher: Any, long_ids: list[int]) -> float:
     """The long prompt's prefill time with nothing streaming (what chunking must not slow)."""
-    from engine.batching import DetachedJob
-
     long = DetachedJob(GenerationRequest(
         [], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
         prompt_token_ids=long_ids, reuse_cache=False))
@@ -530,18 +533,14 @@ def _lone_prefill_s(batcher: Any, long_ids: list[int]) -> float:
     return float((long.timeline.first_logits_ns - long.timeline.prefill_start_ns) * 1e-9)
 
 
-def _interference_run(loaded: LoadedModel, batcher: Any, stream_ids: list[int],
+def _interference_run(loaded: LoadedModel, mode: str, stream_ids: list[int],
                       long_ids: list[int], alone_tokens: int) -> dict[str, Any]:
     """Stream alone for alone_tokens steps, admit the long prompt (the batcher interleaves or
-    not), take a few more steps together; return the stream's ITL split by phase."""
-    from itertools import pairwise
-
-    from engine.batching import DetachedJob
-
-    room = loaded.info.context_length - len(stream_ids) - 1
-    stream = DetachedJob(GenerationRequest(
-        [], SamplingParams(temperature=0.0, max_tokens=room, ignore_eos=True),
-        prompt_token_ids=stream_ids, reuse_cache=False))
+    not), take a few more steps together; return the stream's ITL split by phase, and the
+    same gaps of the same stream run again with no prompt to read (its baseline: a step
+    costs more as the stream's own context grows, prompt or not)."""
+    batcher = _interference_batcher(loaded, mode)
+    stream = _stream_job(loaded, stream_ids)
     long = DetachedJob(GenerationRequest(
         [], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
         prompt_token_ids=long_ids, reuse_cache=False))
@@ -554,18 +553,46 @@ def _interference_run(loaded: LoadedModel, batcher: Any, stream_ids: list[int],
     stream.cancel.set()
     long.cancel.set()
     batcher.step()
-    stamps, lt = stream.timeline.token_ns, long.timeline
-    gaps = list(pairwise(stamps))
+    lt = long.timeline
+    gaps = _gaps_s(stream)
+    during_at = [i for i, (a, b) in enumerate(pairwise(stream.timeline.token_ns))
+                 if b > lt.prefill_start_ns and a < lt.first_logits_ns]
+    control = _stream_alone_gaps(loaded, mode, stream_ids, during_at[-1] + 1)
     return {
-        "alone": [(b - a) * 1e-9 for a, b in gaps[:alone_tokens]],
-        "during": [(b - a) * 1e-9 for a, b in gaps
-                   if b > lt.prefill_start_ns and a < lt.first_logits_ns],
+        "before": gaps[:alone_tokens],
+        "alone": [control[i] for i in during_at],
+        "during": [gaps[i] for i in during_at],
         "prefill_s": (lt.first_logits_ns - lt.prefill_start_ns) * 1e-9,
         "prefill_tokens": len(long_ids),
     }
 
 
+def _stream_job(loaded: LoadedModel, stream_ids: list[int]) -> DetachedJob:
+    room = loaded.info.context_length - len(stream_ids) - 1
+    return DetachedJob(GenerationRequest(
+        [], SamplingParams(temperature=0.0, max_tokens=room, ignore_eos=True),
+        prompt_token_ids=stream_ids, reuse_cache=False))
+
+
+def _stream_alone_gaps(loaded: LoadedModel, mode: str, stream_ids: list[int],
+                       steps: int) -> list[float]:
+    """The stream's first `steps` ITLs with nothing else in the batcher."""
+    batcher = _interference_batcher(loaded, mode)
+    stream = _stream_job(loaded, stream_ids)
+    batcher.admit([stream])
+    for _ in range(steps):
+        batcher.step()
+    stream.cancel.set()
+    batcher.step()
+    return _gaps_s(stream)
+
+
+def _gaps_s(job: DetachedJob) -> list[float]:
+    return [(b - a) * 1e-9 for a, b in pairwise(job.timeline.token_ns)]
+
+
 def _interference_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    before = [x for r in runs for x in r["before"]]
     alone = [x for r in runs for x in r["alone"]]
     during = [x for r in runs for x in r["during"]]
     (alone_p50, alone_p99), (during_p50, during_p99) = (percentiles(alone, (50, 99)),
@@ -578,6 +605,7 @@ def _interference_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "itl_p50_during_prefill_s": during_p50,
         "itl_p99_during_prefill_s": during_p99,
         "itl_p99_ratio": during_p99 / alone_p99 if alone_p99 else 0.0,
+        "itl_p99_before_prefill_s": percentiles(before, (99,))[0],
         "stream_tokens_during_prefill": len(during) // len(runs),
         "prefill_s": prefill_s,
         "prefill_tok_s": runs[0]["prefill_tokens"] / prefill_s if prefill_s else 0.0,

@@ -54,6 +54,18 @@ def test_bench_turns_json(capsys, tiny_model_dir: Path) -> None:
     assert report["cold_ttft_s_last_prompt"] > 0
 
 
+def test_bench_interference_table_and_json(capsys, tiny_model_dir: Path) -> None:
+    code, out, _ = run_cli(capsys, "bench", "--model", str(tiny_model_dir), "--json",
+                           "--interference", "--prompt-tokens", "40", "--repeats", "1")
+    assert code == 0
+    report = json.loads(out.strip().splitlines()[-1])
+    for mode in report["modes"]:
+        assert report[f"{mode}_itl_p99_alone_s"] > 0
+        assert report[f"{mode}_itl_p99_before_prefill_s"] > 0
+    assert "whole prefill between two steps" in out
+    assert "ITL p99 of its tokens before the prompt came" in out
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

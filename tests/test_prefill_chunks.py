@@ -232,6 +232,30 @@ def test_interference_bench_reports_both_modes(sharp: LoadedModel) -> None:
     for mode in r["modes"]:
         assert r[f"{mode}_itl_p99_ratio"] == pytest.approx(
             r[f"{mode}_itl_p99_during_prefill_s"] / r[f"{mode}_itl_p99_alone_s"])
+        assert r[f"{mode}_itl_p99_before_prefill_s"] > 0
+
+
+def test_interference_bench_has_no_beside_row_without_a_core_to_spare(
+        sharp: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine import side_prefill
+    from engine.bench import interference_modes
+
+    monkeypatch.setattr(side_prefill, "allowed_cpus", lambda: 1)
+    assert interference_modes(sharp) == ("one_pass", "chunked")
+    monkeypatch.setattr(side_prefill, "allowed_cpus", lambda: 4)
+    assert interference_modes(sharp) == ("one_pass", "chunked", "beside")
+
+
+def test_interference_baseline_is_the_same_tokens_streamed_alone(sharp: LoadedModel) -> None:
+    """The stream's own context grows while the prompt is read, so its baseline is its own
+    gaps at the same positions in a run with no prompt, one for each gap during the prefill."""
+    from engine.bench import _interference_run
+
+    run = _interference_run(sharp, "chunked", prompt(sharp, 16), prompt(sharp, 150, 16), 6)
+    assert len(run["before"]) == 6
+    assert len(run["during"]) >= 2
+    assert len(run["alone"]) == len(run["during"])
+    assert min(run["alone"]) > 0
 
 
 
