@@ -148,6 +148,14 @@ def test_metrics_record_of_a_result_names_engine_and_kernel(tmp_path: Path) -> N
     store.close()
 
 
+def test_cached_share_never_rounds_to_none_or_all() -> None:
+    assert ReplyStats(prompt_tokens=6007, cached_tokens=24).summary() == "<1% cached"
+    assert ReplyStats(prompt_tokens=6007, cached_tokens=6000).summary() == ">99% cached"
+    assert ReplyStats(prompt_tokens=200, cached_tokens=200).summary() == "100% cached"
+    assert ReplyStats(prompt_tokens=200, cached_tokens=100).summary() == "50% cached"
+    assert ReplyStats(prompt_tokens=200, cached_tokens=0).summary() == ""
+
+
 def test_summary_line_leaves_out_what_is_unknown() -> None:
     assert ReplyStats().summary() == ""
     assert ReplyStats(ttft_s=12.4, decode_tok_s=7.25).summary() == \

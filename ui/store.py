@@ -77,6 +77,16 @@ def clean_title(title: str) -> str:
     return " ".join(title.split())
 
 
+def fmt_share(share: float) -> str:
+    """A share as a whole percentage that never rounds some to none or most to all: 24 cached
+    tokens of 6,007 read "<1%", not "0%"."""
+    if 0 < share < 0.005:
+        return "<1%"
+    if 0.995 <= share < 1:
+        return ">99%"
+    return f"{share:.0%}"
+
+
 class StoreError(Exception):
     """A chat could not be saved (disk full, read-only, locked). str() is one line."""
 
@@ -152,7 +162,7 @@ class ReplyStats:
                          else f"{self.decode_tok_s:.1f} tok/s")
         share = self.cached_share
         if share:
-            parts.append(f"{share:.0%} cached")
+            parts.append(f"{fmt_share(share)} cached")
         return " · ".join(parts)
 
     def details(self) -> str:
