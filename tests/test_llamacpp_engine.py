@@ -456,6 +456,24 @@ def test_message_text_never_becomes_a_control_token() -> None:
     assert out["text"].startswith("<|im_start|>")
 
 
+def _kernel_labels_body() -> dict:
+    from engine.llamacpp.model import load_gguf
+    from engine.loader import default_gguf_path
+
+    labels = {}
+    for name, flash in (("on", True), ("off", False)):
+        loaded = load_gguf(default_gguf_path(), name="default", source="bundled",
+                           n_threads=2, flash_attn=flash)
+        labels[name] = loaded.info.kernel
+    return labels
+
+
+@needs_llama_cpp
+def test_kernel_label_says_whether_llama_cpp_turned_flash_attention_on() -> None:
+    """llama.cpp decides "auto" as it makes the context, and says so in its log."""
+    assert run_in_child(_kernel_labels_body) == {"on": "llama.cpp-2t-fa", "off": "llama.cpp-2t"}
+
+
 # ----- load errors, in one line -------------------------------------------------------------
 def _load_error(path: str) -> str:
     from engine.runtimes import load

@@ -13,6 +13,7 @@ import ctypes
 import logging
 import mmap
 import os
+import re
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +37,9 @@ LOG_LINES = 20  # llama.cpp log lines kept to explain a failure
 Progress = Callable[[str], None]
 log = logging.getLogger(__name__)
 _log_tail: collections.deque[str] = collections.deque(maxlen=LOG_LINES)
+# What llama.cpp said last when it made a context: whether flash attention ("auto") came on.
+FLASH_ATTN_LOG = re.compile(r"Flash Attention (enabled|disabled)")
+_flash_attn_said: list[str] = []
 _log_callback: Any = None  # keeps the ctypes callback alive while llama.cpp may call it
 _backend_ready = False
 
@@ -62,6 +66,9 @@ def _init_backend(llama_cpp: Any) -> None:
         line = text.decode("utf-8", "replace").strip()
         if line:
             _log_tail.append(line)
+            said = FLASH_ATTN_LOG.search(line)
+            if said:
+                _flash_attn_said.append(said.group(1))
             log.debug("llama.cpp: %s", line)
 
     _log_callback = on_log
@@ -192,6 +199,7 @@ def _with_context(llama_cpp: Any, model: Any, path: Path, name: str, source: str
     cparams.no_perf = True
     kv_per_token = _kv_bytes_per_token(llama_cpp, model)
     _log_tail.clear()
+    _flash_attn_said.clear()
     ctx = llama_cpp.llama_init_from_model(model, cparams)
     if not ctx:
         need = kv_per_token * n_ctx / 2**20
@@ -222,7 +230,7 @@ def _assemble(llama_cpp: Any, model: Any, ctx: Any, path: Path, name: str, sourc
         context_length=n_ctx,
         parameters=int(llama_cpp.llama_model_n_params(model)),
         weight_bytes_per_step=weight_bytes_per_step(path, int(llama_cpp.llama_model_size(model))),
-        kernel=f"llama.cpp-{threads}t",
+        kernel=kernel_label(threads, _flash_attn_said[-1:] == ["enabled"]),
         template_fallback=tokenizer.chat_template is None,
         engine=LLAMA_CPP,
         sampling_defaults=_sampling_defaults(path),
@@ -257,6 +265,12 @@ def _check_readable(path: Path) -> None:
         raise ModelLoadError(f"cannot read {path}: {exc.strerror or exc}") from None
     if magic != b"GGUF":
         raise ModelLoadError(f"{path} is not a GGUF file (bad magic bytes)")
+
+
+def kernel_label(threads: int, flash_attn: bool) -> str:
+    """"llama.cpp-2t", or "llama.cpp-2t-fa" where llama.cpp said it turned flash attention on
+    (it decides "auto" per model and device as it makes the context)."""
+    return f"llama.cpp-{threads}t" + ("-fa" if flash_attn else "")
 
 
 def _last_error() -> str:
