@@ -99,8 +99,8 @@ class PrefillStarted:
 @dataclass(frozen=True)
 class PrefillProgress:
     """One prefill chunk finished. done_tokens / total_tokens count the prompt tokens being
-    computed (cached ones excluded); tok_s is the prefill rate so far, eta_s the time left at
-    that rate."""
+    computed (cached ones excluded); tok_s is the prefill rate so far, eta_s the time left
+    (later tokens cost more: engine.prefill_eta)."""
 
     request_id: str
     t_ns: int

@@ -34,6 +34,7 @@ from engine.events import (
 from engine.loader import LoadedModel
 from engine.metrics import RequestTimeline, compute_metrics
 from engine.params import ChatMessage, GenerationRequest
+from engine.prefill_eta import PrefillClock
 from engine.prefix_cache import (
     CacheLease,
     PrefixCache,
@@ -378,7 +379,7 @@ class ChunkedPrefill:
         self.request_id = request_id
         self._emit = emit
         self.done = 0
-        self._start_ns = now_ns()
+        self._clock = PrefillClock(len(ids), now_ns())
 
     @property
     def finished(self) -> bool:
@@ -398,11 +399,8 @@ class ChunkedPrefill:
         if logits.device.type == "cuda":
             torch.cuda.synchronize(logits.device)
         t = now_ns()
-        elapsed_s = (t - self._start_ns) * 1e-9
-        rate = self.done / elapsed_s if elapsed_s > 0 else 0.0
-        left = len(self.ids) - self.done
-        self._emit(PrefillProgress(self.request_id, t, self.done, len(self.ids), rate,
-                                   left / rate if rate else 0.0))
+        rate, left_s = self._clock.tick(self.done, t)
+        self._emit(PrefillProgress(self.request_id, t, self.done, len(self.ids), rate, left_s))
         return logits if self.finished else None
 
     def run(self, chunk: int, cancel: threading.Event) -> torch.Tensor | None:

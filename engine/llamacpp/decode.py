@@ -18,6 +18,7 @@ from engine.errors import PhasewiseError
 from engine.events import PrefillProgress
 from engine.llamacpp.model import LlamaCppModel
 from engine.llamacpp.prefix_pool import KvFullError, SeqPrefixCache
+from engine.prefill_eta import PrefillClock
 from engine.prefix_cache import CacheLease
 from engine.side_thread import chunk_for
 
@@ -124,14 +125,13 @@ def feed(loaded: LlamaCppModel, pool: SeqPrefixCache, lease: CacheLease, ids: Se
 
 def prefill_reporter(request_id: str, total: int, emit: Callable[[PrefillProgress], None]
                      ) -> Callable[[int], None]:
-    """An on_batch for feed that emits PrefillProgress (rate so far, time left at it)."""
-    start = time.perf_counter_ns()
+    """An on_batch for feed that emits PrefillProgress (rate so far, time left: see
+    engine.prefill_eta)."""
+    clock = PrefillClock(total, time.perf_counter_ns())
 
     def report(done: int) -> None:
         t = time.perf_counter_ns()
-        elapsed = (t - start) * 1e-9
-        rate = done / elapsed if elapsed > 0 else 0.0
-        emit(PrefillProgress(request_id, t, done, total, rate,
-                             (total - done) / rate if rate else 0.0))
+        rate, left_s = clock.tick(done, t)
+        emit(PrefillProgress(request_id, t, done, total, rate, left_s))
 
     return report
