@@ -557,7 +557,7 @@ def _interference_run(loaded: LoadedModel, mode: str, stream_ids: list[int],
     gaps = _gaps_s(stream)
     during_at = [i for i, (a, b) in enumerate(pairwise(stream.timeline.token_ns))
                  if b > lt.prefill_start_ns and a < lt.first_logits_ns]
-    control = _stream_alone_gaps(loaded, mode, stream_ids, during_at[-1] + 1)
+    control = _stream_alone_gaps(loaded, mode, stream_ids, during_at[-1] + 1 if during_at else 0)
     return {
         "before": gaps[:alone_tokens],
         "alone": [control[i] for i in during_at],

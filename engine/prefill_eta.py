@@ -12,24 +12,19 @@ first, or no upward slope, it is the rate so far.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 MIN_CHUNKS = 3  # chunks after the first before a slope is trusted
 
 
-@dataclass
 class PrefillClock:
     """Feed it (tokens done, time) after each chunk; it says the rate so far and the time
     left."""
 
-    total: int
-    start_ns: int
-    _done: int = 0
-    _last_ns: int = 0
-    _chunks: list[tuple[float, int, float]] = field(default_factory=list)  # (mid, tokens, s)
-
-    def __post_init__(self) -> None:
-        self._last_ns = self.start_ns
+    def __init__(self, total: int, start_ns: int) -> None:
+        self.total = total
+        self.start_ns = start_ns
+        self._done = 0
+        self._last_ns = start_ns
+        self._chunks: list[tuple[float, int, float]] = []  # (mid position, tokens, seconds)
 
     def tick(self, done: int, t_ns: int) -> tuple[float, float]:
         """After the chunk that brought the prompt to `done` tokens at t_ns: (tok/s so far,
