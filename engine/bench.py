@@ -554,7 +554,7 @@ def _interference_run(loaded: LoadedModel, mode: str, stream_ids: list[int],
     long.cancel.set()
     batcher.step()
     lt = long.timeline
-    gaps = _gaps_s(stream)
+    gaps = stream.timeline.itl_s()
     during_at = [i for i, (a, b) in enumerate(pairwise(stream.timeline.token_ns))
                  if b > lt.prefill_start_ns and a < lt.first_logits_ns]
     control = _stream_alone_gaps(loaded, mode, stream_ids, during_at[-1] + 1 if during_at else 0)
@@ -584,11 +584,7 @@ def _stream_alone_gaps(loaded: LoadedModel, mode: str, stream_ids: list[int],
         batcher.step()
     stream.cancel.set()
     batcher.step()
-    return _gaps_s(stream)
-
-
-def _gaps_s(job: DetachedJob) -> list[float]:
-    return [(b - a) * 1e-9 for a, b in pairwise(job.timeline.token_ns)]
+    return stream.timeline.itl_s()
 
 
 def _interference_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:

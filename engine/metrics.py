@@ -43,6 +43,10 @@ class RequestTimeline:
     token_ns: list[int] = field(default_factory=list)
     done_ns: int = 0
 
+    def itl_s(self) -> list[float]:
+        """The gaps between consecutive tokens, in seconds."""
+        return [(b - a) * NS for a, b in zip(self.token_ns, self.token_ns[1:], strict=False)]
+
 
 @dataclass
 class RequestMetrics:
@@ -90,7 +94,7 @@ def compute_metrics(
     prefill_s = (tl.first_logits_ns - prefill_start) * NS if tl.first_logits_ns else 0.0
     e2e_s = (tl.done_ns - tl.submitted_ns) * NS
     ttft_s = (tl.token_ns[0] - tl.submitted_ns) * NS if n else 0.0
-    itl_s = [(b - a) * NS for a, b in zip(tl.token_ns, tl.token_ns[1:], strict=False)]
+    itl_s = tl.itl_s()
     decode_s = (tl.token_ns[-1] - tl.token_ns[0]) * NS if n > 1 else 0.0
     decode_tok_s = (n - 1) / decode_s if decode_s > 0 else 0.0
     tpot_s = (e2e_s - ttft_s) / (n - 1) if n > 1 else 0.0
