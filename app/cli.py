@@ -411,7 +411,8 @@ def print_interference_table(r: dict[str, Any]) -> None:
     print(f"\n{r['model']} on {r['device']} ({r['kernel']}): a chat streams while a "
           f"{r['prompt_tokens']}-token prompt is prefilled; {r['rounds']} round(s)")
     print("  prefill                          ITL p99 alone  during prefill   ratio  "
-          "prefill s  tok/s  stream tokens during  tok/s alone")
+          "prefill s  tok/s  stream tokens during  tok/s alone  longest wait for progress "
+          "(with the stream / alone)")
     for mode in r["modes"]:
         label = INTERFERENCE_LABELS[mode]
         print(f"  {label:<31}  {r[f'{mode}_itl_p99_alone_s'] * 1e3:>10.1f} ms  "
@@ -419,7 +420,9 @@ def print_interference_table(r: dict[str, Any]) -> None:
               f"{r[f'{mode}_itl_p99_ratio']:>6.2f}  {r[f'{mode}_prefill_s']:>9.2f}  "
               f"{r[f'{mode}_prefill_tok_s']:>5.0f}  "
               f"{r[f'{mode}_stream_tokens_during_prefill']:>20}  "
-              f"{r[f'{mode}_lone_prefill_tok_s']:>11.0f}")
+              f"{r[f'{mode}_lone_prefill_tok_s']:>11.0f}  "
+              f"{r[f'{mode}_progress_gap_max_s']:>12.2f} s / "
+              f"{r[f'{mode}_lone_progress_gap_max_s']:.2f} s")
     before = ", ".join(f"{r[f'{mode}_itl_p99_before_prefill_s'] * 1e3:.1f}" for mode in r["modes"])
     print("  alone: the same tokens of the same stream, streamed again with no prompt to read (a "
           "step costs more as the stream's own context grows);\n"

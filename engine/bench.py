@@ -23,7 +23,7 @@ from engine import runtimes, side_prefill
 from engine.batching import DetachedJob
 from engine.draft import DraftModel
 from engine.errors import InvalidRequestError
-from engine.events import GenerationResult
+from engine.events import GenerationResult, PrefillProgress
 from engine.generate import now_ns, prepare_prompt
 from engine.loader import LoadedModel
 from engine.metrics import RequestTimeline, percentiles
@@ -483,8 +483,8 @@ def bench_interference(
         for mode in modes:
             progress(f"round {r + 1}/{rounds}: {INTERFERENCE_LABELS[mode]}")
             run = _interference_run(loaded, mode, stream_ids, long_ids, alone_tokens)
-            run["lone_prefill_s"] = _lone_prefill_s(_interference_batcher(loaded, mode),
-                                                    long_ids)
+            run["lone_prefill_s"], run["lone_progress_gap_s"] = _lone_prefill(loaded, mode,
+                                                                               long_ids)
             runs[mode].append(run)
     report: dict[str, Any] = {"model": loaded.info.name, "device": loaded.info.device,
                               "kernel": loaded.info.kernel, "prompt_tokens": prompt_tokens,
@@ -496,17 +496,20 @@ def bench_interference(
     return report
 
 
-def _interference_batcher(loaded: LoadedModel, mode: str) -> Any:
+def _interference_batcher(loaded: LoadedModel, mode: str,
+                          progress: dict[str, list[int]] | None = None) -> Any:
     """A fresh batcher on a fresh prefix cache (llama.cpp: an empty KV memory). one_pass: the
     prompt is prefilled whole between two steps (torch: one forward; llama.cpp: n_batch
     batches, as before chunking); chunked: chunks between or in the decode steps (torch's
     schedule); beside: the engine's own schedule, a long prompt on a side context (llama.cpp)
-    or in a side thread (torch on a CPU)."""
+    or in a side thread (torch on a CPU). `progress` collects each request's PrefillProgress
+    stamps."""
     pool = runtimes.new_prefix_cache(loaded, budget_bytes=1 << 40)
     whole = mode == "one_pass"
 
-    def emit(_job: Any, _event: Any) -> None:
-        pass
+    def emit(_job: Any, event: Any) -> None:
+        if progress is not None and isinstance(event, PrefillProgress):
+            progress.setdefault(event.request_id, []).append(event.t_ns)
 
     def done(_job: Any, _result: Any, _error: Any) -> None:
         pass
@@ -524,13 +527,25 @@ def _interference_batcher(loaded: LoadedModel, mode: str) -> Any:
                    prefill_chunk=1 << 30 if whole else None)
 
 
-def _lone_prefill_s(batcher: Any, long_ids: list[int]) -> float:
-    """The long prompt's prefill time with nothing streaming (what chunking must not slow)."""
+def _lone_prefill(loaded: LoadedModel, mode: str, long_ids: list[int]) -> tuple[float, float]:
+    """The long prompt's prefill with nothing streaming (what chunking must not slow): its time
+    and the longest wait for its progress."""
+    progress: dict[str, list[int]] = {}
+    batcher = _interference_batcher(loaded, mode, progress)
     long = DetachedJob(GenerationRequest(
         [], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
         prompt_token_ids=long_ids, reuse_cache=False))
     batcher.admit([long])
-    return float((long.timeline.first_logits_ns - long.timeline.prefill_start_ns) * 1e-9)
+    lt = long.timeline
+    return ((lt.first_logits_ns - lt.prefill_start_ns) * 1e-9,
+            _longest_progress_gap_s(lt, progress.get(long.request.request_id, [])))
+
+
+def _longest_progress_gap_s(timeline: RequestTimeline, stamps: list[int]) -> float:
+    """The longest a prefill went without news: from its start to its first progress event,
+    between two, and from the last to its first logits."""
+    marks = [timeline.prefill_start_ns, *stamps, timeline.first_logits_ns]
+    return max(b - a for a, b in pairwise(marks)) * 1e-9
 
 
 def _interference_run(loaded: LoadedModel, mode: str, stream_ids: list[int],
@@ -539,7 +554,8 @@ def _interference_run(loaded: LoadedModel, mode: str, stream_ids: list[int],
     not), take a few more steps together; return the stream's ITL split by phase, and the
     same gaps of the same stream run again with no prompt to read (its baseline: a step
     costs more as the stream's own context grows, prompt or not)."""
-    batcher = _interference_batcher(loaded, mode)
+    progress: dict[str, list[int]] = {}
+    batcher = _interference_batcher(loaded, mode, progress)
     stream = _stream_job(loaded, stream_ids)
     long = DetachedJob(GenerationRequest(
         [], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
@@ -564,6 +580,8 @@ def _interference_run(loaded: LoadedModel, mode: str, stream_ids: list[int],
         "during": [gaps[i] for i in during_at],
         "prefill_s": (lt.first_logits_ns - lt.prefill_start_ns) * 1e-9,
         "prefill_tokens": len(long_ids),
+        "progress_gap_s": _longest_progress_gap_s(lt, progress.get(long.request.request_id,
+                                                                   [])),
     }
 
 
@@ -607,4 +625,7 @@ def _interference_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "prefill_tok_s": runs[0]["prefill_tokens"] / prefill_s if prefill_s else 0.0,
         "lone_prefill_s": lone_s,
         "lone_prefill_tok_s": runs[0]["prefill_tokens"] / lone_s if lone_s else 0.0,
+        # the longest the prompt went without a PrefillProgress, beside the stream and alone
+        "progress_gap_max_s": max(r["progress_gap_s"] for r in runs),
+        "lone_progress_gap_max_s": max(r["lone_progress_gap_s"] for r in runs),
     }

@@ -12,6 +12,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,16 +26,16 @@ from engine.events import (
     EngineEvent,
     FinishReason,
     GenerationResult,
-    PrefillProgress,
     PrefillStarted,
     SamplerSnapshot,
     TextFlushed,
     TokenEmitted,
 )
+from engine.layer_progress import LayerProgress, decoder_layers
 from engine.loader import LoadedModel
 from engine.metrics import RequestTimeline, compute_metrics
 from engine.params import ChatMessage, GenerationRequest
-from engine.prefill_eta import PrefillClock
+from engine.prefill_progress import PrefillReporter
 from engine.prefix_cache import (
     CacheLease,
     PrefixCache,
@@ -365,7 +366,7 @@ class DecodeSession:
 # ----- pieces shared with the batcher (engine/batching.py) -------------------------------------
 class ChunkedPrefill:
     """Feeds a prompt's uncached tokens through the model a chunk at a time on top of a lease's
-    cache, and reports PrefillProgress after each chunk.
+    cache, and reports PrefillProgress after each chunk (on a CPU, within it too).
 
     Chunks keep Stop and progress within one chunk's time and let the batcher run decode steps
     between them; attention over the cache makes the result the one-pass prefill's (within fp
@@ -377,9 +378,11 @@ class ChunkedPrefill:
         self.lease = lease
         self.ids = ids
         self.request_id = request_id
-        self._emit = emit
         self.done = 0
-        self._clock = PrefillClock(len(ids), now_ns())
+        self._reporter = PrefillReporter(request_id, len(ids), emit)
+        # Progress from inside a chunk as its layers run: on a CPU, where a hook runs after
+        # its layer's ops (engine.layer_progress); a GPU chunk is short anyway.
+        self._layers = decoder_layers(loaded.model) if loaded.device.type == "cpu" else []
 
     @property
     def finished(self) -> bool:
@@ -390,18 +393,23 @@ class ChunkedPrefill:
         shape (1, vocab), once the whole prompt is in the cache, else None."""
         chunk = self.ids[self.done : self.done + self.lease.chunk_limit(max(1, max_tokens))]
         input_ids = torch.tensor([chunk], device=self.loaded.device)
-        out = self.loaded.model(input_ids=input_ids, cache=self.lease.cache, use_cache=True,
-                                logits_to_keep=1)
+        with self._progress_within(self.done, len(chunk)):
+            out = self.loaded.model(input_ids=input_ids, cache=self.lease.cache,
+                                    use_cache=True, logits_to_keep=1)
         self.lease.ids.extend(chunk)
         self.lease.fed()  # a recurrent cache keeps a checkpoint one token before the end
         self.done += len(chunk)
         logits = out.logits[0, -1:]
         if logits.device.type == "cuda":
             torch.cuda.synchronize(logits.device)
-        t = now_ns()
-        rate, left_s = self._clock.tick(self.done, t)
-        self._emit(PrefillProgress(self.request_id, t, self.done, len(self.ids), rate, left_s))
+        self._reporter.chunk_done(self.done)
         return logits if self.finished else None
+
+    def _progress_within(self, begin: int, size: int) -> AbstractContextManager[object]:
+        if not self._layers:
+            return nullcontext()
+        return LayerProgress(self._layers,
+                             lambda fraction: self._reporter.within(begin, size, fraction))
 
     def run(self, chunk: int, cancel: threading.Event) -> torch.Tensor | None:
         """The whole prefill in chunks; None if cancel was set before a chunk (what was

@@ -18,6 +18,7 @@ import torch
 
 from engine import ChatMessage, Engine, GenerationRequest, SamplingParams
 from engine.errors import ModelLoadError
+from engine.layer_progress import LayerProgress, decoder_layers
 from engine.prefix_cache import (
     PrefixCache,
     RollbackError,
@@ -93,6 +94,16 @@ def test_greedy_reply_matches_transformers_generate(arch: Arch) -> None:
     expected = arch.generate(result.prompt_token_ids, 24)
     assert result.token_ids == expected[: len(result.token_ids)]
     assert result.finish_reason == "stop" or result.token_ids == expected
+
+
+def test_prefill_progress_comes_after_each_decoder_layer(arch: Arch) -> None:
+    """Progress within a prefill chunk (engine.layer_progress) finds every layer, in order."""
+    seen: list[float] = []
+    layers = decoder_layers(arch.reference)
+    assert len(layers) == arch.reference.config.num_hidden_layers
+    with torch.inference_mode(), LayerProgress(layers, seen.append):
+        arch.reference(input_ids=torch.tensor([[5, 6, 7, 8]]))
+    assert seen == [(i + 1) / len(layers) for i in range(len(layers))]
 
 
 def test_cached_chat_matches_cold_prompts_past_the_window(arch: Arch) -> None:

@@ -270,6 +270,7 @@ def test_batched_rows_and_alternatives_each_equal_alone() -> None:
 def _mixed_body() -> dict:
     import threading
 
+    from engine import prefill_progress
     from engine.batching import DetachedJob
     from engine.bench import fixed_prompt_ids
     from engine.events import PrefillProgress, TokenEmitted
@@ -279,6 +280,7 @@ def _mixed_body() -> dict:
     from engine.params import GenerationRequest, SamplingParams
     from engine.runtimes import new_prefix_cache, new_session
 
+    prefill_progress.WITHIN_CHUNK_NS = 1 << 62  # progress at chunk ends only: counted here
     loaded = _load()
     pool = new_prefix_cache(loaded, 1 << 30)
     stream_ids, long_ids = _chat_ids(loaded, "Count to five."), fixed_prompt_ids(loaded, 150)
@@ -360,13 +362,110 @@ def test_a_prompt_prefilled_in_the_rows_steps_changes_no_row() -> None:
         assert between == [("TokenEmitted", "stream-long", 0)]  # one token per mixed step
     assert out["stream_agrees"] and out["long_agrees"], out
     assert out["lone_progress"] == [64, 128, 150]  # nothing streaming: lone chunks
-    assert out["session_progress"] == [128, 150]  # a lone request: 128 first, then by the clock
+    assert out["session_progress"] == [150]  # a lone request: one batch (the graph is known)
     assert out["lone_agrees"], out
     assert out["stopped_at"] == [16]
     assert out["stop"] == ("cancelled", [])
     finish, tokens = out["stream_beside_stop"]
     assert finish == "length" and len(tokens) == 24
     assert out["stream_beside_stop_agrees"], out
+
+
+def _meter_body() -> dict:
+    """Lone prefills of three 700-token prompts (no prefix in common) with every progress event
+    seen: in a session (the first, while the graph's size is unknown) and in the batcher, the
+    second and third also stopped inside a 512-token chunk, then asked again."""
+    import threading
+
+    from engine import prefill_progress
+    from engine.batching import DetachedJob
+    from engine.bench import fixed_prompt_ids
+    from engine.events import PrefillProgress
+    from engine.generate import now_ns
+    from engine.llamacpp.batcher import LlamaBatcher
+    from engine.metrics import RequestTimeline
+    from engine.params import GenerationRequest, SamplingParams
+    from engine.runtimes import new_prefix_cache, new_session
+
+    prefill_progress.WITHIN_CHUNK_NS = 0  # every node's progress is reported
+    loaded = _load()
+    pool = new_prefix_cache(loaded, 1 << 30)
+    base = fixed_prompt_ids(loaded, 702)
+    prompts = {name: base[i : i + 700] for i, name in enumerate("abc")}
+    assert len({ids[0] for ids in prompts.values()}) == 3  # nothing for one to lend another
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    out: dict[str, Any] = {}
+
+    def reply(result: Any) -> tuple[str, list[int], int]:
+        return result.finish_reason, result.token_ids, result.metrics.cached_tokens
+
+    def in_session(name: str, stop_past: int | None = None) -> tuple[list[int], Any]:
+        done: list[int] = []
+        cancel = threading.Event()
+
+        def emit(event: Any) -> None:
+            if isinstance(event, PrefillProgress):
+                done.append(event.done_tokens)
+                if stop_past is not None and event.done_tokens > stop_past:
+                    cancel.set()  # Stop pressed inside the chunk
+
+        request = GenerationRequest([], params, prompt_token_ids=prompts[name],
+                                    conversation_id=name)
+        result = new_session(loaded, pool).run(request, RequestTimeline(now_ns()), cancel,
+                                               emit)
+        return done, reply(result)
+
+    def in_batcher(name: str, stop_past: int | None = None) -> tuple[list[int], Any]:
+        done: list[int] = []
+        results: list[Any] = []
+        job = DetachedJob(GenerationRequest([], params, prompt_token_ids=prompts[name],
+                                            conversation_id=name))
+
+        def emit(_job: Any, event: Any) -> None:
+            if isinstance(event, PrefillProgress):
+                done.append(event.done_tokens)
+                if stop_past is not None and event.done_tokens > stop_past:
+                    job.cancel.set()
+
+        batcher = LlamaBatcher(loaded, pool, emit, lambda _j, r, e: results.append(r or e))
+        batcher.admit([job])
+        while batcher.rows:
+            batcher.step()
+        return done, reply(results[0])
+
+    out["a"], out["a_reply"] = in_session("a")
+    out["graph_nodes"] = loaded.graph_nodes
+    out["b_stop"], out["b_stopped"] = in_session("b", stop_past=100)
+    _, out["b_reply"] = in_session("b")
+    out["c_stop"], out["c_stopped"] = in_batcher("c", stop_past=600)
+    out["c"], out["c_reply"] = in_batcher("c")
+    for name, ids in prompts.items():
+        out[f"{name}_agrees"] = _agree_until_near_tie(out[f"{name}_reply"][1],
+                                                      *_alone_with_margins(loaded, pool, ids, 6))
+    return out
+
+
+@needs_llama_cpp
+def test_a_lone_prefill_reports_and_stops_inside_its_chunks() -> None:
+    """llama.cpp's graph meter (engine/llamacpp/graph_meter.py): progress from inside each
+    512-token chunk, and Stop inside one, after which the prompt's sequence holds exactly the
+    chunks before it: asked again, it resumes there and replies as a cold prompt does."""
+    out = run_in_child(_meter_body)
+    assert out["graph_nodes"] > 100  # learned from the first, 16-token chunk
+    progress = out["a"]
+    assert progress == sorted(set(progress)) and progress[0] == 16 and progress[-1] == 700
+    assert len([done for done in progress if 16 < done < 528]) > 100  # node by node
+    assert 528 in progress  # that chunk's end, once its tokens are in
+    assert out["a_reply"][0] == "length" and len(out["a_reply"][1]) == 6
+    # b: stopped inside its first chunk (0-512): none of it stays
+    assert out["b_stop"][-1] == 101 and out["b_stopped"][:2] == ("cancelled", [])
+    assert out["b_reply"][0] == "length" and out["b_reply"][2] == 0
+    # c: stopped inside its second chunk (512-700): the first stays cached
+    assert out["c_stop"][-1] == 601 and out["c_stopped"][:2] == ("cancelled", [])
+    assert out["c_reply"][0] == "length" and out["c_reply"][2] == 512
+    # asked again, only the 188 tokens after the cached chunk are read, node by node
+    assert out["c"] == sorted(set(out["c"])) and out["c"][-1] == 188 and len(out["c"]) > 20
+    assert out["a_agrees"] and out["b_agrees"] and out["c_agrees"], out
 
 
 def _interference_body() -> dict:

@@ -138,6 +138,50 @@ def test_without_memory_to_spare_the_prompt_rides_in_the_rows_steps() -> None:
     assert out["results"]["stop"][:2] == ("cancelled", [])
 
 
+def _stop_inside_body() -> dict:
+    """A side prefill on its own thread, watched as the engine thread does (side.reading), and
+    stopped once its second chunk is half way through the model."""
+    import threading
+    import time
+
+    from engine.bench import fixed_prompt_ids
+    from engine.llamacpp.decode import MIN_SIDE_CHUNK
+    from engine.runtimes import new_prefix_cache
+
+    loaded = _load()
+    pool = new_prefix_cache(loaded, 1 << 30)
+    cancel = threading.Event()
+    side = side_prefill.SidePrefill(loaded, pool.cold_lease(None), fixed_prompt_ids(
+        loaded, LONG_TOKENS), cancel)
+    readings: list[tuple[int, int, float]] = []
+    side.start()
+    while side.running:
+        reading = side.reading
+        if not readings or reading != readings[-1]:
+            readings.append(reading)
+        if reading[0] > 0 and reading[2] > 0.5:
+            cancel.set()  # Stop pressed inside the second chunk
+        time.sleep(0.001)
+    try:
+        logits = side.finish(pool)
+    finally:
+        side.close()
+    return {"readings": readings, "done": side.done, "logits": logits,
+            "first_chunk": MIN_SIDE_CHUNK, "graph_nodes": loaded.graph_nodes}
+
+
+@needs_llama_cpp
+def test_a_side_prefill_reports_and_stops_inside_its_chunks() -> None:
+    out = run_in_child(_stop_inside_body)
+    first = out["first_chunk"]
+    assert out["graph_nodes"] > 100  # learned from the first chunk
+    second = [r for r in out["readings"] if r[0] == first]
+    assert second and all(0.0 < fraction < 1.0 for _, _, fraction in second)
+    assert [f for _, _, f in second] == sorted(f for _, _, f in second)
+    assert out["done"] == first  # the second chunk was stopped inside: it never counted
+    assert out["logits"] is None  # Stop came first: nothing to join with
+
+
 def _model(threads: int, kv_bytes_per_token: int = 1024) -> Any:
     return SimpleNamespace(n_threads=threads, kv_bytes_per_token=kv_bytes_per_token)
 

@@ -20,6 +20,7 @@ from engine import (
     PrefillProgress,
     SamplingParams,
     TokenEmitted,
+    prefill_progress,
 )
 from engine.batching import Batcher, BatchJob, DetachedJob
 from engine.generate import ChunkedPrefill, DecodeSession, now_ns
@@ -28,6 +29,13 @@ from engine.metrics import RequestTimeline
 from engine.prefix_cache import PrefixCache
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def progress_at_chunk_ends_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests count the events at chunk ends; a slow moment must not add one from inside
+    a chunk (those have their own tests: tests/test_prefill_progress.py)."""
+    monkeypatch.setattr(prefill_progress, "WITHIN_CHUNK_NS", 1 << 62)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ the worker drives it like engine/batching.py's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -31,12 +31,14 @@ from engine.generate import (
     token_event,
     token_text,
 )
-from engine.llamacpp.decode import decode, next_lone_chunk, prefill_reporter
+from engine.llamacpp.decode import decode, lone_chunk, prefill_meter
+from engine.llamacpp.graph_meter import GraphMeter
 from engine.llamacpp.model import LlamaCppModel
 from engine.llamacpp.prefix_pool import SeqPrefixCache
 from engine.llamacpp.session import eos_ids
 from engine.llamacpp.side_prefill import SidePrefill, can_prefill_beside, set_threads
 from engine.metrics import compute_metrics
+from engine.prefill_progress import PrefillReporter
 from engine.prefix_cache import CacheLease
 from engine.sampling import make_generator, sample_token
 from engine.side_thread import step_rows_beside
@@ -71,12 +73,12 @@ class LlamaBatcher:
         self.mixed_steps = 0
         # interleave=False: a joining prompt is prefilled whole while the rows wait (the
         # baseline of bench --interference). Chunk sizes given here stay fixed (tests); else
-        # they follow the clock.
+        # a mixed chunk follows the clock and a lone one is decode.lone_chunk.
         self.interleave = interleave
         self.beside = beside  # False: long prompts ride in the rows' steps too (bench, tests)
         self.side_prefills = 0
-        self._fixed_lone, self._fixed_mixed = lone_chunk is not None, mixed_chunk is not None
-        self._lone_chunk = min(lone_chunk or next_lone_chunk(loaded, 0, 0.0), loaded.n_batch)
+        self._fixed_lone = None if lone_chunk is None else min(lone_chunk, loaded.n_batch)
+        self._fixed_mixed = mixed_chunk is not None
         self._mixed_chunk = float(mixed_chunk or FIRST_MIXED_CHUNK)  # fractional: grows smoothly
         self._decode_step_s = 0.0  # moving average of a plain decode step (rows only)
 
@@ -126,8 +128,8 @@ class LlamaBatcher:
                                        len(prompt.ids), lease.cached_tokens, lease.miss_reason))
         row = self._new_row(job, prompt.ids, lease)
         uncached = prompt.ids[lease.cached_tokens :]
-        report = prefill_reporter(request.request_id, len(uncached),
-                                  lambda event: self._emit(job, event))
+        report = PrefillReporter(request.request_id, len(uncached),
+                                 lambda event: self._emit(job, event))
         try:
             logits = self._feed_prompt(job, lease, uncached, report)
         except BaseException:
@@ -139,10 +141,10 @@ class LlamaBatcher:
         return row, logits
 
     def _feed_prompt(self, job: BatchJob, lease: CacheLease, ids: list[int],
-                     report: Callable[[int], None]) -> torch.Tensor | None:
+                     report: PrefillReporter) -> torch.Tensor | None:
         """Feed ids onto the lease's sequence a chunk per llama_decode, each riding in the
-        streaming rows' step (with none streaming, decode.LONE_CHUNK_S long); progress after
-        each. The last position's logits (a copy), or None if Stop came between two chunks.
+        streaming rows' step (with none streaming, a lone chunk: progress and Stop within it
+        too); progress after each. The last position's logits (a copy), or None if Stop came.
         A long prompt while rows stream goes beside them instead (_feed_beside)."""
         if (self.interleave and self.beside and self.rows
                 and can_prefill_beside(self.loaded, len(lease.ids) + len(ids), len(ids))):
@@ -157,25 +159,42 @@ class LlamaBatcher:
                 self.step()  # a timed plain step: what a mixed chunk is sized against
                 continue
             room = self.loaded.n_batch - len(self.rows)
-            size = _clamp(round(self._mixed_chunk) if mixed else self._lone_chunk, 1, room)
+            size = _clamp(round(self._mixed_chunk) if mixed
+                          else self._fixed_lone or lone_chunk(self.loaded), 1, room)
             chunk = ids[done : done + size]
+            last = done + len(chunk) == len(ids)
+            if not mixed:
+                meter = prefill_meter(self.loaded, self.loaded.ctx, report.within, done, len(chunk),
+                                      job.cancel.is_set)
+                if not self._lone_step(chunk, lease, last, meter):
+                    return None  # Stop, inside the chunk
+                logits = self.loaded.logits(1)[0].clone() if last else None
+            else:
+                start = now_ns()
+                logits = self._step(self.rows, chunk, lease, last)
+                if not last:  # a final, shorter chunk says little about the next prompt's
+                    self._size_mixed_chunk(len(chunk), (now_ns() - start) * 1e-9)
             done += len(chunk)
-            start = now_ns()
-            logits = self._step(self.rows if mixed else [], chunk, lease, done == len(ids))
-            elapsed_s = (now_ns() - start) * 1e-9
-            if done < len(ids):  # a final, shorter chunk says little about the next prompt's
-                if mixed:
-                    self._size_mixed_chunk(len(chunk), elapsed_s)
-                else:
-                    self._size_lone_chunk(len(chunk), elapsed_s)
-            report(done)
+            report.chunk_done(done)
         return logits
 
+    def _lone_step(self, chunk: Sequence[int], lease: CacheLease, last: bool,
+                   meter: GraphMeter) -> bool:
+        """One lone chunk of a prompt on the lease's sequence (logits for its final token when
+        `last`); False if the meter stopped it (the sequence is as it was)."""
+        start = len(lease.ids)
+        if not decode(self.loaded, self.prefix_cache, chunk,
+                      range(start, start + len(chunk)), [lease.cache] * len(chunk),
+                      [last and i == len(chunk) - 1 for i in range(len(chunk))], meter):
+            return False
+        lease.ids.extend(chunk)
+        return True
+
     def _feed_beside(self, job: BatchJob, lease: CacheLease, ids: list[int],
-                     report: Callable[[int], None]) -> torch.Tensor | None:
+                     report: PrefillReporter) -> torch.Tensor | None:
         """Feed ids on a side context while the rows keep stepping here on the other cores;
-        progress as its chunks go in, every core to it once no row streams. The logits (a
-        copy), or None if Stop came first."""
+        progress as its chunks go (and within each), every core to it once no row streams. The
+        logits (a copy), or None if Stop came first."""
         side = SidePrefill(self.loaded, lease, ids, job.cancel)
         self.side_prefills += 1
         plain_step_s = self._decode_step_s  # steps on fewer threads say nothing of the usual
@@ -190,7 +209,9 @@ class LlamaBatcher:
             nonlocal reported
             if side.done > reported:
                 reported = side.done
-                report(reported)
+                report.chunk_done(reported)
+            else:
+                report.within(*side.reading)
 
         try:
             step_rows_beside(side, lambda: bool(self.rows), self.step, self.loaded.n_threads,
@@ -209,11 +230,6 @@ class LlamaBatcher:
             return
         scale = (STEP_STALL * self._decode_step_s / step_s) ** 0.5
         self._mixed_chunk = max(1.0, min(float(self.loaded.n_batch), tokens * scale))
-
-    def _size_lone_chunk(self, tokens: int, step_s: float) -> None:
-        """The next lone chunk: as many tokens as the last one's rate runs in LONE_CHUNK_S."""
-        if not self._fixed_lone and step_s > 0:
-            self._lone_chunk = next_lone_chunk(self.loaded, tokens, step_s)
 
     def _sibling(self, job: BatchJob, source: Row, index: int) -> Row:
         """An alternative of source's prompt: its sequence is a copy of source's prefill."""

@@ -8,34 +8,53 @@ was) the least recently used cached prefix is evicted and the decode retried.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
 
 from engine.errors import PhasewiseError
-from engine.events import PrefillProgress
+from engine.llamacpp.graph_meter import GraphMeter
 from engine.llamacpp.model import LlamaCppModel
 from engine.llamacpp.prefix_pool import KvFullError, SeqPrefixCache
-from engine.prefill_eta import PrefillClock
+from engine.prefill_progress import PrefillReporter
 from engine.prefix_cache import CacheLease
 from engine.side_thread import chunk_for
 
 NO_KV_SLOT = 1
-# A prompt prefilled with no other row in its batches: chunks sized so progress and Stop come
-# at least this often (an n_batch of 512 took 2.5-5 s on the Xeon VM), from FIRST_LONE_CHUNK
-# tokens, then as many as the last chunk's rate runs in that time, never under MIN_LONE_CHUNK.
-LONE_CHUNK_S = 0.4
-FIRST_LONE_CHUNK = 128
-MIN_LONE_CHUNK = 64
+ABORTED = 2  # a GraphMeter stopped the graph: the batch's positions left the KV memory
+# A prompt prefilled with no other row in its batches goes in whole batches (n_batch), with
+# progress and Stop from inside each (graph_meter.GraphMeter): on the Xeon VM a lone
+# 4,000-token prompt ran at 139-165 tok/s so, against 127-134 in chunks sized by the clock to
+# 0.4 s. Until a meter has seen the graph's size (the same for any batch: 515 nodes for the
+# SmolLM2 GGUF from 1 token to 512), a lone chunk is FIRST_LONE_CHUNK, short enough that its
+# end is the first progress (16 tokens: ~70 ms at an empty context).
+FIRST_LONE_CHUNK = 16
+# A side prefill's chunks (side_prefill.py) follow the clock instead, so that a change of its
+# thread count (between two chunks) comes soon: as many tokens as the last chunk's rate runs
+# in SIDE_CHUNK_S, never under MIN_SIDE_CHUNK.
+SIDE_CHUNK_S = 0.4
+MIN_SIDE_CHUNK = 64
 
 
-def next_lone_chunk(loaded: LlamaCppModel, tokens: int, seconds: float) -> int:
-    """The next lone prefill chunk after one of `tokens` took `seconds`."""
+def lone_chunk(loaded: LlamaCppModel) -> int:
+    """A lone prefill chunk: the whole batch once a meter can say how far one has gone."""
+    return loaded.n_batch if loaded.graph_nodes else min(FIRST_LONE_CHUNK, loaded.n_batch)
+
+
+def next_side_chunk(loaded: LlamaCppModel, tokens: int, seconds: float) -> int:
+    """The next side prefill chunk after one of `tokens` took `seconds`."""
     if seconds <= 0:
-        return min(FIRST_LONE_CHUNK, loaded.n_batch)
-    return chunk_for(tokens, seconds, LONE_CHUNK_S, MIN_LONE_CHUNK, loaded.n_batch)
+        return MIN_SIDE_CHUNK
+    return chunk_for(tokens, seconds, SIDE_CHUNK_S, MIN_SIDE_CHUNK, loaded.n_batch)
+
+
+def prefill_meter(loaded: LlamaCppModel, ctx: Any, within: Callable[[int, int, float], None],
+                  begin: int, size: int, should_stop: Callable[[], bool]) -> GraphMeter:
+    """A meter for the prefill chunk of `size` tokens from `begin` on ctx: within(begin, size,
+    share of the graph done) as it goes (PrefillReporter.within), and Stop."""
+    return GraphMeter(loaded, ctx, lambda fraction: within(begin, size, fraction), should_stop)
 
 
 class BatchWriter:
@@ -75,14 +94,26 @@ def writer_for(loaded: LlamaCppModel) -> BatchWriter:
 
 
 def decode(loaded: LlamaCppModel, pool: SeqPrefixCache, tokens: Sequence[int],
-           positions: Sequence[int], seqs: Sequence[int], outputs: Sequence[bool]) -> None:
-    """Run one batch (at most loaded.n_batch tokens) through the model."""
+           positions: Sequence[int], seqs: Sequence[int], outputs: Sequence[bool],
+           meter: GraphMeter | None = None) -> bool:
+    """Run one batch (at most loaded.n_batch tokens) through the model, under `meter` if
+    given. False if the meter stopped it: the batch's positions are gone from the KV memory
+    (one batch is one ubatch: n_ubatch = n_batch)."""
     writer_for(loaded).fill(tokens, positions, seqs, outputs)
     lib = loaded.llama_cpp
     while True:
-        code = lib.llama_decode(loaded.ctx, loaded.batch)
+        if meter is not None:
+            meter.begin()
+        with meter or nullcontext():
+            code = lib.llama_decode(loaded.ctx, loaded.batch)
         if code == 0:
-            return
+            if meter is not None:
+                meter.finished()
+            return True
+        if code == ABORTED and meter is not None:
+            if meter.error is not None:
+                raise meter.error
+            return False
         if code == NO_KV_SLOT and pool.evict_oldest():
             continue
         if code == NO_KV_SLOT:
@@ -94,44 +125,34 @@ def decode(loaded: LlamaCppModel, pool: SeqPrefixCache, tokens: Sequence[int],
 
 def feed(loaded: LlamaCppModel, pool: SeqPrefixCache, lease: CacheLease, ids: Sequence[int],
          rows: int = 1, cancel: threading.Event | None = None,
-         on_batch: Callable[[int], None] | None = None) -> bool:
+         progress: PrefillReporter | None = None) -> bool:
     """Append ids to the lease's sequence, in batches from the first token (as
-    llama-cpp-python's Llama.eval splits them; a prefill that reports progress, in lone chunks
-    of about LONE_CHUNK_S), with logits for the last `rows` tokens; the lease's ids follow each
-    batch, on_batch hears how many ids are in. False if cancel was set between two batches."""
+    llama-cpp-python's Llama.eval splits them), with logits for the last `rows` tokens; the
+    lease's ids follow each batch. With `progress`, a prefill: lone chunks (lone_chunk), each
+    reported as it goes and stopped by cancel inside it. False if cancel stopped it."""
     n = len(ids)
     if not 1 <= rows <= n:
         raise ValueError(f"need 1 <= rows <= {n}")
-    step = loaded.n_batch if on_batch is None else next_lone_chunk(loaded, 0, 0.0)
     begin = 0
     while begin < n:
         if begin and cancel is not None and cancel.is_set():
             return False
+        step = loaded.n_batch if progress is None else lone_chunk(loaded)
         chunk = list(ids[begin : begin + step])
         end = begin + len(chunk)
         if end == n and len(chunk) < rows:
             raise ValueError("the logits rows straddle two batches")
-        start, began = len(lease.ids), time.perf_counter()
+        start = len(lease.ids)
         outputs = [i >= n - rows for i in range(begin, end)]
-        decode(loaded, pool, chunk, range(start, start + len(chunk)),
-               [lease.cache] * len(chunk), outputs)
+        meter = None
+        if progress is not None:
+            meter = prefill_meter(loaded, loaded.ctx, progress.within, begin, len(chunk),
+                                  cancel.is_set if cancel is not None else lambda: False)
+        if not decode(loaded, pool, chunk, range(start, start + len(chunk)),
+                      [lease.cache] * len(chunk), outputs, meter):
+            return False
         lease.ids.extend(chunk)
-        if on_batch is not None:
-            step = next_lone_chunk(loaded, len(chunk), time.perf_counter() - began)
-            on_batch(end)
+        if progress is not None:
+            progress.chunk_done(end)
         begin = end
     return True
-
-
-def prefill_reporter(request_id: str, total: int, emit: Callable[[PrefillProgress], None]
-                     ) -> Callable[[int], None]:
-    """An on_batch for feed that emits PrefillProgress (rate so far, time left: see
-    engine.prefill_eta)."""
-    clock = PrefillClock(total, time.perf_counter_ns())
-
-    def report(done: int) -> None:
-        t = time.perf_counter_ns()
-        rate, left_s = clock.tick(done, t)
-        emit(PrefillProgress(request_id, t, done, total, rate, left_s))
-
-    return report

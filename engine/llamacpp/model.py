@@ -112,6 +112,7 @@ class LlamaCppModel:
     eog_ids: set[int] | None = None  # end-of-generation tokens, filled on first use
     can_roll_back: bool = True  # False for recurrent/hybrid memory: no partial seq_rm
     context_params: Any = None  # the llama_context_params ctx was made with (a side context's)
+    graph_nodes: int = 0  # nodes in a decode's graph, once a graph_meter.GraphMeter saw one
     _views: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
     @property

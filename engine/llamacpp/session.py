@@ -12,7 +12,6 @@ sequence with seq_rm. Runs only in the engine thread.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 
 import torch
 
@@ -30,12 +29,13 @@ from engine.generate import (
     token_event,
     token_text,
 )
-from engine.llamacpp.decode import feed, prefill_reporter
+from engine.llamacpp.decode import feed
 from engine.llamacpp.draft import LlamaDraftModel
 from engine.llamacpp.model import LlamaCppModel
 from engine.llamacpp.prefix_pool import SeqPrefixCache
 from engine.metrics import RequestTimeline, compute_metrics
 from engine.params import GenerationRequest
+from engine.prefill_progress import PrefillReporter
 from engine.prefix_cache import CacheLease
 from engine.sampling import make_generator, sample_token
 from engine.speculative import PromptLookup, SpecStats, verify_sampled
@@ -98,7 +98,7 @@ class LlamaSession:
         stats = SpecStats()
         uncached = prompt_ids[lease.cached_tokens :]
         rows = self._forward(uncached, lease, 1, cancel,
-                             prefill_reporter(request.request_id, len(uncached), emit))
+                             PrefillReporter(request.request_id, len(uncached), emit))
         if rows is not None and isinstance(drafter, DraftProposer):
             assert self.draft is not None
             if not self.draft.prefill(prompt_ids, cancel):
@@ -183,12 +183,12 @@ class LlamaSession:
 
     def _forward(self, ids: list[int], lease: CacheLease, rows: int,
                  cancel: threading.Event | None = None,
-                 on_batch: Callable[[int], None] | None = None) -> torch.Tensor | None:
+                 progress: PrefillReporter | None = None) -> torch.Tensor | None:
         """Feed ids on top of the lease's sequence; the logits of the last `rows` positions,
         shape (rows, vocab), a view valid until the next decode. None if cancelled."""
         if cancel is not None and cancel.is_set():
             return None
-        if not feed(self.loaded, self.prefix_cache, lease, ids, rows, cancel, on_batch):
+        if not feed(self.loaded, self.prefix_cache, lease, ids, rows, cancel, progress):
             return None
         return self.loaded.logits(rows)
 

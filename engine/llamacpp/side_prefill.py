@@ -26,7 +26,13 @@ import torch
 
 from engine.errors import PhasewiseError
 from engine.fit import free_memory
-from engine.llamacpp.decode import MIN_LONE_CHUNK, BatchWriter, next_lone_chunk
+from engine.llamacpp.decode import (
+    ABORTED,
+    MIN_SIDE_CHUNK,
+    BatchWriter,
+    next_side_chunk,
+    prefill_meter,
+)
 from engine.llamacpp.model import LlamaCppModel
 from engine.llamacpp.prefix_pool import KvFullError, SeqPrefixCache
 from engine.prefix_cache import CacheLease
@@ -75,6 +81,9 @@ class SidePrefill(SideWorker):
         super().__init__(side_threads(loaded), cancel)
         self.loaded, self.lease, self.ids = loaded, lease, ids
         self.done = 0  # tokens of ids in the side context (written by the side thread)
+        # The chunk under way: (its first token, its size, how far through the model it is),
+        # written by the side thread as it goes, for the engine thread's progress.
+        self.reading: tuple[int, int, float] = (0, 0, 0.0)
         self._logits: torch.Tensor | None = None
         self._ctx = self._new_context(len(lease.ids) + len(ids))
         try:
@@ -99,7 +108,7 @@ class SidePrefill(SideWorker):
     def _feed(self, writer: BatchWriter) -> None:
         lib, ids = self.loaded.llama_cpp, self.ids
         # A small first chunk on fewer threads: the first progress comes soon; then the clock.
-        start, step = len(self.lease.ids), MIN_LONE_CHUNK
+        start, step = len(self.lease.ids), MIN_SIDE_CHUNK
         while self.done < len(ids) and not self.stopped:
             self.before_chunk()
             begin, end = self.done, min(len(ids), self.done + step)
@@ -108,15 +117,27 @@ class SidePrefill(SideWorker):
                         [SIDE_SEQ] * (end - begin),
                         [last and i == end - 1 for i in range(begin, end)])
             began = time.perf_counter()
-            code = lib.llama_decode(self._ctx, writer.batch)
+            meter = prefill_meter(self.loaded, self._ctx, self._now_reading, begin, end - begin,
+                                  lambda: self.stopped)
+            meter.begin()
+            with meter:
+                code = lib.llama_decode(self._ctx, writer.batch)
+            if meter.error is not None:
+                raise meter.error
+            if code == ABORTED:
+                return  # Stop, or the engine gave up: inside the chunk
             if code != 0:
                 raise PhasewiseError(f"llama.cpp failed to decode a batch (code {code})")
+            meter.finished()
             if last:
                 pointer = lib.llama_get_logits(self._ctx)
                 row = np.ctypeslib.as_array(pointer, shape=(self.loaded.n_vocab,))
                 self._logits = torch.from_numpy(row.copy())
-            step = next_lone_chunk(self.loaded, end - begin, time.perf_counter() - began)
+            step = next_side_chunk(self.loaded, end - begin, time.perf_counter() - began)
             self.done = end
+
+    def _now_reading(self, begin: int, size: int, fraction: float) -> None:
+        self.reading = (begin, size, fraction)  # one assignment: the engine thread reads it
 
     # ----- back on the engine thread ---------------------------------------------------------
     def finish(self, pool: SeqPrefixCache) -> torch.Tensor | None:
