@@ -48,7 +48,7 @@ class EngineBridge(QObject):
     sig_prefill_started = Signal(object)
     """A PrefillStarted: prompt size and how much of it came from the cache."""
     sig_prefill_progress = Signal(object)
-    """A PrefillProgress: one chunk of a long prompt was read (how far it got)."""
+    """A PrefillProgress: how far the reading of a long prompt has got (a few times a second)."""
     sig_request_finished = Signal(object)
     """A RequestFinished: the reply is complete (stop, length or cancelled)."""
     sig_request_failed = Signal(object)
