@@ -17,11 +17,14 @@ from types import TracebackType
 from typing import Any
 
 import torch
-from transformers.modeling_layers import GradientCheckpointingLayer
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's decoder layers, in the order a forward runs them."""
+    # Imported here: the llama.cpp engine imports engine.generate, and starts without
+    # transformers (tests/test_llamacpp_startup.py).
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
