@@ -26,10 +26,11 @@ NO_KV_SLOT = 1
 ABORTED = 2  # a GraphMeter stopped the graph: the batch's positions left the KV memory
 # A prompt prefilled with no other row in its batches goes in whole batches (n_batch), with
 # progress and Stop from inside each (graph_meter.GraphMeter): on the Xeon VM a lone
-# 4,000-token prompt ran at 139-165 tok/s so, against 127-134 in chunks sized by the clock to
-# 0.4 s. Until a meter has seen the graph's size (the same for any batch: 515 nodes for the
-# SmolLM2 GGUF from 1 token to 512), a lone chunk is FIRST_LONE_CHUNK, short enough that its
-# end is the first progress (16 tokens: ~70 ms at an empty context).
+# 4,000-token prompt ran at 124-138 tok/s so, against 108-114 in chunks sized by the clock to
+# 0.4 s (benchmarks/prefill_progress.py, the two builds alternating). Until a meter has seen
+# the graph's size (the same for any batch: 515 nodes for the SmolLM2 GGUF from 1 token to
+# 512), a lone chunk is FIRST_LONE_CHUNK, short enough that its end is the first progress (16
+# tokens: ~70 ms at an empty context).
 FIRST_LONE_CHUNK = 16
 # A side prefill's chunks (side_prefill.py) follow the clock instead, so that a change of its
 # thread count (between two chunks) comes soon: as many tokens as the last chunk's rate runs
