@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -103,17 +102,11 @@ def decode(loaded: LlamaCppModel, pool: SeqPrefixCache, tokens: Sequence[int],
     writer_for(loaded).fill(tokens, positions, seqs, outputs)
     lib = loaded.llama_cpp
     while True:
-        if meter is not None:
-            meter.begin()
-        with meter or nullcontext():
-            code = lib.llama_decode(loaded.ctx, loaded.batch)
+        code = (lib.llama_decode(loaded.ctx, loaded.batch) if meter is None
+                else meter.decode(loaded.batch))
         if code == 0:
-            if meter is not None:
-                meter.finished()
             return True
         if code == ABORTED and meter is not None:
-            if meter.error is not None:
-                raise meter.error
             return False
         if code == NO_KV_SLOT and pool.evict_oldest():
             continue

@@ -17,16 +17,15 @@ a meter is installed only around a prefill chunk's decode and taken off after it
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import TracebackType
 from typing import Any
 
 from engine.llamacpp.model import LlamaCppModel
 
 
 class GraphMeter:
-    """While entered, on_fraction(share of the graph done) after each node of each llama_decode
-    on ctx; the decode is aborted (code 2) once should_stop() says so. Use it from the thread
-    that calls llama_decode on ctx (the callback runs there)."""
+    """Runs llama_decode on ctx with on_fraction(share of the graph done) after each node,
+    aborting it (code 2) once should_stop() says so. Use it from the thread that calls
+    llama_decode on ctx (the callback runs there)."""
 
     def __init__(self, loaded: LlamaCppModel, ctx: Any, on_fraction: Callable[[float], None],
                  should_stop: Callable[[], bool]) -> None:
@@ -34,34 +33,33 @@ class GraphMeter:
         self.ctx = ctx
         self.on_fraction = on_fraction
         self.should_stop = should_stop
-        self.error: BaseException | None = None  # raised in the callback; the decode aborted
+        self._error: BaseException | None = None  # raised in the callback; the decode aborted
         self._nodes = 0
         self._callback = loaded.llama_cpp.ggml_abort_callback(self._after_node)
 
-    def __enter__(self) -> GraphMeter:
-        self.loaded.llama_cpp.llama_set_abort_callback(self.ctx, self._callback, None)
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 trace: TracebackType | None) -> None:
+    def decode(self, batch: Any) -> int:
+        """llama_decode(ctx, batch) under the meter: its return code (ABORTED when stopped);
+        what the callback raised is raised here."""
         lib = self.loaded.llama_cpp
-        lib.llama_set_abort_callback(self.ctx, lib.ggml_abort_callback(), None)
-
-    def begin(self) -> None:
-        """Before each llama_decode under this meter."""
-        self._nodes = 0
-
-    def finished(self) -> None:
-        """After a llama_decode that ran its whole graph."""
-        self.loaded.graph_nodes = max(self.loaded.graph_nodes, self._nodes)
+        self._nodes, self._error = 0, None
+        lib.llama_set_abort_callback(self.ctx, self._callback, None)
+        try:
+            code = int(lib.llama_decode(self.ctx, batch))
+        finally:
+            lib.llama_set_abort_callback(self.ctx, lib.ggml_abort_callback(), None)
+        if self._error is not None:
+            raise self._error
+        if code == 0:
+            self.loaded.graph_nodes = max(self.loaded.graph_nodes, self._nodes)
+        return code
 
     def _after_node(self, _data: Any) -> bool:
-        # An exception must not cross into C: it stops the graph and waits in self.error.
+        # An exception must not cross into C: it stops the graph and waits in self._error.
         try:
             self._nodes += 1
             if self.loaded.graph_nodes:
                 self.on_fraction(self._nodes / self.loaded.graph_nodes)
             return self.should_stop()
         except BaseException as exc:
-            self.error = exc
+            self._error = exc
             return True

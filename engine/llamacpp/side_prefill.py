@@ -119,16 +119,11 @@ class SidePrefill(SideWorker):
             began = time.perf_counter()
             meter = prefill_meter(self.loaded, self._ctx, self._now_reading, begin, end - begin,
                                   lambda: self.stopped)
-            meter.begin()
-            with meter:
-                code = lib.llama_decode(self._ctx, writer.batch)
-            if meter.error is not None:
-                raise meter.error
+            code = meter.decode(writer.batch)
             if code == ABORTED:
                 return  # Stop, or the engine gave up: inside the chunk
             if code != 0:
                 raise PhasewiseError(f"llama.cpp failed to decode a batch (code {code})")
-            meter.finished()
             if last:
                 pointer = lib.llama_get_logits(self._ctx)
                 row = np.ctypeslib.as_array(pointer, shape=(self.loaded.n_vocab,))
