@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass
 from functools import partial
 from itertools import pairwise
 from typing import Any
@@ -483,8 +484,8 @@ def bench_interference(
         for mode in modes:
             progress(f"round {r + 1}/{rounds}: {INTERFERENCE_LABELS[mode]}")
             run = _interference_run(loaded, mode, stream_ids, long_ids, alone_tokens)
-            run["lone_prefill_s"], run["lone_progress_gap_s"] = _lone_prefill(loaded, mode,
-                                                                               long_ids)
+            lone = lone_prefill(loaded, long_ids, mode)
+            run["lone_prefill_s"], run["lone_progress_gap_s"] = lone.seconds, lone.longest_wait_s
             runs[mode].append(run)
     report: dict[str, Any] = {"model": loaded.info.name, "device": loaded.info.device,
                               "kernel": loaded.info.kernel, "prompt_tokens": prompt_tokens,
@@ -527,18 +528,29 @@ def _interference_batcher(loaded: LoadedModel, mode: str,
                    prefill_chunk=1 << 30 if whole else None)
 
 
-def _lone_prefill(loaded: LoadedModel, mode: str, long_ids: list[int]) -> tuple[float, float]:
-    """The long prompt's prefill with nothing streaming (what chunking must not slow): its time
-    and the longest wait for its progress."""
+@dataclass(frozen=True)
+class LonePrefill:
+    """A prompt prefilled with nothing else running: its time, its PrefillProgress events and
+    the longest wait for one (engine clock)."""
+
+    seconds: float
+    progress_events: int
+    longest_wait_s: float
+
+
+def lone_prefill(loaded: LoadedModel, ids: list[int], mode: str = "beside") -> LonePrefill:
+    """Prefill ids through a fresh batcher of `mode` (see _interference_batcher; "beside" is
+    the engine's own) with nothing else running (what chunking must not slow)."""
     progress: dict[str, list[int]] = {}
     batcher = _interference_batcher(loaded, mode, progress)
-    long = DetachedJob(GenerationRequest(
+    job = DetachedJob(GenerationRequest(
         [], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
-        prompt_token_ids=long_ids, reuse_cache=False))
-    batcher.admit([long])
-    lt = long.timeline
-    return ((lt.first_logits_ns - lt.prefill_start_ns) * 1e-9,
-            _longest_progress_gap_s(lt, progress.get(long.request.request_id, [])))
+        prompt_token_ids=ids, reuse_cache=False))
+    batcher.admit([job])
+    t = job.timeline
+    stamps = progress.get(job.request.request_id, [])
+    return LonePrefill((t.first_logits_ns - t.prefill_start_ns) * 1e-9, len(stamps),
+                       _longest_progress_gap_s(t, stamps))
 
 
 def _longest_progress_gap_s(timeline: RequestTimeline, stamps: list[int]) -> float:
