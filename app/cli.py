@@ -35,19 +35,31 @@ class CliError(Exception):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command and return its exit code (tests call it in their own process)."""
     # A frozen bundle's child processes (engine.native) start as this program: run theirs.
     multiprocessing.freeze_support()
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="phasewise: %(levelname)s: %(message)s")
     try:
-        return args.handler(args)
+        return int(args.handler(args))
     except CliError as exc:
         print(f"phasewise: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("phasewise: cancelled", file=sys.stderr)
         return EXIT_CANCELLED
+
+
+def entry() -> None:
+    """The `phasewise` program: main(), then an exit that never finalizes the interpreter
+    under one of our threads still inside native code (engine/threads.py)."""
+    code = main()
+    if "engine" in sys.modules:  # threads of ours exist only once the engine was imported
+        from engine.threads import settle
+
+        code = settle(code)
+    sys.exit(code)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,10 +11,12 @@ settings file so it never touches the user's chats.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -120,6 +122,7 @@ def _run_window(loop: asyncio.AbstractEventLoop, model: str, backend: str | None
     try:
         window = build_window(engine, store, settings, load_options=load_options)
         window.show()
+        restore_signals = close_on_signals(window)
         smoke = _SmokeTest(window) if smoke_test else None
         if backend:
             window.load_model(REMOTE_SPEC, base_url=backend, model=backend_model)
@@ -129,12 +132,50 @@ def _run_window(loop: asyncio.AbstractEventLoop, model: str, backend: str | None
         if smoke is not None:
             code = smoke.exit_code
         window.close()
+        restore_signals()
         return code
     finally:
         engine.shutdown()  # the loop has stopped: a remote's closing runs it once more
         store.close()
         if scratch is not None:
             scratch.cleanup()
+
+
+def close_on_signals(window: MainWindow) -> Callable[[], None]:
+    """SIGTERM (a logout, `kill`) and SIGINT (Ctrl+C in the terminal) close the window as Ctrl+Q
+    does: replies kept as stopped, settings saved, every thread joined, exit code 0.
+
+    Python runs a signal handler only when the interpreter next gets control; the Qt loop is
+    C++, so the signal also writes a byte to a socket that a QSocketNotifier watches. Returns
+    what puts the default handlers back."""
+    import signal
+    import socket
+
+    from PySide6.QtCore import QSocketNotifier
+
+    reader, writer = socket.socketpair()
+    reader.setblocking(False)
+    writer.setblocking(False)
+    signal.set_wakeup_fd(writer.fileno())
+    notifier = QSocketNotifier(reader.fileno(), QSocketNotifier.Type.Read, window)
+
+    def drain() -> None:
+        with contextlib.suppress(OSError):
+            reader.recv(64)
+
+    notifier.activated.connect(drain)  # the handler below has run by the time this does
+    previous = {number: signal.signal(number, lambda *_: window.close())
+                for number in (signal.SIGTERM, signal.SIGINT)}
+
+    def restore() -> None:
+        signal.set_wakeup_fd(-1)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        notifier.setEnabled(False)
+        reader.close()
+        writer.close()
+
+    return restore
 
 
 class _SmokeTest:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -35,15 +36,41 @@ def add_backend_options(parser: argparse.ArgumentParser) -> None:
                         help="model name on the backend (default: the first it lists)")
 
 
+class _Stopped(Exception):
+    """SIGTERM reached `serve`: stop as Ctrl+C does."""
+
+
+def _raise_stopped(*_: object) -> None:
+    raise _Stopped
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve until Ctrl+C or SIGTERM, either of which is the normal end of a server (exit 0):
+    uvicorn drains, the engine thread is joined, the model freed."""
     from app.cli import CliError
-    from app.serve import check_bind, create_app, uvicorn_server
-    from engine import Engine, ModelLoadError, PhasewiseError
+    from app.serve import check_bind
+    from engine import PhasewiseError
 
     try:
         check_bind(args.host, args.token)
     except PhasewiseError as exc:
         raise CliError(str(exc)) from None
+    # uvicorn handles both signals while it runs, then raises them again: they land here.
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    try:
+        _serve(args)
+    except (_Stopped, KeyboardInterrupt):
+        print("phasewise: server stopped", file=sys.stderr)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from app.cli import CliError
+    from app.serve import create_app, uvicorn_server
+    from engine import Engine, ModelLoadError
+
     with Engine() as engine:
         try:
             info = engine.load_model_sync(
@@ -56,7 +83,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"phasewise: serving {info.name} at http://{args.host}:{args.port}/v1 "
               f"(Ctrl+C stops)", file=sys.stderr, flush=True)
         server.run()
-    return 0
 
 
 def open_engine(args: argparse.Namespace) -> Backend:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import platform
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.errors import PhasewiseError
 from engine.loader import cache_root
 
 CACHE_FILE = "device_peaks.json"
@@ -76,8 +78,14 @@ def table_peaks(name: str) -> DevicePeaks | None:
     return None
 
 
-def measure_peaks(device: str = "cpu", budget_s: float = 1.5) -> tuple[float, float]:
-    """(GB/s, TFLOP/s) from a timed copy and a timed matmul, best of a few repeats each."""
+class CalibrationCancelled(PhasewiseError):
+    """`stop` was set during a calibration: nothing was measured or cached."""
+
+
+def measure_peaks(device: str = "cpu", budget_s: float = 1.5,
+                  stop: threading.Event | None = None) -> tuple[float, float]:
+    """(GB/s, TFLOP/s) from a timed copy and a timed matmul, best of a few repeats each.
+    Setting `stop` ends it within one repeat (CalibrationCancelled): the app is quitting."""
     import torch
 
     dev = torch.device(device)
@@ -87,15 +95,16 @@ def measure_peaks(device: str = "cpu", budget_s: float = 1.5) -> tuple[float, fl
     src = torch.ones(copy_bytes // 4, dtype=torch.float32, device=dev)
     dst = torch.empty_like(src)
     # A copy reads and writes every byte once.
-    copy_s = _best_time(lambda: dst.copy_(src), dev, budget_s / 2)
+    copy_s = _best_time(lambda: dst.copy_(src), dev, budget_s / 2, stop)
     n = 4096 if gpu else 512
     a = torch.randn(n, n, dtype=dtype, device=dev)
     b = torch.randn(n, n, dtype=dtype, device=dev)
-    mm_s = _best_time(lambda: torch.mm(a, b), dev, budget_s / 2)
+    mm_s = _best_time(lambda: torch.mm(a, b), dev, budget_s / 2, stop)
     return 2 * copy_bytes / copy_s / 1e9, 2 * n**3 / mm_s / 1e12
 
 
-def _best_time(fn: Callable[[], object], dev: Any, budget_s: float, reps: int = 20) -> float:
+def _best_time(fn: Callable[[], object], dev: Any, budget_s: float,
+               stop: threading.Event | None = None, reps: int = 20) -> float:
     import torch
 
     def sync() -> None:
@@ -107,6 +116,8 @@ def _best_time(fn: Callable[[], object], dev: Any, budget_s: float, reps: int = 
     best = float("inf")
     deadline = time.perf_counter() + budget_s
     for _ in range(reps):
+        if stop is not None and stop.is_set():
+            raise CalibrationCancelled("calibration stopped")
         start = time.perf_counter()
         fn()
         sync()

@@ -196,6 +196,7 @@ class Engine(EventSource, Backend):
         self._active: dict[str, _Job] = {}
         self._batching = False  # the loaded model's cache can be batched row-wise
         self._lock = threading.Lock()
+        self._closing = threading.Event()  # shutdown() was called: a model load gives up
         self.last_load_error: str | None = None
 
     # ----- lifecycle -------------------------------------------------------------------
@@ -204,7 +205,10 @@ class Engine(EventSource, Backend):
         return self
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Cancel everything, stop the thread, free the model."""
+        """Cancel everything, stop the thread, free the model. A model load under way stops at
+        its next stage or converted tensor; what cannot stop within `timeout` is left to
+        engine.threads.settle."""
+        self._closing.set()
         self.cancel_all()
         self._inbox.put(Shutdown())
         if self._thread.is_alive():
@@ -464,12 +468,20 @@ class Engine(EventSource, Backend):
         cmd.done.set()
 
     def _load_progress(self, stage: str) -> None:
+        self._give_up_if_closing()
         self._broadcast(ModelLoading(now_ns(), stage))
 
     def _conversion_progress(self, done: int, total: int) -> None:
         """A GGUF converting for torch: a ModelLoadProgress at each whole percent."""
+        self._give_up_if_closing()
         if total and (done == total or 100 * done // total != 100 * (done - 1) // total):
             self._broadcast(ModelLoadProgress(now_ns(), "converting GGUF", done, total))
+
+    def _give_up_if_closing(self) -> None:
+        """Called between a load's steps: after shutdown() nobody waits for the model, and the
+        process must not end under a conversion (its staging folder is removed on the way)."""
+        if self._closing.is_set():
+            raise ModelLoadError("the engine is shutting down")
 
     def _fail_load(self, message: str, cmd: LoadModel | LoadDraft, *,
                    draft: bool = False) -> None:

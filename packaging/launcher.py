@@ -1,8 +1,6 @@
 """Entry point of the frozen bundle: the same `phasewise` command as the console script."""
 
-import sys
-
-from app.cli import main
+from app.cli import entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -497,8 +497,9 @@ class MainWindow(QMainWindow):
     # ----- closing ----------------------------------------------------------------------------
     def closeEvent(self, event: QCloseEvent) -> None:
         """Cancel running replies, keep their partial text (marked stopped), save settings.
-        Alternatives nobody kept are discarded."""
+        Alternatives nobody kept are discarded. The HUD's calibration thread is joined."""
         self.session.close()
+        self.hud.stop_calibration()
         self.bridge.detach()
         self.drafts.stash()
         self.dock_widths.save(self.settings)

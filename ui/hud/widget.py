@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from PySide6.QtCore import QTimer, Signal
@@ -38,7 +39,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.calibrate import DevicePeaks, device_peaks
+from engine.calibrate import DevicePeaks, device_peaks, measure_peaks
 from engine.events import (
     EngineEvent,
     ModelLoaded,
@@ -58,6 +59,7 @@ from engine.hud_model import (
     fmt_ms,
     fmt_seconds,
 )
+from engine.threads import start_worker
 from ui.hud import style
 from ui.hud.live_label import LiveLabel
 from ui.hud.panels import PANEL_TYPES, HudContext, Panel, prefill_caption
@@ -120,6 +122,8 @@ class HudWidget(QWidget):
         self.peaks: DevicePeaks | None = None
         self._calibrate = calibrate
         self._calibrated_device: str | None = None
+        self._calibration: threading.Thread | None = None
+        self._stop_calibration = threading.Event()
         self._selected_id: str | None = None  # None follows the live (latest) reply
         self._pinned = False  # the user picked a past reply: keep it when a new one streams
         self._names: dict[str, tuple[str, int]] = {}  # request id -> (chat title, turn)
@@ -536,13 +540,23 @@ class HudWidget(QWidget):
         if not self._calibrate or device == self._calibrated_device:
             return
         self._calibrated_device = device
-        threading.Thread(target=self._calibration_worker, args=(device,),
-                         name="phasewise-calibrate", daemon=True).start()
+        self.stop_calibration()  # a calibration for the previous device is of no use now
+        self._stop_calibration = threading.Event()
+        self._calibration = start_worker(
+            partial(self._calibration_worker, device, self._stop_calibration), "calibrate")
 
-    def _calibration_worker(self, device: str) -> None:
+    def stop_calibration(self) -> None:
+        """Stop and join the calibration thread (within one timed repeat): it runs torch, and
+        the interpreter must never finalize under it (engine/threads.py says why)."""
+        self._stop_calibration.set()
+        if self._calibration is not None:
+            self._calibration.join()
+            self._calibration = None
+
+    def _calibration_worker(self, device: str, stop: threading.Event) -> None:
         try:
-            peaks = device_peaks(device)
-        except Exception:  # the roofline just stays empty; never crash the GUI for it
+            peaks = device_peaks(device, measure=partial(measure_peaks, stop=stop))
+        except Exception:  # stopped, or failed: the roofline just stays empty
             return
         with contextlib.suppress(RuntimeError):  # the HUD was closed while calibrating
             self.sig_peaks_ready.emit(peaks)
