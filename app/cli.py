@@ -272,7 +272,6 @@ def show_loading_stage(event: object) -> None:
 # ----- phasewise bench -----------------------------------------------------------------------
 def cmd_bench(args: argparse.Namespace) -> int:
     from engine import ModelLoadError, PhasewiseError
-    from engine.bench import bench_batch, bench_decode, bench_interference, bench_turns
 
     if args.prompt_tokens is None:
         args.prompt_tokens = 4000 if args.interference else 128
@@ -299,6 +298,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
         reference, loaded, draft = load_for_bench(args, progress)
     except ModelLoadError as exc:
         raise CliError(str(exc)) from None
+    try:
+        report = run_bench(args, reference, loaded, draft, progress)
+    finally:  # llama.cpp's memory freed now, in order, not by the finalizer's garbage collection
+        from engine.runtimes import close
+
+        close(loaded)
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+def run_bench(args: argparse.Namespace, reference: Any, loaded: Any, draft: Any,
+              progress: Any) -> dict[str, Any]:
+    """The measurement cmd_bench asked for, its table printed; returns the report."""
+    from engine import PhasewiseError
+    from engine.bench import bench_batch, bench_decode, bench_interference, bench_turns
+
     if args.prompt_tokens + args.max_tokens > loaded.info.context_length:
         raise CliError(
             f"--prompt-tokens + --max-tokens is {args.prompt_tokens + args.max_tokens}, over the "
@@ -326,9 +342,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print_decode_table(report)
     except PhasewiseError as exc:
         raise CliError(str(exc)) from None
-    if args.json:
-        print(json.dumps(report))
-    return 0
+    return report
 
 
 def load_for_bench(args: argparse.Namespace, progress: Any) -> tuple[Any, Any, Any]:

@@ -14,6 +14,9 @@ start=$SECONDS
 echo "package: default model -> build/bundled-model"
 "$py" packaging/prepare_model.py build/bundled-model
 
+# What the bundle was built from: the packaging tests refuse a bundle of other sources.
+"$py" packaging/source_stamp.py build/source-stamp.json
+
 echo "package: PyInstaller bundle -> build/dist/phasewise"
 "$py" -m PyInstaller --noconfirm --log-level WARN \
     --distpath build/dist --workpath build/pyinstaller packaging/phasewise.spec

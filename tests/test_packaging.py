@@ -1,19 +1,24 @@
 """The installed app, as a user gets it: unpack the .deb and run the frozen bundle.
 
 Needs `make package` first (dist/phasewise_<version>_amd64.deb); run with
-`make test-packaging`. Every run uses a clean environment: an empty HOME, a minimal PATH,
-nothing from this virtualenv. The bundle ships the default model as its GGUF and the llama.cpp
-engine's libraries: on this CUDA-less machine the app runs it on llama.cpp, converting nothing.
+`make test-packaging`. A bundle built from other sources than this tree's is refused (its
+source-stamp.json, packaging/source_stamp.py). Every run uses a clean environment: an empty
+HOME, a minimal PATH, nothing from this virtualenv, and fails on a Python traceback or a C++
+abort on stderr, whatever its exit code. The bundle ships the default model as its GGUF and
+the llama.cpp engine's libraries: on this CUDA-less machine the app runs it on llama.cpp,
+converting nothing.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -25,6 +30,16 @@ BUNDLE = "opt/phasewise"
 MODEL_DIR = f"{BUNDLE}/_internal/models/SmolLM2-135M-Instruct"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPT = "What is the capital of France? Answer in one sentence."
+FRESH_UNPACKS = 10  # the frozen app once aborted as it quit in 5 runs of 6 on one CPU kind
+
+
+def _source_stamp() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("source_stamp",
+                                                  ROOT / "packaging" / "source_stamp.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _version() -> str:
@@ -42,11 +57,42 @@ def deb() -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def unpacked(deb: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("deb-root")
+def _unpack(deb: Path, root: Path) -> Path:
     subprocess.run(["dpkg", "-x", str(deb), str(root)], check=True)
     return root
+
+
+@pytest.fixture(scope="module")
+def unpacked(deb: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The .deb unpacked, checked to be built from this tree (else every test fails)."""
+    root = _unpack(deb, tmp_path_factory.mktemp("deb-root"))
+    stamp_module = _source_stamp()
+    stamp = root / BUNDLE / "_internal" / stamp_module.STAMP_NAME
+    if not stamp.is_file():
+        pytest.fail(f"{deb.name} has no {stamp_module.STAMP_NAME}: rebuild it (`make package`)")
+    built_from = json.loads(stamp.read_text())["sources_sha256"]
+    if built_from != stamp_module.source_digest(ROOT):
+        pytest.fail(f"{deb.name} was built from other sources than this tree: `make package`")
+    return root
+
+
+def _assert_no_crash_text(stderr: str) -> None:
+    """A run that 'passed' while printing a traceback or aborting as it quit did not pass."""
+    for sign in ("Traceback", "terminate called", "Fatal Python error"):
+        assert sign not in stderr, stderr[-3000:]
+
+
+def _smoke(exe: Path, home: Path) -> dict:
+    """The frozen app's --smoke-test (the window, one greedy reply, quit): its JSON line."""
+    proc = subprocess.run(
+        [str(exe), "--smoke-test"], env=_clean_env(home, QT_QPA_PLATFORM="offscreen"),
+        cwd=home, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S,
+    )
+    _assert_no_crash_text(proc.stderr)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stdout
+    return json.loads(lines[0])
 
 
 def _clean_env(home: Path, **extra: str) -> dict[str, str]:
@@ -92,15 +138,7 @@ def test_frozen_smoke_test_offline_with_empty_home(unpacked: Path, tmp_path: Pat
     home = tmp_path / "home"
     home.mkdir()
     before = _tree(unpacked / "opt")
-    proc = subprocess.run(
-        [str(unpacked / "opt/phasewise/phasewise"), "--smoke-test"],
-        env=_clean_env(home, QT_QPA_PLATFORM="offscreen"), cwd=tmp_path,
-        capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    assert len(lines) == 1, proc.stdout
-    result = json.loads(lines[0])
+    result = _smoke(unpacked / BUNDLE / "phasewise", home)
     assert result["ok"] is True
     assert result["model"] == "SmolLM2-135M-Instruct"
     assert result["device"] == "cpu"
@@ -113,6 +151,19 @@ def test_frozen_smoke_test_offline_with_empty_home(unpacked: Path, tmp_path: Pat
     assert _tree(unpacked / "opt") == before
 
 
+def test_frozen_smoke_test_on_fresh_unpacks_never_aborts(unpacked: Path, deb: Path,
+                                                          tmp_path: Path) -> None:
+    """A first start (empty HOME: the HUD calibrates while the reply runs) that quits at once,
+    FRESH_UNPACKS times in a row, each from a new unpack: the exit must be clean every time."""
+    for run in range(FRESH_UNPACKS):
+        root = _unpack(deb, tmp_path / f"root-{run}")
+        home = tmp_path / f"home-{run}"
+        home.mkdir()
+        result = _smoke(root / BUNDLE / "phasewise", home)
+        assert (result["ok"], result["engine"]) == (True, "llama.cpp"), f"run {run}: {result}"
+        shutil.rmtree(root)
+
+
 def test_frozen_app_without_display_prints_one_clear_line(unpacked: Path, tmp_path: Path) -> None:
     proc = subprocess.run(
         [str(unpacked / "opt/phasewise/phasewise")],
@@ -120,18 +171,21 @@ def test_frozen_app_without_display_prints_one_clear_line(unpacked: Path, tmp_pa
     )
     assert proc.returncode == 1
     assert proc.stdout == ""
+    _assert_no_crash_text(proc.stderr)
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("phasewise: error: no display found")
 
 
 def _ask(unpacked: Path, home: Path, *options: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    proc = subprocess.run(
         [str(unpacked / BUNDLE / "phasewise"), "ask", PROMPT, "--json", "--temperature", "0",
          "--max-tokens", "24", *options],
         env=_clean_env(home, **env), cwd=home, capture_output=True, text=True,
         timeout=SMOKE_TIMEOUT_S,
     )
+    _assert_no_crash_text(proc.stderr)
+    return proc
 
 
 def test_frozen_ask_runs_the_bundled_gguf_on_llama_cpp(unpacked: Path, tmp_path: Path) -> None:
@@ -172,6 +226,6 @@ def test_frozen_app_reports_a_damaged_bundled_model(unpacked: Path, tmp_path: Pa
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 1
-    assert "Traceback" not in proc.stderr
+    _assert_no_crash_text(proc.stderr)
     assert "bundled default model is damaged" in proc.stderr
     assert "choose another model" in proc.stderr
