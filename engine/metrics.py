@@ -1,4 +1,4 @@
-"""Per-request metrics, exactly as defined in design.md.
+"""Per-request metrics, exactly as defined in docs/architecture.md ("Metric definitions").
 
 Every input is a time.perf_counter_ns() stamp taken in the engine thread (the submit stamp is
 taken by the caller, on the same monotonic clock). Nothing here reads a clock.
@@ -87,7 +87,7 @@ def compute_metrics(
     weight_bytes_per_step: int,
     cache_miss_reason: str,
 ) -> RequestMetrics:
-    """Turn a finished request's stamps into the design.md metrics."""
+    """Turn a finished request's stamps into the metrics of docs/architecture.md."""
     n = len(tl.token_ns)
     prefill_start = tl.prefill_start_ns or tl.done_ns
     queue_s = (prefill_start - tl.submitted_ns) * NS

@@ -3,7 +3,8 @@ transformers (about a second of import time and its memory, for nothing the GGUF
 
 Each check runs in a spawned child process (a fresh interpreter: the test run itself has
 imported transformers long ago), the one that loads llama.cpp through run_in_child so a native
-crash is a failed test. No timing is asserted: `-X importtime` and the README's figures measure.
+crash is a failed test. No timing is asserted: `-X importtime` and the figures in
+docs/benchmarks.md measure.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ disaggregated (as in DistServe and Splitwise) across one machine's cores. ctypes
 GIL for each llama_decode, so the two run at once. When the prompt is in, its sequence's KV is
 copied onto the lease's sequence of the main context (llama_state_seq_get/set_data) and the
 request joins the batch. The engine thread owns the object, the main context and the prefix
-cache (design.md's threading rule); the side thread (`work`) touches only its own context and
-the model's read-only weights, and every event and clock stamp is still the engine thread's.
+cache (docs/architecture.md, "Threads"); the side thread (`work`) touches only its own context
+and the model's read-only weights, and every event and clock stamp is still the engine thread's.
 """
 
 from __future__ import annotations
