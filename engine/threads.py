@@ -7,10 +7,13 @@ noexcept), and the C++ runtime calls std::terminate: "terminate called without a
 exception", SIGABRT, after the app has already answered. That is how the installed app died as
 it quit: the HUD's device calibration (a timed `copy_` on a daemon thread) was still running.
 
-So the rule: a thread of ours that calls native code is started with `start_worker` (named
-"phasewise-...", never a daemon), and its owner stops and joins it when it closes. What an owner
-could not join in time (a model load cannot be interrupted) is found by `stragglers` and the
-process ends with `exit_without_finalizing`, which never runs the finalizer under it.
+So the rule: a thread of ours that may call native code is named "phasewise-..." and its
+owner stops and joins it when it closes. Short-lived work starts with `start_worker` (never a
+daemon, so even a forgotten one is waited for before finalizing); the long-lived engine and
+side-prefill threads stay daemons (an idle one blocks in a queue) and are joined by
+Engine.shutdown and SideWorker.close. What an owner could not join in time (a model load
+cannot always be interrupted) is found by `stragglers`, and the process ends with
+`exit_without_finalizing`, which never runs the finalizer under it.
 """
 
 from __future__ import annotations
