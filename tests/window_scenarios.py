@@ -25,7 +25,7 @@ from pytestqt.qtbot import QtBot
 from engine import Engine, GenerationResult, PrefillProgress, PrefillStarted, TokenEmitted
 from engine.events import EngineEvent
 from engine.hud_model import fmt_seconds
-from tests.window_helpers import WAIT_MS, greedy, send_and_wait, settings
+from tests.window_helpers import WAIT_MS, greedy, settings
 from ui.main_window import MainWindow
 
 GATE_S = 60.0  # the engine thread waits at most this long for the window (no hang, ever)
@@ -40,6 +40,7 @@ class Rig:
     long_prompt: str  # several prefill chunks long, yet leaving room for a short reply
     chunk: int  # the most prompt tokens one prefill chunk reads
     stop_at: int  # Stop inside the prefill once this many prompt tokens are read
+    wait_ms: int = WAIT_MS  # a wait that fails only when something hangs (never a timing check)
 
 
 class Gate:
@@ -61,9 +62,9 @@ class Gate:
         self.reached.set()
         self._release.wait(GATE_S)
 
-    def wait(self, bot: QtBot) -> Any:
+    def wait(self, bot: QtBot, timeout_ms: int) -> Any:
         """Spin the GUI until the engine is held; the event it is held at."""
-        bot.waitUntil(self.reached.is_set, timeout=WAIT_MS)
+        bot.waitUntil(self.reached.is_set, timeout=timeout_ms)
         return self.event
 
     def release(self) -> None:
@@ -83,6 +84,14 @@ def _finished(window: MainWindow) -> dict[str, GenerationResult]:
     return done
 
 
+def send_and_wait(bot: QtBot, rig: Rig, text: str) -> GenerationResult:
+    """Send text (the window must take it); the reply's result once it ends."""
+    with bot.waitSignal(rig.window.sig_reply_finished, timeout=rig.wait_ms) as blocker:
+        assert rig.window.send(text)
+    result: GenerationResult = blocker.args[0]
+    return result
+
+
 def _escape(bot: QtBot, window: MainWindow) -> None:
     """Stop, as the user does it: Esc in the message box."""
     bot.keyClick(window.composer.editor, Qt.Key.Key_Escape)
@@ -95,7 +104,7 @@ def send_and_stream(bot: QtBot, rig: Rig) -> dict[str, Any]:
     painted: list[int] = []
     window.chat.sig_tokens_painted.connect(lambda _rid, idx, _ns: painted.extend(idx))
     shown = window.model_info
-    result = send_and_wait(bot, window, "Name three colours of the rainbow.")
+    result = send_and_wait(bot, rig, "Name three colours of the rainbow.")
     messages = window.store.messages(window.conversation_id)
     return {
         "window_engine": shown.engine if shown else "",
@@ -120,9 +129,9 @@ def stop_mid_reply(bot: QtBot, rig: Rig) -> dict[str, Any]:
     greedy(window, 200)
     gate = Gate(rig.engine, lambda e: isinstance(e, TokenEmitted) and e.index == 1)
     try:
-        with bot.waitSignal(window.sig_reply_finished, timeout=WAIT_MS) as blocker:
+        with bot.waitSignal(window.sig_reply_finished, timeout=rig.wait_ms) as blocker:
             assert window.send("Tell me a long story about a dragon and a knight.")
-            gate.wait(bot)
+            gate.wait(bot, rig.wait_ms)
             button = window.composer.button.text()
             _escape(bot, window)
             gate.release()
@@ -142,28 +151,56 @@ def stop_mid_reply(bot: QtBot, rig: Rig) -> dict[str, Any]:
 
 
 # ----- Stop while the prompt is read, then Regenerate -------------------------------------------
+STORY = "Write a long story about a dragon who learns to bake bread."
+
+
 def stop_in_prefill_then_regenerate(bot: QtBot, rig: Rig) -> dict[str, Any]:
+    """Esc while a long prompt is read (nothing else running), then Regenerate."""
+    return _stop_in_prefill(bot, rig, beside_a_stream=False)
+
+
+def stop_in_prefill_beside_a_stream_then_regenerate(bot: QtBot, rig: Rig) -> dict[str, Any]:
+    """The same while another chat streams (the prompt is read beside its decode steps)."""
+    return _stop_in_prefill(bot, rig, beside_a_stream=True)
+
+
+def _stop_in_prefill(bot: QtBot, rig: Rig, *, beside_a_stream: bool) -> dict[str, Any]:
     window = rig.window
+    ids, finished = _started(window), _finished(window)
+    starts: dict[str, PrefillStarted] = {}
+    window.bridge.sig_prefill_started.connect(lambda e: starts.setdefault(e.request_id, e))
+    stream = None
+    if beside_a_stream:  # chat B streams (held at its third token until A is sent)
+        greedy(window, 64)  # it need only be streaming when A joins: A then goes beside it
+        stream = Gate(rig.engine, lambda e: isinstance(e, TokenEmitted) and e.index == 2)
+        assert window.send(STORY)
+        stream.wait(bot, rig.wait_ms)
+        window.new_chat()
     greedy(window, 8)
-    starts: list[PrefillStarted] = []
-    window.bridge.sig_prefill_started.connect(starts.append)
     gate = Gate(rig.engine, lambda e: isinstance(e, PrefillProgress)
                 and e.done_tokens >= rig.stop_at)
     try:
-        with bot.waitSignal(window.sig_reply_finished, timeout=WAIT_MS) as stopped:
-            assert window.send(rig.long_prompt)
-            held = gate.wait(bot)
-            _escape(bot, window)
-            gate.release()
+        # Its own first words: no other chat on this engine has the prompt cached already
+        assert window.send(("Beside a stream. " if beside_a_stream else "Alone. ")
+                           + rig.long_prompt)
+        cut_id = ids[-1]
+        if stream is not None:
+            stream.release()  # A joins while B streams
+        held = gate.wait(bot, rig.wait_ms)
+        _escape(bot, window)
     finally:
         gate.release()
-    cut: GenerationResult = stopped.args[0]
+        if stream is not None:
+            stream.release()
+    bot.waitUntil(lambda: cut_id in finished, timeout=rig.wait_ms)
+    cut = finished[cut_id]
     conv = window.conversation_id
     saved = window.store.messages(conv)[-1]
-    with bot.waitSignal(window.sig_reply_finished, timeout=WAIT_MS) as again:
-        window.regenerate(saved.id)
-    result: GenerationResult = again.args[0]
-    first, second = starts[0], starts[-1]
+    window.regenerate(saved.id)
+    again_id = ids[-1]
+    bot.waitUntil(lambda: again_id in finished, timeout=rig.wait_ms)
+    result = finished[again_id]
+    first, second = starts[cut_id], starts[again_id]
     return {
         "engine": result.model.engine if result.model else "",
         "read_at_stop": held.done_tokens,
@@ -216,16 +253,16 @@ def two_chats_at_once(bot: QtBot, rig: Rig) -> dict[str, Any]:
         lambda e: order.append(e.request_id) if isinstance(e, TokenEmitted) else None)
 
     greedy(window, 12)
-    a1 = send_and_wait(bot, window, "Name a fruit.")
+    a1 = send_and_wait(bot, rig, "Name a fruit.")
     chat_a = window.conversation_id
     window.new_chat()
-    greedy(window, 300)
+    greedy(window, 120)
     gate = Gate(rig.engine, lambda e: isinstance(e, TokenEmitted) and e.index == 2)
     try:
-        assert window.send("Write a long story about a dragon who learns to bake bread.")
+        assert window.send(STORY)
         chat_b, b_id = window.conversation_id, ids[-1]
-        gate.wait(bot)  # B is streaming (held at its third token), and on screen:
-        bot.waitUntil(lambda: window.session.replies[b_id].output_tokens == 3, timeout=WAIT_MS)
+        gate.wait(bot, rig.wait_ms)  # B is streaming (held at its third token), and on screen:
+        bot.waitUntil(lambda: window.session.replies[b_id].output_tokens == 3, timeout=rig.wait_ms)
         window.open_conversation(chat_a)
         a_open = hud_view(window)
         button_a = window.composer.button.text()
@@ -234,10 +271,10 @@ def two_chats_at_once(bot: QtBot, rig: Rig) -> dict[str, Any]:
         a2_id = ids[-1]
     finally:
         gate.release()
-    bot.waitUntil(lambda: a2_id in finished, timeout=WAIT_MS)
+    bot.waitUntil(lambda: a2_id in finished, timeout=rig.wait_ms)
     a_live = hud_view(window)
     b_running_after_a = b_id not in finished
-    bot.waitUntil(lambda: b_id in finished, timeout=WAIT_MS)
+    bot.waitUntil(lambda: b_id in finished, timeout=rig.wait_ms)
     a_after_b = hud_view(window)
     window.open_conversation(chat_b)
     b_open = hud_view(window)
@@ -274,7 +311,7 @@ def alternatives(bot: QtBot, rig: Rig) -> dict[str, Any]:
     live_streams: list[int] = []
     window.chat.sig_tokens_painted.connect(
         lambda *_: live_streams.append(len(window.chat._streams)))
-    with bot.waitSignal(window.sig_alternatives_ready, timeout=WAIT_MS):
+    with bot.waitSignal(window.sig_alternatives_ready, timeout=rig.wait_ms):
         assert window.send("Name a colour.")
     conv = window.conversation_id
     alts = window.session.alternative_sets[conv]
@@ -284,7 +321,7 @@ def alternatives(bot: QtBot, rig: Rig) -> dict[str, Any]:
     window.chat.sig_action.emit("keep", 1)  # the "Keep this one" link of alternative 2
     kept_messages = window.store.messages(conv)
     window.composer.alternatives.setValue(1)
-    with bot.waitSignal(window.sig_reply_finished, timeout=WAIT_MS) as blocker:
+    with bot.waitSignal(window.sig_reply_finished, timeout=rig.wait_ms) as blocker:
         assert window.send("Another one?")
     nxt = blocker.args[0].metrics
     cache = rig.engine.prefix_cache
@@ -307,5 +344,6 @@ def alternatives(bot: QtBot, rig: Rig) -> dict[str, Any]:
 
 SCENARIOS: dict[str, Callable[[QtBot, Rig], dict[str, Any]]] = {
     f.__name__: f for f in (send_and_stream, stop_mid_reply, stop_in_prefill_then_regenerate,
-                            two_chats_at_once, alternatives)
+                            stop_in_prefill_beside_a_stream_then_regenerate, two_chats_at_once,
+                            alternatives)
 }
