@@ -274,8 +274,10 @@ class ReplyRecord:
                          self.prompt_tokens, self.cached_tokens, self.output_tokens, final=False)
 
     def context_used(self) -> int:
-        """Tokens this reply leaves in the context: its prompt plus its output."""
-        return self.prompt_tokens + self.output_tokens
+        """Tokens this reply leaves in the context: its prompt plus its output (a saved reply
+        has no token stamps: its saved count)."""
+        output = self.metrics.output_tokens if self.metrics is not None else self.output_tokens
+        return self.prompt_tokens + output
 
 
 @dataclass(frozen=True)
@@ -656,6 +658,18 @@ class SessionModel:
     def latest(self) -> ReplyRecord | None:
         return next(reversed(self.replies.values()), None) if self.replies else None
 
+    def newest_of_chat(self) -> ReplyRecord | None:
+        """The reply the HUD follows: the open chat's newest (live this session, else its last
+        saved one), never another chat's; with no chat open, the session's newest."""
+        if self.chat is None:
+            return self.latest()
+        live = self._live_turns()
+        for reply in reversed(self._order):
+            if reply.request_id in live:
+                return reply
+        saved = self.saved_turns()
+        return saved[-1] if saved else None
+
     def finished(self) -> list[ReplyRecord]:
         return [r for r in self.replies.values() if r.metrics is not None]
 
@@ -674,7 +688,11 @@ class SessionModel:
         return p50, p90, p99
 
     def conversation(self) -> list[ReplyRecord]:
-        """The latest run of turns: a 'first_turn' cache miss starts a new conversation."""
+        """The turns the context gauge reads: the open chat's (saved, then live, as the per-turn
+        panels place them); with no chat open, the session's latest run of turns (a
+        'first_turn' cache miss starts a new one)."""
+        if self.chat is not None:
+            return [r for _x, r in self.turn_rows(finished=False) if r.prompt_tokens]
         turns: list[ReplyRecord] = []
         for reply in self.replies.values():
             if not reply.prompt_tokens:

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from engine.runtimes import resolve_engine
+
 
 @pytest.mark.real_model
 @pytest.mark.timeout(960)  # the child's own limit is 900 s (a first start converts the model)
@@ -27,4 +29,7 @@ def test_smoke_test_answers_through_the_gui(tmp_path) -> None:
     assert report["output_tokens"] >= 1 and report["ttft_s"] > 0
     assert report["decode_tok_s"] >= 0
     assert report["model"] and report["device"]
+    # The engine `auto` picks for the user on this machine (llama.cpp without a GPU, when it
+    # is installed) is the one that answered: the window did not fall back to another.
+    assert report["engine"] == resolve_engine("default")
     assert not list(tmp_path.iterdir())  # the smoke test never touches the user's chats

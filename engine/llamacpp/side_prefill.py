@@ -137,17 +137,25 @@ class SidePrefill(SideWorker):
     # ----- back on the engine thread ---------------------------------------------------------
     def finish(self, pool: SeqPrefixCache) -> torch.Tensor | None:
         """After the thread ended: move the prompt's KV onto the lease's sequence (the lease's
-        ids follow) and return the last position's logits; None if Stop came first."""
+        ids follow) and return the last position's logits; None if Stop came first. A stopped
+        prompt's whole chunks read so far move over too, so that the chat's prefix cache keeps
+        them and a Regenerate reads only the rest (as a prompt stopped on the main context)."""
         self.check()
-        if self._logits is None:
+        stopped = self._logits is None
+        read = self.done if stopped else len(self.ids)
+        if not read:
             return None
         while not self._copy_seq(self._ctx, SIDE_SEQ, self.loaded.ctx, self.lease.cache,
                                  must_fit=False):
-            if not pool.evict_oldest(keep=self.lease.cache):
-                raise KvFullError(
-                    f"the KV cache is full ({self.loaded.info.context_length} tokens shared "
-                    "by the running replies): wait for one to finish, or load a larger context")
-        self.lease.ids.extend(self.ids)
+            if pool.evict_oldest(keep=self.lease.cache):
+                continue
+            if stopped:  # keep nothing rather than fail a Stop; the failed copy emptied it
+                self.lease.ids.clear()
+                return None
+            raise KvFullError(
+                f"the KV cache is full ({self.loaded.info.context_length} tokens shared "
+                "by the running replies): wait for one to finish, or load a larger context")
+        self.lease.ids.extend(self.ids[:read])
         return self._logits
 
     def close(self) -> None:

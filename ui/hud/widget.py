@@ -88,7 +88,7 @@ _DIRTY_BY_EVENT: dict[type, frozenset[str]] = {
 }
 _TIME_MARKER_PANELS = ("throughput",)
 _TURN_MARKER_PANELS = ("ttft", "cache")
-LIVE_ITEM = "Live reply (follows the newest)"
+LIVE_ITEM = "Newest reply of this chat"
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ class HudWidget(QWidget):
         self._selected_id: str | None = None  # None follows the live (latest) reply
         self._pinned = False  # the user picked a past reply: keep it when a new one streams
         self._names: dict[str, tuple[str, int]] = {}  # request id -> (chat title, turn)
-        self._saved_items = 0  # picker rows after "Live reply" that are the chat's history
+        self._saved_items = 0  # picker rows after LIVE_ITEM that are the chat's history
         self.export_dir = Path.home()  # where export dialogs open: home, then the last used
         self._dirty: set[str] = set()
         self._text_interval_s = 0.0
@@ -306,11 +306,7 @@ class HudWidget(QWidget):
         self._refresh_history_cue()
         self._place_markers()
         if not same and not self._pinned:
-            running = [rid for rid, r in self.model.replies.items() if not r.done
-                       and (c := self.model.chat_of(rid)) and chat and c[0] == chat.chat_id]
-            saved = self.model.saved_turns()
-            last = saved[-1].request_id if saved and not running else None
-            self.select_reply(last)  # the chat's last saved reply, until a new one starts
+            self.select_reply(None)  # this chat's newest reply: live, else its last saved one
         else:
             self._mark_dirty({"all"})
 
@@ -383,18 +379,20 @@ class HudWidget(QWidget):
         if reply is None:
             self.pin_label.hide()
             return
-        latest = self.model.latest()
+        latest = self.model.newest_of_chat()
         newer = latest is not None and latest is not reply
         self.pin_label.setText(
             f"Pinned to {self.reply_title(reply)}"
             + (f"; {self.reply_title(latest)} is newer" if newer and latest else "")
-            + ". Pick “Live reply” to follow the newest.")
+            + f". Pick “{LIVE_ITEM}” to follow it.")
         self.pin_label.show()
 
     def selected_reply(self) -> ReplyRecord | None:
+        """The reply the per-reply panels and the headline describe: the user's pick, else
+        the newest reply of the chat on screen (never one of another chat)."""
         if self._selected_id is not None:
             return self.model.record(self._selected_id)
-        return self.model.latest()
+        return self.model.newest_of_chat()
 
     def panel_keys(self) -> list[str]:
         return list(self.panels)
@@ -468,7 +466,7 @@ class HudWidget(QWidget):
         combo.blockSignals(False)
 
     def _fill_saved_items(self) -> None:
-        """The open chat's saved replies, right after "Live reply" in the picker."""
+        """The open chat's saved replies, right after LIVE_ITEM in the picker."""
         combo = self.reply_combo
         combo.blockSignals(True)
         selected = combo.currentData()
@@ -530,7 +528,7 @@ class HudWidget(QWidget):
         return self.model.chat.title if self.model.chat is not None else ""
 
     def _on_combo_activated(self, index: int) -> None:
-        """The user picked in the picker: a past reply is pinned, "Live reply" follows."""
+        """The user picked in the picker: a past reply is pinned, LIVE_ITEM follows."""
         request_id = self.reply_combo.itemData(index)
         self.select_reply(request_id, pin=request_id is not None)
 
