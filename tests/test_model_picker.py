@@ -249,3 +249,21 @@ def test_model_defaults_apply_unless_the_user_set_them_for_that_model(
                                   "top_k": "yours", "repetition_penalty": "from model"}
         window.close()
     store.close()
+
+
+def test_a_context_beyond_the_model_s_limit_is_clamped_with_a_word(
+    qtbot, tmp_path: Path
+) -> None:
+    """Issue 31 item 6: the box took 999,999 and the estimate silently used the model's
+    limit."""
+    dialog = picker(qtbot)
+    choose_gguf(dialog, write_gguf(tmp_path / "short.gguf", layers=1, kv_heads=1, context=4096))
+    dialog.engine.setCurrentIndex(dialog.engine.findData("llama.cpp"))
+    dialog.context.setValue(999_999)
+    assert dialog.context.value() == 4096
+    assert dialog.fit_label.text().startswith(
+        "Context set to the model's limit, 4,096 tokens (999,999 is more). Fits: needs ~")
+    assert "at 4,096 tokens" in dialog.fit_label.text()
+    assert dialog.choice().options == {"engine": "llama.cpp", "context_length": 4096}
+    dialog.context.setValue(2048)  # within the limit: no word
+    assert dialog.fit_label.text().startswith("Fits: needs ~")

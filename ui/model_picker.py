@@ -200,6 +200,8 @@ class ModelPickerDialog(QDialog):
         self.context.setSingleStep(1024)
         self.context.setSpecialValueText("the model's own")
         self.context.setSuffix(" tokens")
+        # Estimate (and clamp to the model's limit) once a number is entered, not per digit.
+        self.context.setKeyboardTracking(False)
         self.fit_label = QLabel()
         self.fit_label.setObjectName("valueLabel")
         self.fit_label.setWordWrap(True)
@@ -309,10 +311,21 @@ class ModelPickerDialog(QDialog):
             return
         if self.estimate is None:
             self.fit_label.setText("Memory needed: not known until the files are here")
-        elif self.estimate.fits:
-            self.fit_label.setText(f"Fits: {self.estimate.summary()}")
-        else:
-            self.fit_label.setText(f"Does not fit: {self.estimate.summary()}")
+            return
+        verdict = "Fits" if self.estimate.fits else "Does not fit"
+        self.fit_label.setText(f"{self._clamp_context(self.estimate)}{verdict}: "
+                               f"{self.estimate.summary()}")
+
+    def _clamp_context(self, est: fit.Estimate) -> str:
+        """A context beyond the model's limit is set to the limit (the engines would use the
+        limit anyway), with a word; '' when it was within."""
+        asked, limit = self.context.value(), est.model_context
+        if not limit or asked <= limit:
+            return ""
+        blocked = self.context.blockSignals(True)  # the estimate is already at the limit
+        self.context.setValue(limit)
+        self.context.blockSignals(blocked)
+        return f"Context set to the model's limit, {limit:,} tokens ({asked:,} is more). "
 
     def _browse_folder(self) -> None:
         folder = QFileDialog.getExistingDirectory(self, "Model folder")
