@@ -312,8 +312,21 @@ class MainWindow(QMainWindow):
                             self.controls.system_prompt_text())
 
     def send(self, text: str) -> bool:
-        """Send the composer's text (or resend an edited message). False if refused."""
+        """Send the composer's text (or resend an edited message). False if refused; then
+        the composer keeps the text (a No to the resend question included)."""
+        editing = self.session.editing_message_id
+        if editing is not None and text.strip() and not self._confirm_resend(editing):
+            return False
         return self.session.send(text, self.reply_options())
+
+    def _confirm_resend(self, message_id: int) -> bool:
+        """Resending an edited earlier message drops the turns after it: asked first, once
+        the edit is written (a No keeps the edited text in the composer, still editing)."""
+        later = self.session.later_turns(message_id)
+        return not later or confirm(
+            self, "Edit & resend",
+            f"Resending this message deletes its reply and the {later} later "
+            f"turn{'s' if later > 1 else ''} of this chat. Resend it?")
 
     def regenerate(self, message_id: int, alternatives: int | None = None) -> None:
         """Replace a reply with a new one (or `alternatives` of them) from the same history."""
@@ -328,12 +341,7 @@ class MainWindow(QMainWindow):
 
     def edit(self, message_id: int) -> None:
         """Put a user message back in the composer; sending replaces it and what followed
-        (asked first when later turns would go)."""
-        later = self.session.later_turns(message_id)
-        if later and not confirm(self, "Edit & resend",
-                                 f"Resending this message deletes its reply and the {later} "
-                                 f"later turn{'s' if later > 1 else ''} of this chat. Edit it?"):
-            return
+        (asked at the resend when later turns would go: nothing is lost until then)."""
         text = self.session.begin_edit(message_id)
         if text is not None:
             self.composer.set_text(text)
