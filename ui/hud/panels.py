@@ -58,7 +58,9 @@ def prefill_caption(p: PrefillProgress) -> str:
     """"reading the prompt: 42% (840 / 2,000 tokens) at 420 tok/s, 3 s left"."""
     text = (f"reading the prompt: {p.fraction:.0%} ({p.done_tokens:,} / {p.total_tokens:,} "
             f"tokens) at {p.tok_s:,.0f} tok/s")
-    return text + (f", {fmt_eta(p.eta_s)} left" if p.done_tokens < p.total_tokens else "")
+    if p.done_tokens >= p.total_tokens:
+        return text
+    return text + (", estimating time left" if p.eta_s is None else f", {fmt_eta(p.eta_s)} left")
 
 
 _CONTROL_TOKEN = re.compile(r"^<\|?([A-Za-z0-9_./-]+)\|?>$")  # <|im_end|>, <s>, </s> ...
@@ -636,8 +638,9 @@ class BreakdownPanel(Panel):
         self._bars["prefill"].setOpts(x0=[queue_s], width=[so_far_s])
         self._bars["decode"].setOpts(x0=[0], width=[0])
         self._bars["other"].setOpts(x0=[0], width=[0])
-        self._prefill_left.setOpts(x0=[queue_s + so_far_s], width=[p.eta_s])
-        self.plot.setXRange(0, nice_ceiling(queue_s + so_far_s + p.eta_s), padding=0.01)
+        left_s = p.eta_s or 0.0  # None: not known yet, no bar rather than a guess
+        self._prefill_left.setOpts(x0=[queue_s + so_far_s], width=[left_s])
+        self.plot.setXRange(0, nice_ceiling(queue_s + so_far_s + left_s), padding=0.01)
         self.plot.setYRange(-0.5, 0.5, padding=0)
         self.table.setText("")
         self.caption.setText(f"{model.reply_name(reply)}: {prefill_caption(p)}")
