@@ -168,8 +168,8 @@ class MainWindow(QMainWindow):
 
     def _wire(self) -> None:
         self.chat_exports = ChatExports(  # any saved chat's stats, from the menus
-            self.store, self.hud, self, lambda text: self.statusBar().showMessage(text, STATUS_MS),
-            self.notify)
+            self.store, self.hud, self, self._export_done,
+            lambda text: self.notify(text, "export"))
         self.sidebar.sig_export.connect(self.chat_exports.ask)
         b = self.bridge
         b.sig_event.connect(self.hud.on_engine_event)
@@ -437,6 +437,11 @@ class MainWindow(QMainWindow):
             self._save_timer.start()
         else:
             self._save_timer.stop()
+
+    def _export_done(self, text: str) -> None:
+        """An export was written: say so, and drop a failed export's banner (it is stale)."""
+        self.statusBar().showMessage(text, STATUS_MS)
+        self.pane.cause_ended("export")
 
     def notify(self, message: str, until: Until | None = None) -> None:
         """Show a one-line message above the composer until dismissed, replaced, or (with
