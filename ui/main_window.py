@@ -15,7 +15,14 @@ from typing import Any
 
 from PySide6.QtCore import QSettings, Qt, QTimer, Signal
 from PySide6.QtGui import QCloseEvent, QCursor, QGuiApplication
-from PySide6.QtWidgets import QDockWidget, QMainWindow, QSplitter, QToolTip, QWidget
+from PySide6.QtWidgets import (
+    QDockWidget,
+    QMainWindow,
+    QMessageBox,
+    QSplitter,
+    QToolTip,
+    QWidget,
+)
 
 from engine import (
     GenerationResult,
@@ -508,6 +515,20 @@ class MainWindow(QMainWindow):
                                  self.model_info.context_length if self.model_info else 0)
 
     # ----- closing ----------------------------------------------------------------------------
+    def quit(self) -> None:
+        """Ctrl+Q / Chat → Quit. While a reply is being written, first say that what it wrote
+        is kept, marked stopped (asked only here and only while the window shows: closing it,
+        SIGTERM and scripted closes go straight to closeEvent)."""
+        if self.session.replies and self.isVisible():
+            yes, no = QMessageBox.StandardButton.Yes, QMessageBox.StandardButton.No
+            answer = QMessageBox.question(
+                self, "Quit while a reply is written",
+                "A reply is still being written. Quit now? What it has written so far is kept "
+                "in the chat, marked stopped.", yes | no, yes)
+            if answer != yes:
+                return
+        self.close()
+
     def closeEvent(self, event: QCloseEvent) -> None:
         """Cancel running replies, keep their partial text (marked stopped), save settings.
         Alternatives nobody kept are discarded. The HUD's calibration thread is joined."""
