@@ -104,9 +104,10 @@ def test_no_figure_until_the_fit_is_known_then_close_to_the_truth() -> None:
 
 def test_the_rule_on_a_recorded_llama_cpp_prefill() -> None:
     """A real sequence (tests/data: 991 progress events of a lone 6,000-token llama.cpp
-    prefill, recorded on a 2-core EPYC while other jobs loaded it, so the rate fell from ~35
-    to ~100 ms/token): no figure before 10% is read, none until the fit is known, then one on
-    every event; where 10 s or more remained, within 0.85-1.3x of the real time."""
+    prefill, by benchmarks/record_prefill_progress.py on a 2-core EPYC while other jobs loaded
+    it, so the rate fell from ~35 to ~100 ms/token): no figure before 10% is read, none until
+    the fit is known, then one on every event; where 10 s or more remained, within 0.85-1.3x
+    of the real time."""
     data = json.loads(RECORDED.read_text("utf-8"))
     total, end_ns, clock = data["total"], data["end_ns"], PrefillClock(data["total"], 0)
     said = [(done, clock.tick(done, t_ns)[1], (end_ns - t_ns) * 1e-9)
