@@ -102,14 +102,14 @@ class PrefillProgress:
     go through it (engine.prefill_progress; there done_tokens counts that share of the chunk's
     tokens). done_tokens / total_tokens count the prompt tokens being computed (cached ones
     excluded); tok_s is the prefill rate so far, eta_s the time left (later tokens cost more:
-    engine.prefill_eta)."""
+    engine.prefill_eta), None until enough of the prompt is read to say it."""
 
     request_id: str
     t_ns: int
     done_tokens: int
     total_tokens: int
     tok_s: float
-    eta_s: float
+    eta_s: float | None
 
     @property
     def fraction(self) -> float:

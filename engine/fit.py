@@ -62,6 +62,7 @@ class Estimate:
     free_bytes: int | None  # None: this platform does not say
     fitting_context: int | None = None  # the largest context that fits, when this one does not
     peak_bytes: int = 0  # a one-off peak while loading (a GGUF converting for torch)
+    model_context: int = 0  # the longest context the model takes (trained); `context` <= it
 
     @property
     def needed_bytes(self) -> int:
@@ -72,10 +73,15 @@ class Estimate:
         return self.free_bytes is None or self.needed_bytes <= self.free_bytes
 
     def summary(self) -> str:
-        """e.g. 'needs ~3.1 GB (weights 2.0 GB, KV cache 900 MB at 8,192 tokens), 11.2 GB
-        free'."""
-        detail = (f"weights {size(self.weight_bytes)}, KV cache {size(self.kv_bytes)} at "
-                  f"{self.context:,} tokens")
+        """Every term that is added, e.g. 'needs ~3.1 GB (weights 2.0 GB + KV cache 900 MB at
+        8,192 tokens + working buffers 200 MB), 11.2 GB free'; where loading peaks above that
+        (a GGUF converting for torch), the peak and then the sum."""
+        detail = (f"weights {size(self.weight_bytes)} + KV cache {size(self.kv_bytes)} at "
+                  f"{self.context:,} tokens + working buffers {size(self.buffer_bytes)}")
+        running = self.weight_bytes + self.kv_bytes + self.buffer_bytes
+        if self.peak_bytes > running:
+            detail = (f"converting the GGUF for torch peaks at {size(self.peak_bytes)}; then "
+                      f"{detail} = {size(running)}")
         free = f"{size(self.free_bytes)} free" if self.free_bytes is not None else "free unknown"
         return f"needs ~{size(self.needed_bytes)} ({detail}), {free}"
 
@@ -152,7 +158,8 @@ def llama_cpp_estimate(path: Path, context_length: int | None = None,
         return shape.kv_values_per_token * ctx * 2
 
     return _with_free(Estimate("llama.cpp", "cpu", n_ctx, weights, kv(n_ctx), buffers(n_ctx),
-                               free_memory("cpu") if free == -1 else free),
+                               free_memory("cpu") if free == -1 else free,
+                               model_context=shape.context_length),
                       lambda ctx: weights + kv(ctx) + buffers(ctx))
 
 
@@ -185,7 +192,8 @@ def torch_estimate(spec: str, *, device: str = "auto", dtype: str = "auto",
     peak = int(weights * CONVERSION_PEAK) if converting else 0
     name = "cuda" if torch_device.type == "cuda" else torch_device.type
     estimate_ = Estimate("torch", str(torch_device), n_ctx, weights, kv(n_ctx), buffers(n_ctx),
-                         free_memory(name) if free == -1 else free, peak_bytes=peak)
+                         free_memory(name) if free == -1 else free, peak_bytes=peak,
+                         model_context=shape.context_length)
     return _with_free(estimate_, lambda ctx: max(weights + kv(ctx) + buffers(ctx), peak))
 
 

@@ -22,6 +22,16 @@ if TYPE_CHECKING:
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
             11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+# general.file_type: llama.cpp's llama_ftype (llama.h), named as quantize and file names name
+# them. llama_model_desc says "Q4_K - Medium" for 15, whose last word alone read "Medium".
+FILE_TYPES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
+    11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
+    17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS",
+    23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S",
+    29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0", 37: "TQ2_0",
+    38: "MXFP4_MOE",
+}
 
 
 @dataclass(frozen=True)
@@ -33,6 +43,14 @@ class GGUFHeader:
     def field(self, key: str, default: Any = None) -> Any:
         arch = self.metadata.get("general.architecture", "")
         return self.metadata.get(f"{arch}.{key}", default)
+
+    def file_type(self) -> str | None:
+        """The quantization the file says it has ("Q4_K_M"); None when it does not say or
+        says a type not in FILE_TYPES."""
+        value = self.metadata.get("general.file_type")
+        if isinstance(value, bool) or not isinstance(value, int):
+            return None
+        return FILE_TYPES.get(value)
 
     def elements(self) -> int:
         return sum(math.prod(dims) for dims in self.tensor_dims.values())

@@ -7,7 +7,7 @@ The driver makes the QApplication first (run_gui takes the one that exists), fin
 window once it is shown, and acts on what the window emits:
 
 - close-streaming / ctrl-q-streaming: at the reply's first token, close the window / press
-  Ctrl+Q on it;
+  Ctrl+Q on it (and answer Yes to the question it asks, printing {"asked": its text});
 - signal-streaming: at the first token, print "STREAMING" (the parent sends SIGTERM or SIGINT);
 - close-loading: as soon as the window shows, while the model still loads;
 - close-beside: while chat 1 streams, chat 2 sends a long prompt; at its first progress (the
@@ -40,6 +40,7 @@ class Driver:
         self.tokens: dict[str, int] = {}  # request id -> tokens seen
         self.first_request: str | None = None
         self.acted = False
+        self.answer: Any = None  # ctrl-q-streaming: the timer that answers the quit question
 
     def find_window(self) -> None:
         """Polled until the app's main window exists, then hooked."""
@@ -92,13 +93,26 @@ class Driver:
                 and self.first_request not in (None, event.request_id)):
             self.act(self.window.close)
 
-    @staticmethod
-    def press_ctrl_q(window: Any) -> None:
-        from PySide6.QtCore import Qt
+    def press_ctrl_q(self, window: Any) -> None:
+        """Ctrl+Q while a reply streams asks first (MainWindow.quit): answer Yes, as a user
+        would, once the question shows, and print it ({"asked": text})."""
+        from PySide6.QtCore import Qt, QTimer
         from PySide6.QtTest import QTest
 
+        self.answer = QTimer()
+        self.answer.timeout.connect(self.answer_quit_question)
+        self.answer.start(10)
         window.activateWindow()
         QTest.keyClick(window, Qt.Key.Key_Q, Qt.KeyboardModifier.ControlModifier)
+
+    def answer_quit_question(self) -> None:
+        from PySide6.QtWidgets import QApplication, QMessageBox
+
+        box = QApplication.activeModalWidget()
+        if isinstance(box, QMessageBox):
+            self.answer.stop()
+            print(json.dumps({"asked": box.text()}), flush=True)
+            box.button(QMessageBox.StandardButton.Yes).click()
 
     def act(self, action: Any) -> None:
         self.acted = True

@@ -178,6 +178,8 @@ def test_delete_chat_asks_first_and_no_keeps_it(qtbot, make_window, monkeypatch)
 
 
 def test_edit_and_resend_says_how_many_turns_it_drops(qtbot, make_window, monkeypatch) -> None:
+    """Asked at the resend, once the edit is written; a No keeps the edited text in the
+    composer, still editing (issue 31 item 10: it was asked at Edit, and lost the text)."""
     window = make_window()
     greedy(window, 2)
     for text in ("First", "Second", "Third"):
@@ -186,21 +188,25 @@ def test_edit_and_resend_says_how_many_turns_it_drops(qtbot, make_window, monkey
     answers = Answers(QMessageBox.StandardButton.No)
     monkeypatch.setattr(QMessageBox, "question", answers)
 
-    window.edit(messages[0].id)
-    assert "2 later turns" in answers.asked[0][0]
-    assert answers.asked[0][1] == QMessageBox.StandardButton.No
-    assert not window.composer.editing and window.composer.text() == ""
-
     window.edit(messages[-2].id)  # the last message: only its own reply is replaced
-    assert len(answers.asked) == 1 and window.composer.editing
+    assert window.composer.editing and window.composer.text() == "Third"
     window.composer.escape()
 
-    answers.answer = QMessageBox.StandardButton.Yes
     window.edit(messages[0].id)
     assert window.composer.editing and window.composer.text() == "First"
+    assert answers.asked == []  # nothing is lost by editing: the question waits for Send
+    window.composer.set_text("First, edited")
+    window.composer._send()  # Enter
+    assert "2 later turns" in answers.asked[0][0]
+    assert answers.asked[0][1] == QMessageBox.StandardButton.No
+    assert window.composer.editing and window.composer.text() == "First, edited"
+    assert len(window.store.messages(window.conversation_id)) == 6  # nothing deleted
+
+    answers.answer = QMessageBox.StandardButton.Yes
     send_and_wait(qtbot, window, "First, again")
     after = window.store.messages(window.conversation_id)
     assert [m.role for m in after] == ["user", "assistant"] and after[0].content == "First, again"
+    assert not window.composer.editing and window.composer.text() == ""
 
 
 # ----- item 10: keyboard -------------------------------------------------------------------------

@@ -205,3 +205,41 @@ def test_a_gguf_s_own_sampling_settings_are_read(tmp_path: Path) -> None:
     writer.close()
     assert read_gguf(tmp_path / "suggests.gguf").sampling_defaults() == SamplingDefaults(
         0.25, 0.5, 40, 1.5)
+
+
+def test_the_summary_names_every_term_it_adds() -> None:
+    """Issue 31 item 6: "weights 247 MB + KV cache 151 MB" read as "needs ~978 MB" with the
+    third term (llama.cpp's compute and output buffers) unnamed."""
+    est = fit.Estimate("llama.cpp", "cpu", 8192, 247_000_000, 151_000_000, 580_000_000,
+                       11_200_000_000)
+    assert est.summary() == ("needs ~978 MB (weights 247 MB + KV cache 151 MB at 8,192 tokens "
+                             "+ working buffers 580 MB), 11.2 GB free")
+    converting = fit.Estimate("torch", "cpu", 8192, 1_000_000_000, 100_000_000, 50_000_000,
+                              None, peak_bytes=1_300_000_000)
+    assert converting.summary() == (
+        "needs ~1.3 GB (converting the GGUF for torch peaks at 1.3 GB; then weights 1.0 GB + "
+        "KV cache 100 MB at 8,192 tokens + working buffers 50 MB = 1.1 GB), free unknown")
+
+
+def test_the_estimate_knows_the_model_s_context_limit(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "short.gguf", layers=2, kv_heads=2, context=4096)
+    est = fit.llama_cpp_estimate(path, 999_999, free=None)
+    assert (est.context, est.model_context) == (4096, 4096)
+
+
+def test_a_gguf_names_its_quantization(tmp_path: Path) -> None:
+    """The status bar called a Q4_K_M file "Medium" (the last word of llama.cpp's "Q4_K -
+    Medium")."""
+    from gguf import GGUFWriter
+
+    from engine.gguf_header import read_gguf
+
+    writer = GGUFWriter(str(tmp_path / "k.gguf"), "llama")
+    writer.add_file_type(15)  # LLAMA_FTYPE_MOSTLY_Q4_K_M in llama.h
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert read_gguf(tmp_path / "k.gguf").file_type() == "Q4_K_M"
+    assert read_gguf(write_gguf(tmp_path / "none.gguf", layers=1, kv_heads=1)).file_type() is None

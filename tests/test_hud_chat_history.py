@@ -19,7 +19,7 @@ from PySide6.QtWidgets import QApplication, QFileDialog, QToolTip, QWidget
 from engine.events import RequestFinished
 from engine.hud_model import SavedChat, SessionModel, fmt_ms, saved_metrics, saved_reply
 from tests.hud_events import MS, ReplySpec, reply_events
-from tests.window_helpers import greedy, send_and_wait, show_and_wait
+from tests.window_helpers import banner, greedy, send_and_wait, show_and_wait
 from ui.hud import HudWidget
 from ui.hud.panels import HISTORY_ALPHA
 from ui.store import ChatStore, metrics_record
@@ -290,8 +290,10 @@ def test_any_chat_exports_from_the_menus_with_feedback(qtbot, make_window, tmp_p
     assert text.startswith("Export failed:") and str(target) in text and "\n" not in text
     assert not target.parent.exists()
     target.parent.mkdir()
+    assert banner(window) == text
     window.sidebar.sig_export.emit(chat_a, "csv")
     assert window.statusBar().currentMessage() == f"Saved a.csv in {target.parent}."
+    assert banner(window) == ""  # issue 31 item 10: the failure's banner stayed up
     rows = list(csv.DictReader(target.read_text("utf-8").splitlines()))
     assert len(rows) == 1 and float(rows[0]["ttft_s"]) == result.metrics.ttft_s
     assert rows[0]["chat"] == "Export me"

@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from engine.calibrate import CACHE_FILE, DevicePeaks, device_peaks, table_peaks
+from engine.calibrate import (
+    CACHE_FILE,
+    DevicePeaks,
+    calibration_method,
+    device_peaks,
+    roof,
+    table_peaks,
+)
 from engine.events import RequestFinished, TokenEmitted
 from engine.hud_model import Breakdown, SessionModel, advise, fmt_seconds, nice_cap
 from engine.metrics import percentile
@@ -229,3 +236,28 @@ def test_real_calibration_measures_positive_peaks(tmp_path: Path) -> None:
 
     gb_s, tflop_s = measure_peaks("cpu", budget_s=0.2)
     assert gb_s > 0 and tflop_s > 0
+
+
+def test_the_roof_rises_to_every_achieved_figure_and_says_so() -> None:
+    peaks = DevicePeaks("cpu: test", 20.0, 0.09, "calibrated", "fp32 GEMM")
+    assert roof(peaks, [(12.0, 0.05)]) is peaks  # nothing above the measured peaks
+    raised = roof(peaks, [(12.0, 0.268), (31.5, 0.1)])
+    assert (raised.bandwidth_gb_s, raised.tflop_s) == (31.5, 0.268)
+    assert raised.raised == ("bandwidth raised to the best decode seen (31.5 GB/s; measured "
+                             "20.0); compute raised to the best prefill seen (0.268 TFLOP/s; "
+                             "measured 0.090)")
+    assert raised.how_measured().startswith("Peak: calibrated on cpu: test: fp32 GEMM; ")
+
+
+def test_a_cached_peak_measured_another_way_is_measured_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first calibration's 512 x 512 GEMM read a quarter of the CPU's rate: its cached
+    figures (no method recorded) must not outlive it."""
+    monkeypatch.setenv("PHASEWISE_CACHE_DIR", str(tmp_path))
+    (tmp_path / CACHE_FILE).write_text(json.dumps(
+        {"cpu: test": {"bandwidth_gb_s": 20.0, "tflop_s": 0.09}}))
+    peaks = device_peaks("cpu", name="cpu: test", measure=lambda d: (25.0, 0.4))
+    assert (peaks.tflop_s, peaks.source) == (0.4, "calibrated")
+    assert peaks.method == calibration_method("cpu")
+    assert "1536x1536 GEMM" in peaks.method

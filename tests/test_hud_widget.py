@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 
 from engine import ChatMessage, Engine, GenerationRequest, SamplingParams
-from engine.calibrate import CACHE_FILE, DevicePeaks, device_name
+from engine.calibrate import CACHE_FILE, DevicePeaks, calibration_method, device_name
 from engine.events import EngineEvent, RequestFinished, SamplerSnapshot, TokenEmitted
 from tests.hud_events import MS, ReplySpec, conversation_specs, loaded_event, reply_events
 from tests.window_helpers import new_hud
@@ -187,7 +188,8 @@ def test_calibration_thread_delivers_cached_peaks(
 ) -> None:
     monkeypatch.setenv("PHASEWISE_CACHE_DIR", str(tmp_path))
     (tmp_path / CACHE_FILE).write_text(json.dumps(
-        {device_name("cpu"): {"bandwidth_gb_s": 12.5, "tflop_s": 0.05}}))
+        {device_name("cpu"): {"bandwidth_gb_s": 12.5, "tflop_s": 0.05,
+                              "method": calibration_method("cpu")}}))
     widget = HudWidget()
     qtbot.addWidget(widget)
     with qtbot.waitSignal(widget.sig_peaks_ready, timeout=10_000):
@@ -219,3 +221,26 @@ def test_real_engine_reply_numbers_reach_the_hud(tiny_engine: Engine, qtbot) -> 
     assert hud.panels["ttft"]._bars["queue"].opts["height"][0] == pytest.approx(m.queue_s)
     assert hud.panels["render"].indices == list(range(m.output_tokens))
     assert f"{m.cached_tokens:,} reused" in hud.panels["cache"].caption.text()
+
+
+def test_roofline_ceiling_rises_to_the_best_prefill_seen_never_over_100_percent(
+    hud: HudWidget,
+) -> None:
+    """Issue 31 item 2: a prefill faster than the calibrated GEMM (llama.cpp's int8 kernels)
+    read "0.268 TFLOP/s of 0.09 (300%)" and sat off the chart."""
+    hud.on_engine_event(loaded_event())
+    # 30,000 tokens in 3 s: 2 x 134,515,008 x 30,000 / 3 = 2.690 TFLOP/s, above PEAKS' 0.16.
+    feed(hud, reply_events(ReplySpec("fast", 0, 30_000, 0, 20, prefill_ms_per_token=0.1)))
+    hud.flush()
+    panel = hud.panels["roofline"]
+    caption = panel.caption.text()
+    assert "prefill: 2.690 TFLOP/s of 2.690 (100%)" in caption
+    assert "compute raised to the best prefill seen (2.690 TFLOP/s; measured 0.160)" in caption
+    assert "calibrated (cached) on cpu: test" in panel.caption.toolTip()
+    # Both points lie inside the plotted range (log axes): AI 0.5 x 30,000 = 15,000 FLOP/byte.
+    (x0, x1), (y0, y1) = panel.plot.getPlotItem().viewRange()
+    xs, ys = panel._points.getData()
+    assert list(xs) == pytest.approx([math.log10(0.5), math.log10(15_000)])
+    assert all(x0 <= x <= x1 for x in xs) and all(y0 <= y <= y1 for y in ys)
+    _ai, roof_y = panel._roof.getData()
+    assert max(roof_y) == pytest.approx(math.log10(2.69030016))  # log axes: data in decades

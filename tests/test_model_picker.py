@@ -249,3 +249,54 @@ def test_model_defaults_apply_unless_the_user_set_them_for_that_model(
                                   "top_k": "yours", "repetition_penalty": "from model"}
         window.close()
     store.close()
+
+
+def test_a_context_beyond_the_model_s_limit_is_clamped_with_a_word(
+    qtbot, tmp_path: Path
+) -> None:
+    """Issue 31 item 6: the box took 999,999 and the estimate silently used the model's
+    limit."""
+    dialog = picker(qtbot)
+    choose_gguf(dialog, write_gguf(tmp_path / "short.gguf", layers=1, kv_heads=1, context=4096))
+    dialog.engine.setCurrentIndex(dialog.engine.findData("llama.cpp"))
+    dialog.context.setValue(999_999)
+    assert dialog.context.value() == 4096
+    assert dialog.fit_label.text().startswith(
+        "Context set to the model's limit, 4,096 tokens (999,999 is more). Fits: needs ~")
+    assert "at 4,096 tokens" in dialog.fit_label.text()
+    assert dialog.choice().options == {"engine": "llama.cpp", "context_length": 4096}
+    dialog.context.setValue(2048)  # within the limit: no word
+    assert dialog.fit_label.text().startswith("Fits: needs ~")
+
+
+def test_the_picker_reopens_on_the_model_in_use(qtbot, make_window, tiny_model_dir: Path) -> None:
+    """Issue 31 item 10: reopened, it showed the bundled default whatever was loaded."""
+    window = make_window()
+    dialog = window.loads.picker()
+    qtbot.addWidget(dialog)
+    assert dialog.source() == "folder"
+    assert dialog.folder_path.text() == str(tiny_model_dir)
+    assert dialog.in_use.text() == f"In use: {tiny_model_dir.name} (torch, float32)"
+    assert dialog.choice().spec == str(tiny_model_dir)
+    draft = window.loads.picker(draft=True)  # a draft is another model: nothing preselected
+    qtbot.addWidget(draft)
+    assert draft.source() == "default" and draft.in_use.text() == ""
+
+
+@pytest.mark.parametrize("source", ["gguf", "remote"])
+def test_the_picker_fills_in_a_gguf_or_a_server_in_use(qtbot, tmp_path: Path,
+                                                       source: str) -> None:
+    from engine import ModelInfo
+
+    path = str(write_gguf(tmp_path / "m.gguf", layers=1, kv_heads=1)) if source == "gguf" \
+        else "http://gpu-box:8000/v1"
+    info = ModelInfo(name="m" if source == "gguf" else "qwen", source=source, path=path,
+                     device="cpu", dtype="Q4_K_M", context_length=4096, parameters=1,
+                     weight_bytes_per_step=1, kernel="k", engine="llama.cpp")
+    dialog = picker(qtbot, current=info)
+    assert dialog.source() == source
+    if source == "gguf":
+        assert dialog.gguf_path.text() == path
+        assert dialog.in_use.text() == "In use: m (llama.cpp, Q4_K_M)"
+    else:
+        assert (dialog.remote_url.text(), dialog.remote_model.text()) == (path, "qwen")

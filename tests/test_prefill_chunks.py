@@ -542,3 +542,25 @@ def test_window_shows_prompt_progress_then_the_reply_stats_line(qtbot, make_wind
     assert saved[-1].stats is not None and saved[-1].stats.engine == "torch"
     line = saved[-1].stats.summary()
     assert "s to first token" in line and line in window.chat.toPlainText()
+
+
+def test_no_time_left_is_shown_until_the_clock_can_say_it(qtbot) -> None:
+    """Issue 31 item 5: the chat and the HUD show no figure while eta_s is None (too little of
+    the prompt read: engine.prefill_eta), and no 'left' bar in the live breakdown."""
+    from engine.events import PrefillStarted, RequestQueued
+    from ui.chat_view import prefill_status
+    from ui.hud import HudWidget
+    from ui.hud.panels import prefill_caption
+
+    early = PrefillProgress("r1", 2010 * 1_000_000, 90, 2000, 420.0, None)
+    assert prefill_status(early) == "· Reading your prompt: 4% · estimating time left · 420 tok/s"
+    assert prefill_caption(early).endswith("at 420 tok/s, estimating time left")
+    hud = HudWidget(calibrate=False)
+    qtbot.addWidget(hud)
+    for event in (RequestQueued("r1", 0), PrefillStarted("r1", 10 * 1_000_000, 2000, 0,
+                                                         "first_turn"), early):
+        hud.on_engine_event(event)
+    hud.flush()
+    panel = hud.panels["breakdown"]
+    assert panel._prefill_left.opts["width"][0] == 0
+    assert panel._bars["prefill"].opts["width"][0] == pytest.approx(2.0)

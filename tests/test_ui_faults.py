@@ -166,3 +166,36 @@ def test_missing_chat_template_is_announced(qtbot, tiny_model_no_template_dir, t
         assert window.notice.isVisibleTo(window)
         window.close()
         store.close()
+
+
+def test_ctrl_q_during_a_reply_says_it_is_kept_as_stopped(qtbot, make_window,
+                                                          monkeypatch) -> None:
+    """Issue 31 item 10: Ctrl+Q quit mid-reply without a word. It now asks, saying the reply
+    is kept as stopped; No keeps the window and the reply running, Yes quits and keeps it."""
+    from tests.window_helpers import show_and_wait
+
+    window = make_window()
+    show_and_wait(qtbot, window)
+    asked: list[tuple[str, QMessageBox.StandardButton]] = []
+    answer = [QMessageBox.StandardButton.No]
+
+    def question(_parent, _title, text, _buttons, default) -> QMessageBox.StandardButton:
+        asked.append((text, default))
+        return answer[0]
+
+    monkeypatch.setattr(QMessageBox, "question", question)
+    start_long_reply(qtbot, window)
+    conv = window.conversation_id
+    window.menus.quit_action.trigger()
+    assert len(asked) == 1 and "kept in the chat, marked stopped" in asked[0][0]
+    assert asked[0][1] == QMessageBox.StandardButton.Yes  # Ctrl+Q, Enter quits
+    assert window.isVisible() and window.session.replies  # No: still writing
+    answer[0] = QMessageBox.StandardButton.Yes
+    window.menus.quit_action.trigger()
+    assert not window.isVisible() and len(asked) == 2
+    assert window.store.messages(conv)[-1].status == STOPPED
+
+    again = make_window()  # nothing running: Ctrl+Q quits without a question
+    show_and_wait(qtbot, again)
+    again.menus.quit_action.trigger()
+    assert len(asked) == 2 and not again.isVisible()

@@ -131,3 +131,19 @@ def test_plain_text_toggle(qtbot, plain: bool) -> None:
     text = view.toPlainText()
     assert "<script>x</script>" in text
     assert ("**bold**" in text) is plain
+
+
+def test_a_poem_keeps_its_line_breaks_on_screen(qtbot, make_window) -> None:
+    """Issue 31 item 10: single newlines were joined into one line (CommonMark soft breaks);
+    Copy kept them. Shown as a chat app does: each on its own line, paragraphs still apart."""
+    window = make_window()
+    store = window.store
+    chat = store.create_conversation("Poem")
+    store.add_message(chat, "user", "A poem, please")
+    poem = "Roses are red,\nviolets are blue,\n\nsugar is sweet,\nand so are you."
+    store.add_message(chat, "assistant", poem)
+    window.open_conversation(chat)
+    shown = window.chat.toPlainText()
+    assert "Roses are red,\nviolets are blue,\n" in shown
+    assert "sugar is sweet,\nand so are you." in shown
+    assert "red, violets" not in shown

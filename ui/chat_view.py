@@ -44,10 +44,12 @@ WRITING = "· writing…"  # a live reply's status until its prompt is being rea
 
 def prefill_status(event: PrefillProgress) -> str:
     """A live reply's status while its prompt is prefilled:
-    "· Reading your prompt: 42% · 3 s left · 550 tok/s"."""
+    "· Reading your prompt: 42% · 3 s left · 550 tok/s" ("estimating time left" until the clock
+    can say it: engine.prefill_eta)."""
     text = f"· Reading your prompt: {event.fraction:.0%}"
     if event.done_tokens < event.total_tokens and event.tok_s > 0:
-        text += f" · {fmt_eta(event.eta_s)} left · {event.tok_s:.0f} tok/s"
+        left = "estimating time left" if event.eta_s is None else f"{fmt_eta(event.eta_s)} left"
+        text += f" · {left} · {event.tok_s:.0f} tok/s"
     return text
 
 

@@ -15,7 +15,14 @@ from typing import Any
 
 from PySide6.QtCore import QSettings, Qt, QTimer, Signal
 from PySide6.QtGui import QCloseEvent, QCursor, QGuiApplication
-from PySide6.QtWidgets import QDockWidget, QMainWindow, QSplitter, QToolTip, QWidget
+from PySide6.QtWidgets import (
+    QDockWidget,
+    QMainWindow,
+    QMessageBox,
+    QSplitter,
+    QToolTip,
+    QWidget,
+)
 
 from engine import (
     GenerationResult,
@@ -168,8 +175,8 @@ class MainWindow(QMainWindow):
 
     def _wire(self) -> None:
         self.chat_exports = ChatExports(  # any saved chat's stats, from the menus
-            self.store, self.hud, self, lambda text: self.statusBar().showMessage(text, STATUS_MS),
-            self.notify)
+            self.store, self.hud, self, self._export_done,
+            lambda text: self.notify(text, "export"))
         self.sidebar.sig_export.connect(self.chat_exports.ask)
         b = self.bridge
         b.sig_event.connect(self.hud.on_engine_event)
@@ -312,8 +319,21 @@ class MainWindow(QMainWindow):
                             self.controls.system_prompt_text())
 
     def send(self, text: str) -> bool:
-        """Send the composer's text (or resend an edited message). False if refused."""
+        """Send the composer's text (or resend an edited message). False if refused; then
+        the composer keeps the text (a No to the resend question included)."""
+        editing = self.session.editing_message_id
+        if editing is not None and text.strip() and not self._confirm_resend(editing):
+            return False
         return self.session.send(text, self.reply_options())
+
+    def _confirm_resend(self, message_id: int) -> bool:
+        """Resending an edited earlier message drops the turns after it: asked first, once
+        the edit is written (a No keeps the edited text in the composer, still editing)."""
+        later = self.session.later_turns(message_id)
+        return not later or confirm(
+            self, "Edit & resend",
+            f"Resending this message deletes its reply and the {later} later "
+            f"turn{'s' if later > 1 else ''} of this chat. Resend it?")
 
     def regenerate(self, message_id: int, alternatives: int | None = None) -> None:
         """Replace a reply with a new one (or `alternatives` of them) from the same history."""
@@ -328,12 +348,7 @@ class MainWindow(QMainWindow):
 
     def edit(self, message_id: int) -> None:
         """Put a user message back in the composer; sending replaces it and what followed
-        (asked first when later turns would go)."""
-        later = self.session.later_turns(message_id)
-        if later and not confirm(self, "Edit & resend",
-                                 f"Resending this message deletes its reply and the {later} "
-                                 f"later turn{'s' if later > 1 else ''} of this chat. Edit it?"):
-            return
+        (asked at the resend when later turns would go: nothing is lost until then)."""
         text = self.session.begin_edit(message_id)
         if text is not None:
             self.composer.set_text(text)
@@ -430,6 +445,11 @@ class MainWindow(QMainWindow):
         else:
             self._save_timer.stop()
 
+    def _export_done(self, text: str) -> None:
+        """An export was written: say so, and drop a failed export's banner (it is stale)."""
+        self.statusBar().showMessage(text, STATUS_MS)
+        self.pane.cause_ended("export")
+
     def notify(self, message: str, until: Until | None = None) -> None:
         """Show a one-line message above the composer until dismissed, replaced, or (with
         `until`) its cause is over."""
@@ -495,6 +515,20 @@ class MainWindow(QMainWindow):
                                  self.model_info.context_length if self.model_info else 0)
 
     # ----- closing ----------------------------------------------------------------------------
+    def quit(self) -> None:
+        """Ctrl+Q / Chat → Quit. While a reply is being written, first say that what it wrote
+        is kept, marked stopped (asked only here and only while the window shows: closing it,
+        SIGTERM and scripted closes go straight to closeEvent)."""
+        if self.session.replies and self.isVisible():
+            yes, no = QMessageBox.StandardButton.Yes, QMessageBox.StandardButton.No
+            answer = QMessageBox.question(
+                self, "Quit while a reply is written",
+                "A reply is still being written. Quit now? What it has written so far is kept "
+                "in the chat, marked stopped.", yes | no, yes)
+            if answer != yes:
+                return
+        self.close()
+
     def closeEvent(self, event: QCloseEvent) -> None:
         """Cancel running replies, keep their partial text (marked stopped), save settings.
         Alternatives nobody kept are discarded. The HUD's calibration thread is joined."""

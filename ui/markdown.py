@@ -44,7 +44,10 @@ def is_safe_link(href: str) -> bool:
 
 
 def _parser() -> MarkdownIt:
-    md = MarkdownIt("commonmark", {"html": False, "linkify": False, "typographer": False})
+    # breaks: a single newline is a line break, as chat apps show it (a poem keeps its lines;
+    # CommonMark would join them into one paragraph line).
+    md = MarkdownIt("commonmark", {"html": False, "linkify": False, "typographer": False,
+                                   "breaks": True})
     md.enable(["table", "strikethrough"])
     md.add_render_rule("link_open", _link_open)
     md.add_render_rule("link_close", _link_close)

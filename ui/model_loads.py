@@ -56,7 +56,8 @@ class ModelLoads(QObject):
         model = self.engine.model_info
         return ModelPickerDialog(self.window, load_options=self.load_options,
                                  loaded_path=model.path if model else None,
-                                 settings=self.settings, draft=draft)
+                                 settings=self.settings, draft=draft,
+                                 current=None if draft else model)
 
     def choose_model(self) -> None:
         dialog = self.picker()

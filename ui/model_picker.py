@@ -37,7 +37,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine import fit, runtimes
+from engine import ModelInfo, fit, runtimes
 from engine.converted import ConvertedModel, converted_models, in_use, remove_converted
 from engine.errors import PhasewiseError
 from engine.remote import REMOTE_SPEC, RemoteError, normalize_base_url, store_api_key
@@ -155,7 +155,7 @@ class ModelPickerDialog(QDialog):
 
     def __init__(self, parent: QWidget | None = None, *, load_options: dict[str, Any] | None = None,
                  loaded_path: str | None = None, settings: QSettings | None = None,
-                 draft: bool = False) -> None:
+                 draft: bool = False, current: ModelInfo | None = None) -> None:
         super().__init__(parent)
         self.load_options = load_options or {}
         self.settings = settings
@@ -200,14 +200,41 @@ class ModelPickerDialog(QDialog):
         self.context.setSingleStep(1024)
         self.context.setSpecialValueText("the model's own")
         self.context.setSuffix(" tokens")
+        # Estimate (and clamp to the model's limit) once a number is entered, not per digit.
+        self.context.setKeyboardTracking(False)
         self.fit_label = QLabel()
         self.fit_label.setObjectName("valueLabel")
         self.fit_label.setWordWrap(True)
         self.estimate: fit.Estimate | None = None
         self.converted = ConvertedModels(loaded_path)
+        self.in_use = QLabel()
+        self.in_use.setObjectName("valueLabel")
+        self.in_use.setWordWrap(True)
         self._build()
         self._build_local()
+        if current is not None:
+            self._show_current(current)
+        self.in_use.setVisible(bool(self.in_use.text()))
         self._spec_changed()
+
+    def _show_current(self, info: ModelInfo) -> None:
+        """Open on the model in use: its source chosen, its path, hub id or server filled in,
+        and named at the top (reopening the picker showed the bundled default instead)."""
+        self.in_use.setText(f"In use: {info.name} ({info.engine}, {info.dtype})")
+        source = info.source if info.source in self.radios else None
+        if source is None:
+            return
+        self.radios[source].setChecked(True)
+        if source == "folder":
+            self.folder_path.setText(info.path)
+        elif source == "gguf":
+            self.gguf_path.setText(info.path)
+        elif source == "hub":
+            self.hub_id.setText(info.path)
+            self.consent.setChecked(True)  # it was downloaded with consent already
+        elif source == REMOTE_SPEC:
+            self.remote_url.setText(info.path)
+            self.remote_model.setText(info.name)
 
     def _build(self) -> None:
         grid = QGridLayout()
@@ -232,6 +259,7 @@ class ModelPickerDialog(QDialog):
                              ("hub", self.hub_id), *remote_edits]:
             edit.textEdited.connect(lambda _t, s=source: self.radios[s].setChecked(True))
         layout = QVBoxLayout(self)
+        layout.addWidget(self.in_use)
         layout.addLayout(grid)
         layout.addWidget(self.error)
         layout.addWidget(self.buttons)
@@ -250,8 +278,8 @@ class ModelPickerDialog(QDialog):
         self.local.setLayout(form)
         layout = self.layout()
         assert isinstance(layout, QVBoxLayout)
-        layout.insertWidget(1, self.local)
-        layout.insertWidget(2, self.converted)
+        layout.insertWidget(2, self.local)  # after the "in use" line and the sources
+        layout.insertWidget(3, self.converted)
         self.converted.setVisible(self.converted.list.count() > 0 and not self.draft)
         self.group.buttonToggled.connect(self._source_toggled)
         for edit in (self.folder_path, self.gguf_path, self.hub_id):
@@ -309,10 +337,21 @@ class ModelPickerDialog(QDialog):
             return
         if self.estimate is None:
             self.fit_label.setText("Memory needed: not known until the files are here")
-        elif self.estimate.fits:
-            self.fit_label.setText(f"Fits: {self.estimate.summary()}")
-        else:
-            self.fit_label.setText(f"Does not fit: {self.estimate.summary()}")
+            return
+        verdict = "Fits" if self.estimate.fits else "Does not fit"
+        self.fit_label.setText(f"{self._clamp_context(self.estimate)}{verdict}: "
+                               f"{self.estimate.summary()}")
+
+    def _clamp_context(self, est: fit.Estimate) -> str:
+        """A context beyond the model's limit is set to the limit (the engines would use the
+        limit anyway), with a word; '' when it was within."""
+        asked, limit = self.context.value(), est.model_context
+        if not limit or asked <= limit:
+            return ""
+        blocked = self.context.blockSignals(True)  # the estimate is already at the limit
+        self.context.setValue(limit)
+        self.context.blockSignals(blocked)
+        return f"Context set to the model's limit, {limit:,} tokens ({asked:,} is more). "
 
     def _browse_folder(self) -> None:
         folder = QFileDialog.getExistingDirectory(self, "Model folder")

@@ -40,8 +40,8 @@ from ui.store import (
 TITLE_CHARS = 48
 # What clears a notice (see SessionView.notify): a model loaded, the chat on screen's replies
 # ended, its alternatives were kept or dropped, a draft model loaded or the user chose another
-# speculative mode.
-Until = Literal["model", "reply", "pick", "draft"]
+# speculative mode, an export was written.
+Until = Literal["model", "reply", "pick", "draft", "export"]
 FINISH_STATUS = {"stop": DONE, "length": "length", "cancelled": STOPPED, "error": "error"}
 DEFAULT_ALTERNATIVES = 3  # the Alternatives link when the composer asks for one reply
 

@@ -38,7 +38,7 @@ class WindowMenus:
         self.rename_action = self._action("Rename chat", w.sidebar.start_rename, "F2")
         self.delete_action = self._action("Delete chat…", w.delete_current_chat,
                                           "Ctrl+Shift+Backspace")
-        self.quit_action = self._action("Quit", w.close, "Ctrl+Q")
+        self.quit_action = self._action("Quit", w.quit, "Ctrl+Q")
         chat_menu = w.menuBar().addMenu("&Chat")
         for action in (self.new_action, self.search_action, self.next_chat_action,
                        self.previous_chat_action, self.rename_action, self.delete_action):

@@ -227,7 +227,7 @@ def _assemble(llama_cpp: Any, model: Any, ctx: Any, path: Path, name: str, sourc
         source=source,
         path=str(path),
         device="cpu",
-        dtype=_file_type(llama_cpp, model),
+        dtype=_file_type(llama_cpp, model, path),
         context_length=n_ctx,
         parameters=int(llama_cpp.llama_model_n_params(model)),
         weight_bytes_per_step=weight_bytes_per_step(path, int(llama_cpp.llama_model_size(model))),
@@ -294,12 +294,20 @@ def _load_failure(path: Path) -> str:
         f" ({detail})" if detail else "")
 
 
-def _file_type(llama_cpp: Any, model: Any) -> str:
-    """The model's description, e.g. 'llama ?B Q4_1' -> 'Q4_1'."""
+def _file_type(llama_cpp: Any, model: Any, path: Path) -> str:
+    """The file's quantization: its header's general.file_type ("Q4_K_M"), else llama.cpp's
+    description of the model without its architecture and size ("llama 1B Q4_K - Medium" ->
+    "Q4_K - Medium": its last word alone was "Medium")."""
+    try:
+        named = read_gguf(path).file_type()
+    except (OSError, ValueError, struct.error):
+        named = None
+    if named:
+        return named
     buf = ctypes.create_string_buffer(256)
     llama_cpp.llama_model_desc(model, buf, len(buf))
     words = buf.value.decode("utf-8", "replace").split()
-    return words[-1] if words else "gguf"
+    return " ".join(words[2:]) or (words[-1] if words else "gguf")
 
 
 def _kv_bytes_per_token(llama_cpp: Any, model: Any) -> int:

@@ -6,6 +6,7 @@ Panels only read engine.hud_model; they never compute timings from a UI clock.
 
 from __future__ import annotations
 
+import html
 import math
 import re
 from collections.abc import Sequence
@@ -16,7 +17,7 @@ import pyqtgraph as pg
 from PySide6.QtCore import QEvent, QObject, QPointF, Qt, Signal
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QToolButton, QVBoxLayout
 
-from engine.calibrate import DevicePeaks
+from engine.calibrate import DevicePeaks, roof
 from engine.events import PrefillProgress, SamplerSnapshot
 from engine.hud_model import (
     THROUGHPUT_WINDOW,
@@ -57,7 +58,9 @@ def prefill_caption(p: PrefillProgress) -> str:
     """"reading the prompt: 42% (840 / 2,000 tokens) at 420 tok/s, 3 s left"."""
     text = (f"reading the prompt: {p.fraction:.0%} ({p.done_tokens:,} / {p.total_tokens:,} "
             f"tokens) at {p.tok_s:,.0f} tok/s")
-    return text + (f", {fmt_eta(p.eta_s)} left" if p.done_tokens < p.total_tokens else "")
+    if p.done_tokens >= p.total_tokens:
+        return text
+    return text + (", estimating time left" if p.eta_s is None else f", {fmt_eta(p.eta_s)} left")
 
 
 _CONTROL_TOKEN = re.compile(r"^<\|?([A-Za-z0-9_./-]+)\|?>$")  # <|im_end|>, <s>, </s> ...
@@ -635,8 +638,9 @@ class BreakdownPanel(Panel):
         self._bars["prefill"].setOpts(x0=[queue_s], width=[so_far_s])
         self._bars["decode"].setOpts(x0=[0], width=[0])
         self._bars["other"].setOpts(x0=[0], width=[0])
-        self._prefill_left.setOpts(x0=[queue_s + so_far_s], width=[p.eta_s])
-        self.plot.setXRange(0, nice_ceiling(queue_s + so_far_s + p.eta_s), padding=0.01)
+        left_s = p.eta_s or 0.0  # None: not known yet, no bar rather than a guess
+        self._prefill_left.setOpts(x0=[queue_s + so_far_s], width=[left_s])
+        self.plot.setXRange(0, nice_ceiling(queue_s + so_far_s + left_s), padding=0.01)
         self.plot.setYRange(-0.5, 0.5, padding=0)
         self.table.setText("")
         self.caption.setText(f"{model.reply_name(reply)}: {prefill_caption(p)}")
@@ -781,8 +785,10 @@ class RooflinePanel(Panel):
             if ctx.peaks is not None:
                 self.caption.setText(ctx.peaks.describe())
             return
-        m, peaks = reply.metrics, ctx.peaks
-        self._draw_roof(peaks)
+        m = reply.metrics
+        # Every figure drawn raises the ceiling it is drawn against: none reads over 100%.
+        seen = [r.metrics for r in ctx.model.finished() if r.metrics is not None and not r.history]
+        peaks = roof(ctx.peaks, [(x.achieved_gb_s, x.prefill_tflop_s) for x in [*seen, m]])
         self._info = []
         decode_ai = 2 * m.parameters / max(m.weight_bytes_per_step, 1)
         decode_tflop = 2 * m.parameters * m.decode_tok_s / 1e12
@@ -794,7 +800,8 @@ class RooflinePanel(Panel):
             prefill_ai = decode_ai * m.prefilled_tokens
             self._info.append((prefill_ai, m.prefill_tflop_s,
                                f"prefill: {m.prefill_tflop_s:,.3f} TFLOP/s of "
-                               f"{peaks.tflop_s:,.2f} ({m.prefill_tflop_s / peaks.tflop_s:.0%})"))
+                               f"{peaks.tflop_s:,.3f} ({m.prefill_tflop_s / peaks.tflop_s:.0%})"))
+        self._draw_roof(peaks, max((a for a, _, _ in self._info), default=1.0))
         colors = [style.DECODE, style.PREFILL][: len(self._info)]
         self._points.setData(x=[math.log10(a) for a, _, _ in self._info],
                              y=[math.log10(t) for _, t, _ in self._info],
@@ -803,11 +810,14 @@ class RooflinePanel(Panel):
             key_html([("decode", style.DECODE), ("prefill", style.PREFILL),
                       ("roof", style.MUTED)])
             + "<br>" + " · ".join(text for _, _, text in self._info)
-            + f". Peak from {peaks.source} ({peaks.device}).")
+            + ". " + html.escape(peaks.how_measured()))
+        self.caption.setToolTip(peaks.how_measured())
 
-    def _draw_roof(self, peaks: DevicePeaks) -> None:
+    def _draw_roof(self, peaks: DevicePeaks, widest_ai: float) -> None:
         ridge = peaks.tflop_s * 1e12 / (peaks.bandwidth_gb_s * 1e9)  # FLOP/byte at the knee
-        top = math.log10(max(ridge * 100, 1e4))
+        # Far enough right for the knee and for every point (a long prompt's prefill sits
+        # at thousands of FLOP/byte).
+        top = math.ceil(math.log10(max(ridge * 100, 1e4, widest_ai * 2)))
         ai = np.logspace(-1, top, 64)
         self._roof.setData(ai, np.minimum(peaks.tflop_s, ai * peaks.bandwidth_gb_s / 1e3))
         # Whole decades on both axes keep log tick labels readable.
