@@ -181,6 +181,12 @@ class Shutdown:
 CacheCommand = DropConversation | AdoptCache
 
 
+def _done_ns(job: _Job) -> int:
+    """The done event's stamp: the one the metrics' e2e ends at (the remote backend's too), so
+    a listener working from the events' stamps gets the engine's numbers."""
+    return job.timeline.done_ns or now_ns()
+
+
 class Engine(EventSource, Backend):
     """One long-lived worker thread that owns the model; everything else talks to it here."""
 
@@ -409,7 +415,7 @@ class Engine(EventSource, Backend):
         request_id = job.handle.request_id
         try:
             if result is not None:
-                self._deliver(job, RequestFinished(request_id, now_ns(), result))
+                self._deliver(job, RequestFinished(request_id, _done_ns(job), result))
             else:
                 message = self._failure_message(request_id, error)
                 self._deliver(job, RequestFailed(request_id, now_ns(), message))
@@ -497,7 +503,7 @@ class Engine(EventSource, Backend):
             session = runtimes.new_session(self._loaded, self._prefix_cache, self._draft)
             result = session.run(job.handle.request, job.timeline, job.cancel,
                                  lambda ev: self._deliver(job, ev))
-            self._deliver(job, RequestFinished(request_id, now_ns(), result))
+            self._deliver(job, RequestFinished(request_id, _done_ns(job), result))
         except Exception as exc:
             message = self._failure_message(request_id, exc)
             self._deliver(job, RequestFailed(request_id, now_ns(), message))

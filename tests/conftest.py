@@ -10,12 +10,17 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 
+from tests import isolation
+
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Before anything computes a path: the run's caches, data, config and keyring live in one
+# temporary folder (tests/isolation.py), also for the child processes tests spawn.
+ISOLATED_ROOT = isolation.isolate()
 
-from engine import Engine
-from tests.serving import TOKEN
-from tests.tiny_model import build_tiny_model
+from engine import Engine  # noqa: E402  (after the isolation above)
+from tests.serving import TOKEN  # noqa: E402
+from tests.tiny_model import build_tiny_model  # noqa: E402
 
 REMOTE_WAIT_MS = 30_000
 
@@ -26,6 +31,11 @@ settings.register_profile(
 )
 settings.register_profile("deep", max_examples=2000, deadline=None, database=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The run is over: its temporary home goes (converted model, probes, databases)."""
+    isolation.remove(ISOLATED_ROOT)
 
 
 @pytest.fixture(scope="session")
@@ -50,8 +60,9 @@ def tiny_engine(tiny_model_dir: Path) -> Iterator[Engine]:
 
 @pytest.fixture(scope="session")
 def real_engine() -> Iterator[Engine]:
-    """The bundled default model (converted once per cache dir), shared by the session, on
-    the torch engine (tests/test_llamacpp_engine.py runs it on llama.cpp, in a child)."""
+    """The bundled default model, shared by the session, on the torch engine
+    (tests/test_llamacpp_engine.py runs it on llama.cpp, in a child). Its conversion is
+    cached in the run's own cache dir: done once per run, however many tests use it."""
     with Engine() as engine:
         engine.load_model_sync("default", engine="torch")
         yield engine

@@ -6,6 +6,7 @@ same timeline the events carry, exactly as the engine builds them.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from engine.events import (
@@ -79,6 +80,31 @@ def reply_events(spec: ReplySpec, *, jitter: bool = True) -> list[EngineEvent]:
                               list(range(spec.prompt_tokens)), metrics, INFO)
     events.append(RequestFinished(spec.request_id, t, result))
     return events
+
+
+@dataclass(frozen=True)
+class Stamped:
+    """A reply's numbers worked out from its events' stamps alone (design.md's definitions),
+    independent of engine.metrics and of the HUD's own folding."""
+
+    itl_s: list[float]
+    queue_s: float
+    ttft_s: float
+    decode_s: float
+    e2e_s: float | None  # None while the reply runs
+    output_tokens: int
+
+
+def from_stamps(events: list[EngineEvent]) -> Stamped:
+    queued = next(e.t_ns for e in events if isinstance(e, RequestQueued))
+    prefill = next(e.t_ns for e in events if isinstance(e, PrefillStarted))
+    tokens = [e.t_ns for e in events if isinstance(e, TokenEmitted)]
+    done = next((e.t_ns for e in events if isinstance(e, RequestFinished)), None)
+    return Stamped(itl_s=[(b - a) / 1e9 for a, b in itertools.pairwise(tokens)],
+                   queue_s=(prefill - queued) / 1e9, ttft_s=(tokens[0] - queued) / 1e9,
+                   decode_s=(tokens[-1] - tokens[0]) / 1e9,
+                   e2e_s=None if done is None else (done - queued) / 1e9,
+                   output_tokens=len(tokens))
 
 
 def snapshot(spec: ReplySpec, t: int, index: int, word: str) -> SamplerSnapshot:

@@ -76,9 +76,35 @@ def test_cancel_stops_within_one_step(tiny_engine: Engine) -> None:
 
 
 def test_queued_requests_run_in_order_and_report_queue_time(tiny_engine: Engine) -> None:
-    handles = [tiny_engine.submit(ask(f"Hello {i}", max_tokens=8)) for i in range(3)]
+    requests = [ask(f"Hello {i}", max_tokens=8) for i in range(3)]
+    ids = [r.request_id for r in requests]
+    queued = threading.Event()
+    stamps: dict[type, dict[str, int]] = {RequestQueued: {}, PrefillStarted: {}}
+    prefills: list[str] = []
+    first_tokens: list[str] = []
+
+    def watch(event) -> None:
+        if getattr(event, "request_id", None) not in ids:
+            return
+        if isinstance(event, (RequestQueued, PrefillStarted)):
+            stamps[type(event)][event.request_id] = event.t_ns
+        if isinstance(event, PrefillStarted):
+            prefills.append(event.request_id)
+        if isinstance(event, TokenEmitted) and event.index == 0:
+            first_tokens.append(event.request_id)
+            queued.wait(60)  # the first reply waits until the other two are queued behind it
+
+    tiny_engine.add_listener(watch)
+    handles = [tiny_engine.submit(r) for r in requests]
+    queued.set()
     results = [h.wait(60) for h in handles]
     assert all(r.finish_reason == "length" for r in results)
+    assert prefills == ids and first_tokens == ids  # started in the order they came
+    for rid, result in zip(ids, results, strict=True):  # queue = prefill start - submitted
+        waited = stamps[PrefillStarted][rid] - stamps[RequestQueued][rid]
+        assert result.metrics.queue_s == pytest.approx(waited / 1e9)
+    # the later two waited behind the first, which held its first token until they came
+    assert stamps[PrefillStarted][ids[1]] > stamps[PrefillStarted][ids[0]]
     assert results[2].metrics.queue_s > 0
 
 
@@ -120,12 +146,26 @@ def test_no_model_loaded_fails_clearly() -> None:
         engine.submit(ask("Hello")).wait(30)
 
 
-def test_shutdown_mid_reply_cancels(tiny_model_dir) -> None:
+def test_shutdown_mid_reply_cancels_the_reply_and_the_queued_one(tiny_model_dir) -> None:
     engine = Engine().start()
-    engine.load_model_sync(str(tiny_model_dir))
-    started = threading.Event()
-    engine.add_listener(lambda e: isinstance(e, TokenEmitted) and started.set())
-    handle = engine.submit(ask("Hello", max_tokens=10_000))
+    engine.load_model_sync(str(tiny_model_dir), kernel="fp32-eager")
+    first, queued = ask("Hello", max_tokens=200), ask("Queued", max_tokens=200)
+    started, shut = threading.Event(), threading.Event()
+
+    def hold_the_first_token(event) -> None:
+        # On the engine thread: the reply cannot go on (nor end) until shutdown was called.
+        if isinstance(event, TokenEmitted) and event.request_id == first.request_id:
+            started.set()
+            shut.wait(60)
+
+    engine.add_listener(hold_the_first_token)
+    handles = [engine.submit(first)]
     assert started.wait(60)
+    handles.append(engine.submit(queued))
+    engine.shutdown(timeout=0)  # asks, without waiting for the thread
+    shut.set()
+    results = [h.wait(30) for h in handles]
+    assert [r.finish_reason for r in results] == ["cancelled", "cancelled"]
+    assert results[0].metrics.output_tokens == 1  # stopped within the step it came in
+    assert results[1].metrics.output_tokens == 0  # never started decoding
     engine.shutdown()
-    assert handle.wait(30).finish_reason in ("cancelled", "length")

@@ -19,7 +19,14 @@ from engine.calibrate import (
 from engine.events import RequestFinished, TokenEmitted
 from engine.hud_model import Breakdown, SessionModel, advise, fmt_seconds, nice_cap
 from engine.metrics import percentile
-from tests.hud_events import MS, ReplySpec, conversation_specs, loaded_event, reply_events
+from tests.hud_events import (
+    MS,
+    ReplySpec,
+    conversation_specs,
+    from_stamps,
+    loaded_event,
+    reply_events,
+)
 
 
 def breakdown(queue: float, prefill: float, decode: float, *, prompt: int = 100,
@@ -84,15 +91,20 @@ def test_formatting_helpers() -> None:
 
 # ----- folding events ------------------------------------------------------------------------
 def test_model_numbers_are_the_engines_and_breakdown_adds_up() -> None:
-    model = session()
-    for reply in model.finished():
+    specs = conversation_specs()
+    model = session(specs)
+    assert [r.request_id for r in model.finished()] == [s.request_id for s in specs]
+    for reply, spec in zip(model.finished(), specs, strict=True):
+        expected = from_stamps(reply_events(spec))  # the same stamps, worked out here
         m = reply.metrics
         b = reply.breakdown()
         assert b.final
         assert b.queue_s + b.prefill_s + b.decode_s + b.other_s == pytest.approx(m.e2e_s)
         assert (b.queue_s, b.prefill_s, b.decode_s) == (m.queue_s, m.prefill_s, m.decode_s)
-        assert reply.itl_s() == m.itl_s
-        assert reply.output_tokens == m.output_tokens
+        assert (b.queue_s, b.ttft_s, b.decode_s, b.e2e_s) == pytest.approx(
+            (expected.queue_s, expected.ttft_s, expected.decode_s, expected.e2e_s))
+        assert reply.itl_s() == pytest.approx(expected.itl_s)
+        assert reply.output_tokens == m.output_tokens == expected.output_tokens
 
 
 def test_live_itl_and_percentiles_match_the_engine_definition() -> None:
@@ -106,7 +118,11 @@ def test_live_itl_and_percentiles_match_the_engine_definition() -> None:
     finished = events[-1]
     assert isinstance(finished, RequestFinished)
     m = finished.result.metrics
-    assert live.itl_s() == pytest.approx(m.itl_s)
+    gaps = from_stamps(events).itl_s  # from the token stamps alone
+    assert live.itl_s() == pytest.approx(gaps)
+    assert m.itl_s == pytest.approx(gaps)
+    assert live.itl_percentiles() == pytest.approx(
+        (percentile(gaps, 50), percentile(gaps, 90), percentile(gaps, 99)))
     assert live.itl_percentiles() == pytest.approx((m.itl_p50_s, m.itl_p90_s, m.itl_p99_s))
 
 

@@ -11,7 +11,14 @@ import pytest
 from engine import ChatMessage, Engine, GenerationRequest, SamplingParams
 from engine.calibrate import CACHE_FILE, DevicePeaks, calibration_method, device_name
 from engine.events import EngineEvent, RequestFinished, SamplerSnapshot, TokenEmitted
-from tests.hud_events import MS, ReplySpec, conversation_specs, loaded_event, reply_events
+from tests.hud_events import (
+    MS,
+    ReplySpec,
+    conversation_specs,
+    from_stamps,
+    loaded_event,
+    reply_events,
+)
 from tests.window_helpers import new_hud
 from ui.hud import HudWidget
 
@@ -207,18 +214,37 @@ def test_real_engine_reply_numbers_reach_the_hud(tiny_engine: Engine, qtbot) -> 
                                 SamplingParams(temperature=0.8, max_tokens=12, seed=1),
                                 conversation_id="c1")
     result = tiny_engine.submit(request).wait(timeout=60)
-    feed(hud, [e for e in events if getattr(e, "request_id", None) == request.request_id])
+    ours = [e for e in events if getattr(e, "request_id", None) == request.request_id]
+    assert isinstance(ours[-1], RequestFinished)
+    expected = from_stamps(ours)
+    assert expected.output_tokens == 12 and expected.e2e_s is not None
+
+    feed(hud, ours[:-1])  # live: everything but the end
     hud.flush()
     reply = hud.model.replies[request.request_id]
+    assert reply.metrics is None
+    assert reply.itl_s() == pytest.approx(expected.itl_s)
+    assert list(hud.panels["itl"]._curve.getData()[1]) == pytest.approx(expected.itl_s)
+    live = reply.breakdown()
+    assert live is not None and not live.final
+    assert (live.queue_s, live.decode_s) == pytest.approx(
+        (expected.queue_s, expected.decode_s))
+    assert live.queue_s + live.prefill_s == pytest.approx(expected.ttft_s)
+
+    feed(hud, ours[-1:])
+    hud.flush()
     m = result.metrics
     assert reply.metrics == m
+    assert reply.itl_s() == pytest.approx(expected.itl_s)
+    assert list(hud.panels["itl"]._curve.getData()[1]) == pytest.approx(expected.itl_s)
+    assert (m.queue_s, m.ttft_s, m.decode_s, m.e2e_s) == pytest.approx(
+        (expected.queue_s, expected.ttft_s, expected.decode_s, expected.e2e_s))
     b = reply.breakdown()
     assert b.queue_s + b.prefill_s + b.decode_s + b.other_s == pytest.approx(m.e2e_s)
-    assert reply.output_tokens == m.output_tokens
-    assert reply.itl_s() == m.itl_s
+    assert reply.output_tokens == m.output_tokens == expected.output_tokens
     assert reply.snapshot is not None and reply.snapshot.chosen_id in result.token_ids
-    assert any(isinstance(e, RequestFinished) for e in events)
-    assert hud.panels["ttft"]._bars["queue"].opts["height"][0] == pytest.approx(m.queue_s)
+    assert hud.panels["ttft"]._bars["queue"].opts["height"][0] == pytest.approx(
+        expected.queue_s)
     assert hud.panels["render"].indices == list(range(m.output_tokens))
     assert f"{m.cached_tokens:,} reused" in hud.panels["cache"].caption.text()
 

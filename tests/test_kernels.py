@@ -181,7 +181,8 @@ def _raise(_loaded: LoadedModel) -> None:
 
 
 def test_auto_rejects_a_path_that_fails_the_quality_guard(
-        tiny: LoadedModel, cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tiny: LoadedModel, cache_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
     def noisy(loaded: LoadedModel) -> object:
         model = kernels_mod.share_tensors_copy(loaded.model)
         head = model.lm_head
@@ -190,10 +191,27 @@ def test_auto_rejects_a_path_that_fails_the_quality_guard(
             model.lm_head.weight.copy_(-20 * head.weight)
         return model
 
+    def noisy_is_faster(built: dict[str, LoadedModel], _prompt: list[int]
+                        ) -> dict[str, list[float]]:
+        # the guard, not the clock, must turn it down
+        return {name: [1.0 if name == "noisy" else 2.0] for name in built}
+
     paths = {"fp32-eager": KERNELS["fp32-eager"],
              "noisy": KernelPath("noisy", "wrong", lambda _l: None, noisy)}
     monkeypatch.setattr(kernels_mod, "KERNELS", paths)
-    assert select_kernel(tiny).info.kernel == "fp32-eager"
+    monkeypatch.setattr(kernels_mod, "_alternating_step_times", noisy_is_faster)
+    with caplog.at_level(logging.WARNING, logger=kernels_mod.log.name):
+        assert select_kernel(tiny).info.kernel == "fp32-eager"
+    report = next(iter(json.loads(probe_cache_path().read_text()).values()))
+    assert report["choice"] == "fp32-eager" and report["reference"] == "fp32-eager"
+    assert report["decode_tok_s"] == {"fp32-eager": 0.5, "noisy": 1.0}
+    ppl = report["perplexity"]
+    assert ppl["fp32-eager"] == pytest.approx(perplexity(tiny.model, reference_ids(
+        tiny.tokenizer, kernels_mod.PROBE_TEXT_TOKENS), tiny.device))
+    assert not within_tolerance(ppl["noisy"], ppl["fp32-eager"])
+    assert [r.getMessage() for r in caplog.records if r.name == kernels_mod.log.name] == [
+        f"kernel noisy failed the quality guard (perplexity {ppl['noisy']:.3f} vs "
+        f"{ppl['fp32-eager']:.3f}); not used"]
 
 
 def test_engine_reports_the_forced_kernel(tiny_model_dir: Path) -> None:

@@ -139,10 +139,10 @@ def test_without_memory_to_spare_the_prompt_rides_in_the_rows_steps() -> None:
 
 
 def _stop_inside_body() -> dict:
-    """A side prefill on its own thread, watched as the engine thread does (side.reading), and
-    stopped once its second chunk is half way through the model."""
+    """A side prefill on its own thread, stopped once its second chunk is half way through the
+    model. Stop is pressed from inside the progress report (on the side thread, as the reading
+    is written), so where it lands does not hang on how two threads happen to interleave."""
     import threading
-    import time
 
     from engine.bench import fixed_prompt_ids
     from engine.llamacpp.decode import MIN_SIDE_CHUNK
@@ -154,14 +154,17 @@ def _stop_inside_body() -> dict:
     side = side_prefill.SidePrefill(loaded, pool.cold_lease(None), fixed_prompt_ids(
         loaded, LONG_TOKENS), cancel)
     readings: list[tuple[int, int, float]] = []
-    side.start()
-    while side.running:
-        reading = side.reading
-        if not readings or reading != readings[-1]:
-            readings.append(reading)
-        if reading[0] > 0 and reading[2] > 0.5:
+    report = side._now_reading
+
+    def now_reading(begin: int, size: int, fraction: float) -> None:
+        report(begin, size, fraction)
+        readings.append(side.reading)  # every reading the engine thread could see
+        if begin > 0 and fraction > 0.5:
             cancel.set()  # Stop pressed inside the second chunk
-        time.sleep(0.001)
+
+    side._now_reading = now_reading  # type: ignore[method-assign]
+    side.start()
+    side.wait(CHILD_TIMEOUT_S)
     try:
         logits = side.finish(pool)
     finally:
@@ -175,9 +178,13 @@ def test_a_side_prefill_reports_and_stops_inside_its_chunks() -> None:
     out = run_in_child(_stop_inside_body)
     first = out["first_chunk"]
     assert out["graph_nodes"] > 100  # learned from the first chunk
-    second = [r for r in out["readings"] if r[0] == first]
-    assert second and all(0.0 < fraction < 1.0 for _, _, fraction in second)
-    assert [f for _, _, f in second] == sorted(f for _, _, f in second)
+    # The first chunk teaches the meter the graph's size: only the second reports, and
+    # Stop inside it leaves no third.
+    assert {begin for begin, _, _ in out["readings"]} == {first}
+    second = out["readings"]
+    fractions = [f for _, _, f in second]
+    assert all(0.0 < f < 1.0 for f in fractions) and fractions == sorted(fractions)
+    assert fractions[-1] > 0.5  # Stop came once past half way
     assert out["done"] == first  # the second chunk was stopped inside: it never counted
     assert out["logits"] is None  # Stop came first: nothing to join with
 

@@ -3,6 +3,8 @@ chats streaming side by side. The engine batches them."""
 
 from __future__ import annotations
 
+import threading
+
 from engine import Engine, TokenEmitted
 from tests.window_helpers import WAIT_MS, settings
 from ui.store import DONE
@@ -78,9 +80,17 @@ def test_two_chats_stream_at_once_and_both_are_saved(qtbot, make_window,
     window = make_window()
     settings(window, temperature=0, max_tokens=LONG)
     order: list[str] = []
-    tiny_engine.add_listener(
-        lambda e: order.append(e.request_id) if isinstance(e, TokenEmitted) else None)
+    b_sent = threading.Event()
 
+    def watch(event: object) -> None:  # on the engine thread
+        if isinstance(event, TokenEmitted):
+            order.append(event.request_id)
+            if event.index == 1:
+                # A's second token waits until B is queued: B joins while A has LONG - 2
+                # tokens to go, whatever the machine's speed (B needs 30)
+                b_sent.wait(WAIT_MS / 1000)
+
+    tiny_engine.add_listener(watch)
     first_ids: list[str] = []
     window.sig_reply_started.connect(first_ids.append)
     finished: dict[str, object] = {}
@@ -93,6 +103,7 @@ def test_two_chats_stream_at_once_and_both_are_saved(qtbot, make_window,
     assert window.composer.button.text() == "Send"  # chat B is idle while A writes
     settings(window, temperature=0, max_tokens=30)
     assert window.send("And hello from chat B")
+    b_sent.set()
     chat_b = window.conversation_id
     assert chat_a != chat_b
     a_id, b_id = first_ids

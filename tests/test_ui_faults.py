@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 from PySide6.QtCore import QSettings
 from PySide6.QtWidgets import QMessageBox
 
 from app.gui import build_backend, build_window
-from engine import Engine
+from engine import Engine, TokenEmitted
 from tests.fault_injection import ForwardFault
 from tests.window_helpers import LONG, WAIT_MS, greedy, send_and_wait
 from ui.main_window import MainWindow
@@ -122,15 +123,33 @@ def test_edits_and_switches_while_streaming(qtbot, make_window) -> None:
 
 
 def test_switching_models_mid_reply_finishes_then_switches(
-    qtbot, make_window, tiny_model_dir: Path
+    qtbot, make_window, tiny_engine: Engine, tiny_model_dir: Path
 ) -> None:
     window = make_window()
-    start_long_reply(qtbot, window)
-    with qtbot.waitSignal(window.bridge.sig_model_loaded, timeout=WAIT_MS):
+    greedy(window, 120)  # long, and the next turn still fits the tiny model's context
+    asked = threading.Event()
+
+    def hold(event: object) -> None:  # on the engine thread: the reply cannot get past its
+        if isinstance(event, TokenEmitted) and event.index == 1:  # second token before the
+            asked.wait(WAIT_MS / 1000)  # switch is asked for, however fast the machine
+
+    tiny_engine.add_listener(hold)
+    order: list[str] = []
+    window.sig_reply_finished.connect(lambda result: order.append(result.finish_reason))
+    window.bridge.sig_model_loading.connect(lambda *_: order.append("loading"))
+    window.bridge.sig_model_loaded.connect(lambda *_: order.append("loaded"))
+    with qtbot.waitSignal(window.sig_reply_finished, timeout=WAIT_MS) as finished:
+        assert window.send("Tell me a story")
         window.load_model(str(tiny_model_dir))
-        window.stop()
+        asked.set()
+    qtbot.waitUntil(lambda: "loaded" in order, timeout=WAIT_MS)
+    # The reply ran to its end, undisturbed, and only then did the new model load.
+    result = finished.args[0]
+    assert (result.finish_reason, result.metrics.output_tokens) == ("length", 120)
+    assert order[0] == "length" and order[-1] == "loaded" and order.count("length") == 1
     assert window.reply is None
-    assert window.store.messages(window.conversation_id)[-1].status == STOPPED
+    saved = window.store.messages(window.conversation_id)[-1]
+    assert (saved.status, saved.content) == ("length", result.text)
     greedy(window, 3)
     prefills = []
     window.bridge.sig_prefill_started.connect(prefills.append)

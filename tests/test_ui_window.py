@@ -27,6 +27,12 @@ def submitted(monkeypatch, tiny_engine: Engine) -> list[GenerationRequest]:
     return requests
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                min(len(a), len(b)))
+
+
 def test_reply_streams_into_view_and_is_saved(qtbot, make_window) -> None:
     window = make_window()
     greedy(window, 40)
@@ -117,14 +123,23 @@ def test_regenerate_and_edit_reuse_the_conversation_cache(qtbot, make_window, su
 
     with qtbot.waitSignal(window.sig_reply_finished, timeout=WAIT_MS) as blocker:
         window.regenerate(reply_id)
-    assert blocker.args[0].text == first.text  # greedy: same history, same reply
-    assert prefills[-1].cached_tokens > 0
+    again = blocker.args[0]
+    assert again.text == first.text  # greedy: same history, same reply
+    assert again.prompt_token_ids == first.prompt_token_ids
+    # the whole prompt was cached: all of it is reused but the last token, which is run
+    # again for fresh logits
+    whole = len(first.prompt_token_ids) - 1
+    assert prefills[-1].cached_tokens == again.metrics.cached_tokens == whole
 
     user_id = window.store.messages(conv)[0].id
     window.edit(user_id)
     assert window.composer.text() == "Hello" and window.composer.editing
-    send_and_wait(qtbot, window, "Hello again")
-    assert prefills[-1].cached_tokens > 0  # the template's shared prefix was reused
+    edited = send_and_wait(qtbot, window, "Hello again")
+    # the cache holds the first prompt (and its reply): the edited prompt reuses exactly the
+    # tokens it shares with it, up to where "Hello" became "Hello again"
+    shared = common_prefix(first.prompt_token_ids, edited.prompt_token_ids)
+    assert 0 < shared < len(first.prompt_token_ids)
+    assert prefills[-1].cached_tokens == edited.metrics.cached_tokens == shared
     assert {r.conversation_id for r in submitted} == {conv}
     messages = window.store.messages(conv)
     assert [m.role for m in messages] == ["user", "assistant"]

@@ -7,6 +7,7 @@ code) can run the same checks there and report the outcome.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,16 +24,21 @@ from engine import (
     RequestFailed,
     RequestFinished,
     RequestQueued,
+    SamplerSnapshot,
     SamplingParams,
     TextFlushed,
     TokenEmitted,
 )
 from engine.events import TERMINAL_EVENTS
+from engine.params import Speculative
 from engine.protocol import Backend
 from engine.worker import RequestHandle
 
 WAIT_S = 120.0
 PROMPT = "Tell me a short story about a lighthouse keeper and a storm."
+# A reply that copies from its prompt: prompt lookup ("ngram") finds drafts in it.
+COPY_PROMPT = ("Copy this list exactly, then stop: apples, pears, plums, apples, pears, plums, "
+               "apples, pears, plums.")
 
 
 def request(text: str = PROMPT, *, max_tokens: int = 8, temperature: float = 0.0,
@@ -132,17 +138,28 @@ def check_metric_identities(backend: Backend) -> None:
 
 
 def check_cancel(backend: Backend) -> None:
-    """Cancelling after the first token ends the request as cancelled, keeping its text."""
-    handle = backend.submit(request(max_tokens=200, conversation_id="contract-cancel"))
+    """Cancelling after the first token ends the request as cancelled, keeping its text: the
+    result holds exactly what was streamed (tokens and text), and stopped short."""
+    budget = 200
+    handle = backend.submit(request(max_tokens=budget, conversation_id="contract-cancel"))
     events = handle.events(timeout=WAIT_S)
+    seen: list[EngineEvent] = []
     for event in events:
+        seen.append(event)
         if isinstance(event, TokenEmitted):
             backend.cancel(handle.request_id)
             break
-    rest = list(events)
-    assert isinstance(rest[-1], RequestFinished), rest[-1:]
+    seen += list(events)
+    assert isinstance(seen[-1], RequestFinished), seen[-1:]
     result = handle.wait(WAIT_S)
     assert result.finish_reason == "cancelled"
+    tokens = [e for e in seen if isinstance(e, TokenEmitted)]
+    streamed = "".join(e.text for e in seen if isinstance(e, (TokenEmitted, TextFlushed)))
+    assert result.text == streamed and result.text, (result.text, streamed)
+    assert 1 <= len(tokens) <= result.metrics.output_tokens < budget
+    if not backend.is_remote:  # a server may pack tokens into a chunk, and names no ids
+        assert result.token_ids == [e.token_id for e in tokens]
+        assert result.metrics.output_tokens == len(tokens)
 
 
 def check_bad_input(backend: Backend) -> None:
@@ -198,15 +215,47 @@ def check_failed_load_keeps_model(backend: Backend, bad_spec: str,
     assert result.model == before
 
 
-def check_capabilities(backend: Backend) -> None:
-    """What a backend says it can do matches what it does with a draft model."""
+def check_capabilities(backend: Backend, draft: str | None = None,
+                       **draft_options: object) -> None:
+    """What a backend says it can do, it does: each speculative method it lists runs and
+    keeps greedy output unchanged, a draft model (`draft`, loaded with draft_options) loads
+    where it says so and is refused where not, and sampler views come iff it says so."""
     caps = backend.capabilities
     assert caps.draft_model == ("draft" in caps.speculative)
-    if caps.draft_model:
-        return  # loading a real draft is tests/test_speculative_draft.py's job
+    with recording(backend) as seen:
+        plain = backend.submit(request(COPY_PROMPT, max_tokens=16, conversation_id="contract-caps"))
+        result = plain.wait(WAIT_S)
+    snapshots = [e for e in seen.of(plain.request_id) if isinstance(e, SamplerSnapshot)]
+    assert bool(snapshots) == caps.sampler_view, snapshots[:1]
+    if "ngram" in caps.speculative:
+        _check_speculates_exactly(backend, "ngram", result)
+    if not caps.draft_model:
+        try:
+            backend.load_draft_sync(draft or "any-draft", timeout=WAIT_S, **draft_options)
+        except ModelLoadError as exc:
+            assert str(exc) and "\n" not in str(exc)
+        else:
+            raise AssertionError("a backend without draft models loaded one")
+        return
+    assert draft is not None, "a backend with draft models is checked with one"
+    backend.load_draft_sync(draft, timeout=WAIT_S, **draft_options)
     try:
-        backend.load_draft_sync("any-draft", timeout=WAIT_S)
-    except ModelLoadError as exc:
-        assert "\n" not in str(exc)
-    else:
-        raise AssertionError("a backend without draft models loaded one")
+        _check_speculates_exactly(backend, "draft", result)
+    finally:
+        backend.load_draft_sync(None, timeout=WAIT_S)
+    dropped = backend.submit(dataclasses.replace(request(max_tokens=4), speculative="draft"))
+    events = drain(dropped)
+    assert isinstance(events[-1], RequestFailed) and "draft" in events[-1].message, events[-1:]
+
+
+def _check_speculates_exactly(backend: Backend, method: Speculative,
+                              plain: GenerationResult) -> None:
+    """A greedy request with this method runs it and gives the plain reply's tokens."""
+    spec = dataclasses.replace(
+        request(COPY_PROMPT, max_tokens=16, conversation_id=f"contract-{method}"),
+        speculative=method)
+    result = backend.submit(spec).wait(WAIT_S)
+    assert result.speculative == method, (method, result.speculative)
+    assert result.spec_proposed > 0
+    assert result.token_ids == plain.token_ids
+    assert result.text == plain.text
