@@ -283,15 +283,26 @@ class Engine(EventSource, Backend):
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         job = self._new_job(request)
-        self._inbox.put(job)
+        if not self._refused_after_shutdown([job]):
+            self._inbox.put(job)
         return job.handle
 
     def submit_alternatives(self, request: GenerationRequest, n: int) -> list[RequestHandle]:
         """N sampled replies to one prompt that share one prefill; each has its own request
         id, events, seed and cancel (see GenerationRequest.alternatives)."""
         jobs = [self._new_job(r) for r in request.alternatives(n)]
-        self._inbox.put(_Group(jobs))
+        if not self._refused_after_shutdown(jobs):
+            self._inbox.put(_Group(jobs))
         return [job.handle for job in jobs]
+
+    def _refused_after_shutdown(self, jobs: list[_Job]) -> bool:
+        """After shutdown() no thread serves the inbox: fail the jobs now rather than leave
+        their callers waiting for a reply that never comes."""
+        if not self._closing.is_set():
+            return False
+        for job in jobs:
+            self._end_job(job, None, PhasewiseError("the engine has shut down"))
+        return True
 
     def _new_job(self, request: GenerationRequest) -> _Job:
         cancel = threading.Event()

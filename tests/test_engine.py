@@ -169,3 +169,17 @@ def test_shutdown_mid_reply_cancels_the_reply_and_the_queued_one(tiny_model_dir)
     assert results[0].metrics.output_tokens == 1  # stopped within the step it came in
     assert results[1].metrics.output_tokens == 0  # never started decoding
     engine.shutdown()
+
+
+def test_a_request_after_shutdown_fails_at_once(tiny_model_dir) -> None:
+    """No engine thread serves the inbox after shutdown: the caller gets an error now, not a
+    wait that ends only with its own timeout."""
+    engine = Engine().start()
+    engine.load_model_sync(str(tiny_model_dir), kernel="fp32-eager")
+    engine.shutdown()
+    with pytest.raises(PhasewiseError, match="the engine has shut down"):
+        engine.submit(ask("Hello")).wait(0)
+    late = engine.submit_alternatives(ask("Hello", temperature=0.7), 2)
+    for handle in late:
+        with pytest.raises(PhasewiseError, match="the engine has shut down"):
+            handle.wait(0)
