@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 LOCAL_CAPABILITIES = Capabilities(
     shared_prefill_alternatives=True, speculative=SPECULATIVE_METHODS, draft_model=True,
     sampler_view=True, prefix_cache_ledger=True, conversation_cache=True,
+    drop_oldest_turns=True,
 )
 
 OUT_OF_MEMORY_MESSAGE = (
