@@ -25,7 +25,7 @@ from engine import (
     SamplingParams,
     TokenEmitted,
 )
-from engine.params import Role, Speculative
+from engine.params import Overflow, Role, Speculative
 from engine.protocol import Backend
 from ui.store import (
     DONE,
@@ -88,6 +88,7 @@ class ReplyOptions:
     alternatives: int = 1  # the composer's "× N"
     draft_loaded: bool = False
     system_prompt: str = ""  # for a chat this send creates
+    overflow: Overflow = "refuse"  # a chat over the context: refused, or its oldest turns left out
 
 
 class SessionView(Protocol):
@@ -243,7 +244,8 @@ class ChatSession:
     def _start_reply(self, conv_id: str, user_id: int | None, user_text: str,
                      options: ReplyOptions, count: int) -> bool:
         request = GenerationRequest(self.history(conv_id), options.params,
-                                    conversation_id=conv_id, speculative=options.speculative)
+                                    conversation_id=conv_id, speculative=options.speculative,
+                                    overflow=options.overflow)
         settings = asdict(options.params) | {"model": self.model_info.name
                                              if self.model_info else ""}
         if count > 1:
@@ -398,6 +400,8 @@ class ChatSession:
                              "kept.")
         elif result.notice:
             self.view.notify(f"Note: {result.notice}.")
+        elif result.dropped_messages:
+            self.view.notify(dropped_note(result.dropped_messages))
         self.view.reply_finished(result)
 
     def on_failed(self, event: RequestFailed) -> None:
@@ -505,6 +509,13 @@ class ChatSession:
                          until="pick")
             return True
         return False
+
+
+def dropped_note(count: int) -> str:
+    """The one line a reply gets when its chat's oldest messages were left out of its prompt."""
+    messages = "message was" if count == 1 else f"{count} messages were"
+    return (f"This chat is longer than the model's context: its oldest {messages} left out of "
+            "the prompt for this reply (the chat still keeps them).")
 
 
 def metrics_dict(result: GenerationResult) -> dict[str, Any]:
