@@ -513,9 +513,8 @@ class ChatSession:
 
 def dropped_note(count: int) -> str:
     """The one line a reply gets when its chat's oldest messages were left out of its prompt."""
-    messages = "message was" if count == 1 else f"{count} messages were"
-    return (f"This chat is longer than the model's context: its oldest {messages} left out of "
-            "the prompt for this reply (the chat still keeps them).")
+    messages = "oldest message" if count == 1 else f"{count} oldest messages"
+    return f"Left out the {messages} to fit the model's context (the chat keeps them)."
 
 
 def metrics_dict(result: GenerationResult) -> dict[str, Any]:
