@@ -118,7 +118,7 @@ def test_each_chat_keeps_its_own_system_prompt_and_the_engine_gets_it(
     window.menus.new_action.trigger()  # chat B starts with a system prompt of its own: none
     assert window.controls.system_prompt_text() == ""
     type_system_prompt(qtbot, window, poet)
-    send_and_wait(qtbot, window, "Hi")
+    reply_b = send_and_wait(qtbot, window, "Hi")
     chat_b = window.conversation_id
     assert chat_b not in (None, chat_a)
     assert engine_results[-1].prompt_token_ids == chat_prompt([("system", poet), ("user", "Hi")])
@@ -152,6 +152,13 @@ def test_each_chat_keeps_its_own_system_prompt_and_the_engine_gets_it(
     history += [("assistant", second.text), ("user", "Last one")]
     assert engine_results[-1].prompt_token_ids == chat_prompt(history)
     assert ledger(engine_events, third.request_id).cache_miss_reason == "none"
+    # B's edited prompt is what B's next turn runs on; the engine sees it changed.
+    open_chat(again, chat_b)
+    fourth = send_and_wait(qtbot, again, "Again")
+    assert engine_results[-1].prompt_token_ids == chat_prompt(
+        [("system", "You are brief."), ("user", "Hi"), ("assistant", reply_b.text),
+         ("user", "Again")])
+    assert ledger(engine_events, fourth.request_id).cache_miss_reason == "system_prompt_changed"
 
 
 # ----- Compare, opened from the window's menu -----------------------------------------------------
@@ -258,6 +265,26 @@ def test_esc_stops_the_reply_wherever_the_focus_is(qtbot, shown_window: MainWind
         press(qtbot, window, "Esc")
     assert blocker.args[0].finish_reason == "cancelled"
     assert window.store.messages(window.conversation_id)[-1].status == "stopped"
+
+
+def test_esc_in_the_search_box_clears_the_search_not_the_reply(
+    qtbot, shown_window: MainWindow
+) -> None:
+    """Leaving a search with Esc (as in any search field) must not kill a reply being
+    written; with the box empty, Esc stops it as it does everywhere."""
+    window = shown_window
+    greedy(window, 200)
+    with qtbot.waitSignal(window.bridge.sig_token, timeout=WAIT_MS):
+        assert window.send("Tell me a long story")
+    chat = window.conversation_id
+    press(qtbot, window, "Ctrl+F")
+    qtbot.keyClicks(window.sidebar.search, "chat")
+    press(qtbot, window, "Esc")
+    assert window.sidebar.search.text() == ""
+    assert [r.conversation_id for r in window.session.replies.values()] == [chat]
+    with qtbot.waitSignal(window.sig_reply_finished, timeout=WAIT_MS) as blocker:
+        press(qtbot, window, "Esc")
+    assert blocker.args[0].finish_reason == "cancelled"
 
 
 def test_ctrl_n_opens_an_empty_chat_ready_to_type(qtbot, shown_window: MainWindow) -> None:
