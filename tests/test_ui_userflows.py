@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QSettings, Qt
 from PySide6.QtGui import QKeySequence
 from PySide6.QtWidgets import QApplication, QMessageBox, QWidget
 from pytestqt.qtbot import QtBot
@@ -440,3 +440,17 @@ def test_the_dropped_turns_note_is_not_shown_when_nothing_was_dropped(
     assert engine_results[-1].dropped_messages == 0
     assert banner(window) == ""
 
+
+
+def test_on_a_server_the_choice_is_kept_but_not_offered(
+    qtbot, remote_window, phasewise_server: Any, tmp_path: Path
+) -> None:
+    """A server decides itself what a chat too long gets: the setting is disabled there (its
+    tooltip says why) and the user's saved choice stays for the local engine."""
+    saved = QSettings(str(tmp_path / "settings.ini"), QSettings.Format.IniFormat)
+    saved.setValue("sampling/overflow", "drop_oldest")  # chosen in an earlier session
+    saved.sync()
+    window = remote_window(phasewise_server.base_url)  # the same settings file
+    assert window.controls.overflow.isEnabled() is False
+    assert "decides itself" in window.controls.overflow.toolTip()
+    assert window.controls.overflow_mode() == "drop_oldest"
