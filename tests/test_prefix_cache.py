@@ -107,6 +107,9 @@ def test_context_overflow_drop_oldest_keeps_system(tiny_engine: Engine) -> None:
                                 conversation_id="long-alts", overflow="drop_oldest")
     alternatives = [h.wait(60) for h in tiny_engine.submit_alternatives(request, 2)]
     assert [a.dropped_messages for a in alternatives] == [r.dropped_messages] * 2
+    # A speculative request runs alone (not in the batch): it counts them too.
+    alone = turn(tiny_engine, "long-spec", history, overflow="drop_oldest", speculative="ngram")
+    assert alone.dropped_messages == r.dropped_messages
     assert turn(tiny_engine, "short", [SYSTEM, ChatMessage("user", "Hi")],
                 overflow="drop_oldest").dropped_messages == 0
     from transformers import AutoTokenizer
