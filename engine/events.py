@@ -214,6 +214,7 @@ class RequestFailed:
     request_id: str
     t_ns: int
     message: str
+    context_overflow: bool = False  # the prompt did not fit the context (ContextOverflowError)
 
 
 EngineEvent = (

@@ -21,7 +21,7 @@ import torch
 from engine import runtimes
 from engine.batching import alternative_cache_key, batchable
 from engine.draft import DraftModel
-from engine.errors import ModelLoadError, PhasewiseError
+from engine.errors import ContextOverflowError, ModelLoadError, PhasewiseError
 from engine.events import (
     DraftModelChanged,
     EngineEvent,
@@ -413,7 +413,8 @@ class Engine(EventSource, Backend):
                 self._deliver(job, RequestFinished(request_id, now_ns(), result))
             else:
                 message = self._failure_message(request_id, error)
-                self._deliver(job, RequestFailed(request_id, now_ns(), message))
+                self._deliver(job, RequestFailed(request_id, now_ns(), message,
+                                                 isinstance(error, ContextOverflowError)))
         finally:
             with self._lock:
                 self._active.pop(request_id, None)
@@ -501,7 +502,8 @@ class Engine(EventSource, Backend):
             self._deliver(job, RequestFinished(request_id, now_ns(), result))
         except Exception as exc:
             message = self._failure_message(request_id, exc)
-            self._deliver(job, RequestFailed(request_id, now_ns(), message))
+            self._deliver(job, RequestFailed(request_id, now_ns(), message,
+                                             isinstance(exc, ContextOverflowError)))
         finally:
             with self._lock:
                 self._active.pop(request_id, None)

@@ -44,6 +44,7 @@ TITLE_CHARS = 48
 Until = Literal["model", "reply", "pick", "draft"]
 FINISH_STATUS = {"stop": DONE, "length": "length", "cancelled": STOPPED, "error": "error"}
 DEFAULT_ALTERNATIVES = 3  # the Alternatives link when the composer asks for one reply
+OVERFLOW_SETTING = "Generation → Advanced → Chat too long"  # drops the oldest turns instead
 
 
 @dataclass
@@ -60,6 +61,7 @@ class ActiveReply:
     alternative: int | None = None  # its index among the chat's alternatives
     prompt_tokens: int | None = None  # known once its prefill started
     output_tokens: int = 0  # tokens received so far
+    overflow: Overflow = "refuse"  # what its request asked for a prompt over the context
 
     def context_record(self) -> dict[str, Any] | None:
         """What a reply cut short by closing the window records as its metrics: the context
@@ -265,7 +267,8 @@ class ChatSession:
             self.view.notify(store_message(str(exc)))
             self.view.conversation_changed(conv_id)
             return False
-        reply = ActiveReply(request.request_id, conv_id, reply_id, user_id, user_text)
+        reply = ActiveReply(request.request_id, conv_id, reply_id, user_id, user_text,
+                            overflow=request.overflow)
         self.replies[request.request_id] = reply
         self.view.saving(True)
         self.backend.submit(request)
@@ -282,7 +285,8 @@ class ChatSession:
         for i, request_id in enumerate(ids):
             # each knows the user message: if the whole set fails, the last one takes it back
             reply = ActiveReply(request_id, conv_id, None, user_id, user_text,
-                                label=f"Alternative {i + 1}", alternative=i)
+                                label=f"Alternative {i + 1}", alternative=i,
+                                overflow=request.overflow)
             self.replies[request_id] = reply
             self.view.reply_started(reply)
 
@@ -423,8 +427,12 @@ class ChatSession:
         if reply.user_message_id is not None:
             self.view.restore_text(reply.user_text)
         self.view.conversation_changed(reply.conversation_id)
-        self.view.notify(event.message)
-        self.view.reply_failed(event.message)
+        message = event.message
+        if (event.context_overflow and reply.overflow == "refuse"
+                and self.backend.capabilities.drop_oldest_turns):
+            message += f" ({OVERFLOW_SETTING})"  # where to have them dropped instead
+        self.view.notify(message)
+        self.view.reply_failed(message)
 
     def save_partial(self) -> None:
         """Write every streaming reply's text so far (the view calls this in batches)."""
