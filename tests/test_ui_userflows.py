@@ -389,6 +389,7 @@ def test_a_chat_too_long_is_refused_by_default_in_one_line(
         assert window.send("Third question, which no longer fits")
     assert "over the model's context of 256 tokens" in blocker.args[0]
     assert "\n" not in banner(window) and "over the model's context" in banner(window)
+    assert banner(window).endswith("(Generation → Advanced → Chat too long)")  # the way out
     assert len(window.store.messages(window.conversation_id)) == saved  # nothing half-saved
     assert window.composer.text() == "Third question, which no longer fits"  # given back
     assert len(engine_results) == 2
@@ -454,3 +455,15 @@ def test_on_a_server_the_choice_is_kept_but_not_offered(
     assert window.controls.overflow.isEnabled() is False
     assert "decides itself" in window.controls.overflow.toolTip()
     assert window.controls.overflow_mode() == "drop_oldest"
+
+
+def test_a_message_too_long_alone_is_refused_even_when_dropping(qtbot, make_window) -> None:
+    """Dropping old turns cannot make one message fit: the refusal does not point to the
+    setting the user already chose."""
+    window = make_window()
+    choose_overflow(qtbot, window, "Drop the oldest turns")
+    with qtbot.waitSignal(window.sig_reply_failed, timeout=WAIT_MS):
+        assert window.send("word " * 300)
+    assert "over the model's context of 256 tokens" in banner(window)
+    assert "Chat too long" not in banner(window)
+    assert window.conversation_id is None or window.store.messages(window.conversation_id) == []
