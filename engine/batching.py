@@ -126,6 +126,7 @@ class Row:
     generated: list[int] = field(default_factory=list)
     finish: FinishReason | None = None
     last_snapshot_ns: int = 0
+    dropped_messages: int = 0  # oldest messages left out to fit the context
 
     @property
     def request(self) -> GenerationRequest:
@@ -211,6 +212,7 @@ class Batcher:
         self._emit(job, PrefillStarted(request.request_id, timeline.prefill_start_ns,
                                        len(prompt.ids), lease.cached_tokens, lease.miss_reason))
         row = self._new_row(job, prompt.ids, lease)
+        row.dropped_messages = prompt.dropped_messages
         ids = prompt.ids[lease.cached_tokens :]
         if (self.beside and self.interleave and self.rows
                 and can_prefill_beside(self.loaded, len(ids))):
@@ -289,7 +291,9 @@ class Batcher:
         lease = CacheLease(conversation, list(ids), None, len(ids), "none")
         self._emit(job, PrefillStarted(job.request.request_id, timeline.prefill_start_ns,
                                        len(ids), len(ids), "none"))
-        return self._new_row(job, ids, lease)
+        row = self._new_row(job, ids, lease)
+        row.dropped_messages = source.dropped_messages  # the same prompt, the same turns left out
+        return row
 
     def _new_row(self, job: BatchJob, prompt_ids: list[int], lease: CacheLease) -> Row:
         params = job.request.params
@@ -439,7 +443,7 @@ class Batcher:
         return GenerationResult(
             request_id=request.request_id, text=row.stopper.emitted, finish_reason=finish,
             token_ids=list(row.generated), prompt_token_ids=row.prompt_ids, metrics=metrics,
-            model=self.loaded.info,
+            model=self.loaded.info, dropped_messages=row.dropped_messages,
         )
 
     # ----- the batched KV ----------------------------------------------------------------------

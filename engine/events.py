@@ -168,6 +168,8 @@ class GenerationResult:
     speculative: str | None = None  # the draft method that ran, None for plain decoding
     spec_proposed: int = 0  # draft tokens proposed
     spec_accepted: int = 0  # draft tokens the model confirmed
+    # Oldest messages left out so the prompt fit the context (overflow="drop_oldest").
+    dropped_messages: int = 0
 
     @property
     def spec_accept_rate(self) -> float:
@@ -180,7 +182,8 @@ class GenerationResult:
         out["prompt_token_ids"] = self.prompt_token_ids
         out["output_token_ids"] = self.token_ids
         out.update(speculative=self.speculative, spec_proposed=self.spec_proposed,
-                   spec_accepted=self.spec_accepted, spec_accept_rate=self.spec_accept_rate)
+                   spec_accepted=self.spec_accepted, spec_accept_rate=self.spec_accept_rate,
+                   dropped_messages=self.dropped_messages)
         if self.model is not None:
             out.update(
                 model=self.model.name,
@@ -211,6 +214,7 @@ class RequestFailed:
     request_id: str
     t_ns: int
     message: str
+    context_overflow: bool = False  # the prompt did not fit the context (ContextOverflowError)
 
 
 EngineEvent = (

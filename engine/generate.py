@@ -203,7 +203,7 @@ class DecodeSession:
         try:
             result = self._decode(request, prompt.ids, lease, budget, timeline, cancel, emit)
             healthy = True
-            return result
+            return dataclasses.replace(result, dropped_messages=prompt.dropped_messages)
         finally:
             if healthy:
                 self.prefix_cache.release(lease)

@@ -11,6 +11,7 @@ from engine.errors import InvalidRequestError
 
 Role = Literal["system", "user", "assistant"]
 Speculative = Literal["ngram", "draft"]  # a speculative decoding method
+Overflow = Literal["refuse", "drop_oldest"]  # what a prompt over the context gets
 _request_ids = itertools.count(1)
 MAX_ALTERNATIVES = 8  # one decode batch
 # Seeds are 0 <= seed < 2**63: what torch.Generator.manual_seed and a signed 64-bit field on a
@@ -84,7 +85,7 @@ class GenerationRequest:
     prompt_token_ids: list[int] | None = None
     # A prompt over the context is refused; "drop_oldest" drops the oldest turns instead,
     # keeping the system prompt and the last user message.
-    overflow: Literal["refuse", "drop_oldest"] = "refuse"
+    overflow: Overflow = "refuse"
     # False computes the whole prompt cold (benchmarks, cached-vs-cold checks).
     reuse_cache: bool = True
     # Speculative decoding: "ngram" drafts by prompt lookup (greedy requests only), "draft" with

@@ -43,6 +43,9 @@ class Capabilities:
     """PrefillStarted and the metrics report cached tokens and why a miss happened."""
     conversation_cache: bool = False
     """It keeps a prefix cache per conversation: drop_conversation / keep_alternative act."""
+    drop_oldest_turns: bool = False
+    """overflow="drop_oldest" leaves a chat's oldest turns out of a prompt over the context
+    (and the result counts them); else such a prompt is refused (a server decides itself)."""
 
     def runs(self, speculative: str | None) -> bool:
         """True if a request with this speculative method (None: plain) can run here."""

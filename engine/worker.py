@@ -21,7 +21,7 @@ import torch
 from engine import runtimes
 from engine.batching import alternative_cache_key, batchable
 from engine.draft import DraftModel
-from engine.errors import ModelLoadError, PhasewiseError
+from engine.errors import ContextOverflowError, ModelLoadError, PhasewiseError
 from engine.events import (
     DraftModelChanged,
     EngineEvent,
@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 LOCAL_CAPABILITIES = Capabilities(
     shared_prefill_alternatives=True, speculative=SPECULATIVE_METHODS, draft_model=True,
     sampler_view=True, prefix_cache_ledger=True, conversation_cache=True,
+    drop_oldest_turns=True,
 )
 
 OUT_OF_MEMORY_MESSAGE = (
@@ -429,7 +430,8 @@ class Engine(EventSource, Backend):
                 self._deliver(job, RequestFinished(request_id, _done_ns(job), result))
             else:
                 message = self._failure_message(request_id, error)
-                self._deliver(job, RequestFailed(request_id, now_ns(), message))
+                self._deliver(job, RequestFailed(request_id, now_ns(), message,
+                                                 isinstance(error, ContextOverflowError)))
         finally:
             with self._lock:
                 self._active.pop(request_id, None)
@@ -517,7 +519,8 @@ class Engine(EventSource, Backend):
             self._deliver(job, RequestFinished(request_id, _done_ns(job), result))
         except Exception as exc:
             message = self._failure_message(request_id, exc)
-            self._deliver(job, RequestFailed(request_id, now_ns(), message))
+            self._deliver(job, RequestFailed(request_id, now_ns(), message,
+                                             isinstance(exc, ContextOverflowError)))
         finally:
             with self._lock:
                 self._active.pop(request_id, None)

@@ -101,6 +101,17 @@ def test_context_overflow_drop_oldest_keeps_system(tiny_engine: Engine) -> None:
     r = turn(tiny_engine, "long", history, overflow="drop_oldest")
     assert r.metrics.cache_miss_reason in ("dropped_old_turns", "first_turn")
     assert r.metrics.prompt_tokens < 256
+    assert r.dropped_messages > 0 and r.to_json_dict()["dropped_messages"] == r.dropped_messages
+    # Alternatives share the prompt, so each says the same turns were left out.
+    request = GenerationRequest(history, SamplingParams(temperature=0.8, max_tokens=3, seed=1),
+                                conversation_id="long-alts", overflow="drop_oldest")
+    alternatives = [h.wait(60) for h in tiny_engine.submit_alternatives(request, 2)]
+    assert [a.dropped_messages for a in alternatives] == [r.dropped_messages] * 2
+    # A speculative request runs alone (not in the batch): it counts them too.
+    alone = turn(tiny_engine, "long-spec", history, overflow="drop_oldest", speculative="ngram")
+    assert alone.dropped_messages == r.dropped_messages
+    assert turn(tiny_engine, "short", [SYSTEM, ChatMessage("user", "Hi")],
+                overflow="drop_oldest").dropped_messages == 0
     from transformers import AutoTokenizer
 
     prompt = AutoTokenizer.from_pretrained(tiny_engine.model_info.path).decode(r.prompt_token_ids)

@@ -5,8 +5,10 @@ Sliders hold integers, so each maps to its real value here: temperature in hundr
 beside it: at ~30 tokens per pixel the slider alone cannot pick an exact count). Advanced: top-k
 (0 = off), repetition penalty (1 = off), min-p (0 = off), seed (blank = random), and
 speculative decoding: prompt lookup, or a draft model the user picks (the window loads it; this
-panel shows which one is loaded). Temperature, top-p, top-k and repetition penalty start from
-the loaded model's own defaults unless the user set them for it (ui/model_defaults.py).
+panel shows which one is loaded). "Chat too long" says what a send does once a chat outgrows the
+model's context: refuse it, or leave the oldest turns out of the prompt (the chat keeps them).
+Temperature, top-p, top-k and repetition penalty start from the loaded model's own defaults
+unless the user set them for it (ui/model_defaults.py).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from PySide6.QtWidgets import (
 )
 
 from engine import SamplingParams
-from engine.params import SEED_LIMIT, Speculative
+from engine.params import SEED_LIMIT, Overflow, Speculative
 from engine.protocol import Capabilities
 from ui.model_defaults import ModelDefaults, Sourced
 
@@ -43,6 +45,14 @@ SPECULATIVE_MODES = (
     ("Prompt lookup (greedy replies)", "ngram"),
     ("Draft model", "draft"),
 )
+# (label, GenerationRequest.overflow): what a send does when the chat outgrows the context.
+OVERFLOW_MODES = (
+    ("Refuse to send", "refuse"),
+    ("Drop the oldest turns", "drop_oldest"),
+)
+OVERFLOW_TIP = ("When a chat outgrows the model's context: refuse to send it (start a new chat), "
+                "or leave its oldest turns out of the prompt. The system prompt and your new "
+                "message always stay, and the chat itself keeps every turn.")
 # Prompt lookup's drafts are checked greedily (engine/speculative.py): a sampled reply decodes
 # plainly, so the panel says so instead of leaving the setting a silent no-op.
 NGRAM_SAMPLED_NOTE = ("Prompt lookup speeds up greedy replies only: at a temperature above 0 "
@@ -114,6 +124,10 @@ class ControlsPanel(QWidget):
         self.speculative.setToolTip(
             "Decode several tokens per step from cheap guesses the model then checks: the "
             "reply is the same, only faster when the guesses are right.")
+        self.overflow = QComboBox()
+        for label, overflow in OVERFLOW_MODES:
+            self.overflow.addItem(label, overflow)
+        self.overflow.setToolTip(OVERFLOW_TIP)
         self.draft_label = QLabel("none")
         self.draft_label.setObjectName("valueLabel")
         self.draft_button = QPushButton("Choose…")
@@ -186,6 +200,7 @@ class ControlsPanel(QWidget):
         form.addRow("Min-p", self.min_p)
         form.addRow("Seed", self.seed)
         form.addRow("Speculative", self.speculative)
+        form.addRow("Chat too long", self.overflow)
         draft_row = QGridLayout()
         draft_row.setColumnStretch(0, 1)
         draft_row.addWidget(self.draft_label, 0, 0)
@@ -257,6 +272,11 @@ class ControlsPanel(QWidget):
         """GenerationRequest.speculative for the next request."""
         return self.speculative.currentData()
 
+    def overflow_mode(self) -> Overflow:
+        """GenerationRequest.overflow for the next request."""
+        mode: Overflow = self.overflow.currentData()
+        return mode
+
     def set_draft_model(self, name: str | None) -> None:
         """Show the loaded draft model (None: none; Draft model mode falls back to Off)."""
         self.draft_name = name
@@ -274,6 +294,11 @@ class ControlsPanel(QWidget):
         features (a remote server decodes its own way)."""
         self.speculative.setEnabled(bool(capabilities.speculative))
         self.draft_button.setEnabled(capabilities.draft_model)
+        # A server decides itself what an over-long prompt gets; the choice stays for later.
+        self.overflow.setEnabled(capabilities.drop_oldest_turns)
+        self.overflow.setToolTip(OVERFLOW_TIP if capabilities.drop_oldest_turns else
+                                 "This backend decides itself what a chat too long for its "
+                                 "context gets.")
         if not capabilities.runs(self.speculative_mode()):
             self.speculative.setCurrentIndex(0)
 
@@ -321,6 +346,7 @@ class ControlsPanel(QWidget):
         # A draft model is not reloaded at start, so only prompt lookup is remembered.
         mode = self.speculative_mode()
         settings.setValue("speculative", mode if mode == "ngram" else "off")
+        settings.setValue("overflow", self.overflow_mode())
         settings.endGroup()
         self.model_defaults.save(settings)
 
@@ -341,6 +367,9 @@ class ControlsPanel(QWidget):
             self.seed.setText(seed)  # a hand-edited settings file may hold anything
         if settings.value("speculative") == "ngram":
             self.speculative.setCurrentIndex(self.speculative.findData("ngram"))
+        overflow = self.overflow.findData(settings.value("overflow"))
+        if overflow >= 0:  # a hand-edited settings file may hold anything
+            self.overflow.setCurrentIndex(overflow)
         settings.endGroup()
         self.model_defaults.restore(settings)
         self._refresh_labels()

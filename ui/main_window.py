@@ -316,7 +316,7 @@ class MainWindow(QMainWindow):
         return ReplyOptions(self.controls.params(), self.controls.speculative_mode(),
                             self.composer.alternative_count(),
                             self.controls.draft_name is not None,
-                            self.controls.system_prompt_text())
+                            self.controls.system_prompt_text(), self.controls.overflow_mode())
 
     def send(self, text: str) -> bool:
         """Send the composer's text (or resend an edited message). False if refused; then

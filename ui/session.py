@@ -25,7 +25,7 @@ from engine import (
     SamplingParams,
     TokenEmitted,
 )
-from engine.params import Role, Speculative
+from engine.params import Overflow, Role, Speculative
 from engine.protocol import Backend
 from ui.store import (
     DONE,
@@ -44,6 +44,7 @@ TITLE_CHARS = 48
 Until = Literal["model", "reply", "pick", "draft", "export"]
 FINISH_STATUS = {"stop": DONE, "length": "length", "cancelled": STOPPED, "error": "error"}
 DEFAULT_ALTERNATIVES = 3  # the Alternatives link when the composer asks for one reply
+OVERFLOW_SETTING = "Generation → Advanced → Chat too long"  # drops the oldest turns instead
 
 
 @dataclass
@@ -60,6 +61,7 @@ class ActiveReply:
     alternative: int | None = None  # its index among the chat's alternatives
     prompt_tokens: int | None = None  # known once its prefill started
     output_tokens: int = 0  # tokens received so far
+    overflow: Overflow = "refuse"  # what its request asked for a prompt over the context
 
     def context_record(self) -> dict[str, Any] | None:
         """What a reply cut short by closing the window records as its metrics: the context
@@ -88,6 +90,7 @@ class ReplyOptions:
     alternatives: int = 1  # the composer's "× N"
     draft_loaded: bool = False
     system_prompt: str = ""  # for a chat this send creates
+    overflow: Overflow = "refuse"  # a chat over the context: refused, or its oldest turns left out
 
 
 class SessionView(Protocol):
@@ -243,7 +246,8 @@ class ChatSession:
     def _start_reply(self, conv_id: str, user_id: int | None, user_text: str,
                      options: ReplyOptions, count: int) -> bool:
         request = GenerationRequest(self.history(conv_id), options.params,
-                                    conversation_id=conv_id, speculative=options.speculative)
+                                    conversation_id=conv_id, speculative=options.speculative,
+                                    overflow=options.overflow)
         settings = asdict(options.params) | {"model": self.model_info.name
                                              if self.model_info else ""}
         if count > 1:
@@ -263,7 +267,8 @@ class ChatSession:
             self.view.notify(store_message(str(exc)))
             self.view.conversation_changed(conv_id)
             return False
-        reply = ActiveReply(request.request_id, conv_id, reply_id, user_id, user_text)
+        reply = ActiveReply(request.request_id, conv_id, reply_id, user_id, user_text,
+                            overflow=request.overflow)
         self.replies[request.request_id] = reply
         self.view.saving(True)
         self.backend.submit(request)
@@ -280,7 +285,8 @@ class ChatSession:
         for i, request_id in enumerate(ids):
             # each knows the user message: if the whole set fails, the last one takes it back
             reply = ActiveReply(request_id, conv_id, None, user_id, user_text,
-                                label=f"Alternative {i + 1}", alternative=i)
+                                label=f"Alternative {i + 1}", alternative=i,
+                                overflow=request.overflow)
             self.replies[request_id] = reply
             self.view.reply_started(reply)
 
@@ -398,6 +404,8 @@ class ChatSession:
                              "kept.")
         elif result.notice:
             self.view.notify(f"Note: {result.notice}.")
+        elif result.dropped_messages:
+            self.view.notify(dropped_note(result.dropped_messages))
         self.view.reply_finished(result)
 
     def on_failed(self, event: RequestFailed) -> None:
@@ -419,8 +427,12 @@ class ChatSession:
         if reply.user_message_id is not None:
             self.view.restore_text(reply.user_text)
         self.view.conversation_changed(reply.conversation_id)
-        self.view.notify(event.message)
-        self.view.reply_failed(event.message)
+        message = event.message
+        if (event.context_overflow and reply.overflow == "refuse"
+                and self.backend.capabilities.drop_oldest_turns):
+            message += f" ({OVERFLOW_SETTING})"  # where to have them dropped instead
+        self.view.notify(message)
+        self.view.reply_failed(message)
 
     def save_partial(self) -> None:
         """Write every streaming reply's text so far (the view calls this in batches)."""
@@ -505,6 +517,12 @@ class ChatSession:
                          until="pick")
             return True
         return False
+
+
+def dropped_note(count: int) -> str:
+    """The one line a reply gets when its chat's oldest messages were left out of its prompt."""
+    messages = "oldest message" if count == 1 else f"{count} oldest messages"
+    return f"Left out the {messages} to fit the model's context (the chat keeps them)."
 
 
 def metrics_dict(result: GenerationResult) -> dict[str, Any]:

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
 # Keys the widgets handle themselves, listed in Help → Keyboard shortcuts with the menus' own.
 WIDGET_KEYS = (("Enter", "Send the message"), ("Shift+Enter", "New line in the message"),
-               ("Esc", "Stop the reply, or cancel an edit"), ("Tab", "Next field"))
+               ("Esc", "Stop the reply, cancel an edit, or clear the search"),
+               ("Tab", "Next field"))
 
 
 class WindowMenus:

@@ -5,8 +5,8 @@ streaming in the background is not forgotten; a search with no match says so."""
 
 from __future__ import annotations
 
-from PySide6.QtCore import QPoint, Qt, Signal
-from PySide6.QtGui import QColor, QIcon, QPainter, QPalette, QPixmap
+from PySide6.QtCore import QEvent, QObject, QPoint, Qt, Signal
+from PySide6.QtGui import QColor, QIcon, QKeyEvent, QPainter, QPalette, QPixmap
 from PySide6.QtWidgets import (
     QInputDialog,
     QLabel,
@@ -67,6 +67,7 @@ class Sidebar(QWidget):
         self.search.setPlaceholderText("Search chats")
         self.search.setClearButtonEnabled(True)
         self.search.textChanged.connect(lambda _t: self.refresh())
+        self.search.installEventFilter(self)  # Esc clears a search (see eventFilter)
         self.list = QListWidget()
         self.list.setObjectName("conversationList")
         self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
@@ -144,6 +145,19 @@ class Sidebar(QWidget):
 
     def visible_ids(self) -> list[str]:
         return [self.list.item(i).data(ID_ROLE) for i in range(self.list.count())]
+
+    def eventFilter(self, watched: QObject, event: QEvent) -> bool:
+        """Esc in a search box with text clears the search, as in any search field, instead of
+        reaching the window's Esc (which stops a reply the user may not be looking at)."""
+        if (watched is self.search and self.search.text()
+                and event.type() in (QEvent.Type.ShortcutOverride, QEvent.Type.KeyPress)
+                and isinstance(event, QKeyEvent) and event.key() == Qt.Key.Key_Escape
+                and event.modifiers() == Qt.KeyboardModifier.NoModifier):
+            event.accept()  # on ShortcutOverride: the box takes the key, not the shortcut
+            if event.type() == QEvent.Type.KeyPress:
+                self.search.clear()
+            return True
+        return super().eventFilter(watched, event)
 
     def focus_search(self) -> None:
         """Put the cursor in the search box, its text selected (as Ctrl+F does)."""

@@ -127,6 +127,7 @@ class LlamaBatcher:
         self._emit(job, PrefillStarted(request.request_id, timeline.prefill_start_ns,
                                        len(prompt.ids), lease.cached_tokens, lease.miss_reason))
         row = self._new_row(job, prompt.ids, lease)
+        row.dropped_messages = prompt.dropped_messages
         uncached = prompt.ids[lease.cached_tokens :]
         report = PrefillReporter(request.request_id, len(uncached),
                                  lambda event: self._emit(job, event))
@@ -243,7 +244,9 @@ class LlamaBatcher:
                                                   lease.cache, -1, -1)
         self._emit(job, PrefillStarted(job.request.request_id, timeline.prefill_start_ns,
                                        len(ids), len(ids), "none"))
-        return self._new_row(job, list(source.prompt_ids), lease)
+        row = self._new_row(job, list(source.prompt_ids), lease)
+        row.dropped_messages = source.dropped_messages  # the same prompt, the same turns left out
+        return row
 
     def _new_row(self, job: BatchJob, prompt_ids: list[int], lease: object) -> Row:
         params = job.request.params
@@ -367,4 +370,4 @@ class LlamaBatcher:
         return GenerationResult(
             request_id=request.request_id, text=row.stopper.emitted, finish_reason=finish,
             token_ids=list(row.generated), prompt_token_ids=row.prompt_ids, metrics=metrics,
-            model=info)
+            model=info, dropped_messages=row.dropped_messages)

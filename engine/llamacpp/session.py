@@ -11,6 +11,7 @@ sequence with seq_rm. Runs only in the engine thread.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import torch
@@ -78,7 +79,9 @@ class LlamaSession:
         emit(PrefillStarted(request.request_id, timeline.prefill_start_ns, len(prompt.ids),
                             lease.cached_tokens, lease.miss_reason))
         try:
-            result = self._decode(request, prompt.ids, lease, budget, timeline, cancel, emit)
+            result = dataclasses.replace(
+                self._decode(request, prompt.ids, lease, budget, timeline, cancel, emit),
+                dropped_messages=prompt.dropped_messages)
         except BaseException:
             pool.discard(lease)
             raise
