@@ -6,7 +6,7 @@ import time
 
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
-from PySide6.QtGui import QColor, QFont, QPaintEvent
+from PySide6.QtGui import QColor, QFont, QPaintEvent, QWheelEvent
 from PySide6.QtWidgets import QGraphicsItem
 
 BG = "#15171c"
@@ -76,6 +76,12 @@ class HudPlot(pg.PlotWidget):
         started = time.perf_counter()
         super().paintEvent(event)
         self.paint_s += time.perf_counter() - started
+
+    def wheelEvent(self, event: QWheelEvent) -> None:
+        """The wheel scrolls what holds the plot (the HUD's column), never the plot: its view
+        would take the event (and zoom, were the mouse enabled) even with pan and zoom off.
+        Ignored here, Qt hands it on to the parent widgets, up to the scroll area."""
+        event.ignore()
 
     def take_paint_s(self) -> float:
         """Seconds spent painting since the last call."""

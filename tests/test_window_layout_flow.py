@@ -1,0 +1,54 @@
+"""Issue 31's layout and flow findings (items 7, 8 and 9) through the app's own factory (app.gui's
+build_window over the tiny engine): the HUD scrolls under the wheel and keeps its height, the chat
+column keeps its width, alternatives keep their order and their count is the user's, attempts of
+a turn are told apart, and Tab reaches every control."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtCore import QPoint
+from PySide6.QtTest import QTest
+from PySide6.QtWidgets import QScrollArea, QWidget
+
+from tests.window_helpers import WAIT_MS, show_and_wait
+
+
+def hud_scroll(window: Any) -> QScrollArea:
+    scroll = window.hud.findChild(QScrollArea)
+    assert scroll is not None
+    return scroll
+
+
+def wheel(widget: QWidget, at: QPoint, steps: int) -> None:
+    """Turn the wheel `steps` notches (negative: towards the user) with the pointer at `at` in
+    the widget, as the window system reports it (Qt passes an ignored wheel event on to the
+    parent widgets only when it came from the window system)."""
+    window = widget.window()
+    QTest.wheelEvent(window.windowHandle(), widget.mapTo(window, at), QPoint(0, 120 * steps))
+
+
+# ----- item 7: the wheel over a chart scrolls the HUD -------------------------------------------
+def test_the_wheel_over_a_chart_scrolls_the_hud_and_leaves_the_chart_alone(qtbot,
+                                                                            make_window) -> None:
+    window = make_window()
+    show_and_wait(qtbot, window)
+    bar = hud_scroll(window).verticalScrollBar()
+    qtbot.waitUntil(lambda: bar.maximum() > 0, timeout=WAIT_MS)  # more panels than fit
+    plot = window.hud.panels["ttft"].plot
+    item = plot.getPlotItem()
+    window.hud.flush()  # drawn: its range is set
+    x_range, y_range = item.vb.viewRange()
+    assert bar.value() == 0 and not plot.viewport().visibleRegion().isEmpty()
+    # Over the plot area, and over an axis's tick labels (where pyqtgraph took the event).
+    for name in ("left", "bottom"):
+        strip = item.mapRectToScene(item.getAxis(name).geometry())  # ticks and label, no grid
+        axis = plot.mapFromScene(strip.center())
+        for at in (plot.viewport().rect().center(), axis):
+            start = bar.value()
+            wheel(plot.viewport(), at, -1)
+            qtbot.waitUntil(lambda start=start: bar.value() > start, timeout=WAIT_MS)
+    assert item.vb.viewRange() == [x_range, y_range]  # the chart neither zoomed nor moved
+    scrolled = bar.value()
+    wheel(plot.viewport(), plot.viewport().rect().center(), 1)
+    qtbot.waitUntil(lambda: bar.value() < scrolled, timeout=WAIT_MS)
