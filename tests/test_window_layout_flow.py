@@ -52,3 +52,36 @@ def test_the_wheel_over_a_chart_scrolls_the_hud_and_leaves_the_chart_alone(qtbot
     scrolled = bar.value()
     wheel(plot.viewport(), plot.viewport().rect().center(), 1)
     qtbot.waitUntil(lambda: bar.value() < scrolled, timeout=WAIT_MS)
+
+
+# ----- item 7: a trip to 800 x 600 and back, and a restart after it ------------------------------
+def settings_not_inflated(window: Any) -> bool:
+    """The settings dock is no taller than what it shows: the HUD has the rest of the column."""
+    dock = window.settings_dock
+    return dock.height() <= dock.sizeHint().height()
+
+
+def test_the_hud_gets_its_height_back_after_a_small_window_and_after_a_restart(
+        qtbot, make_window) -> None:
+    window = make_window()
+    show_and_wait(qtbot, window)
+    window.controls.advanced_toggle.setChecked(True)  # the settings at their tallest
+    full = window.size()
+    tall = window.controls.minimumSizeHint().height()
+    qtbot.waitUntil(lambda: window.controls.height() >= tall, timeout=WAIT_MS)
+    assert settings_not_inflated(window)
+    column = window.settings_dock.height() + window.hud_dock.height()
+
+    window.resize(800, 600)
+    qtbot.waitUntil(lambda: window.height() == 600, timeout=WAIT_MS)
+    window.resize(full)
+    qtbot.waitUntil(lambda: window.size() == full, timeout=WAIT_MS)
+    qtbot.waitUntil(lambda: window.settings_dock.height() + window.hud_dock.height() == column,
+                    timeout=WAIT_MS)
+    assert settings_not_inflated(window)  # the height the window gained went to the HUD
+    window.close()
+
+    restarted = make_window()  # the saved layout is the one after the trip
+    show_and_wait(qtbot, restarted)
+    assert settings_not_inflated(restarted)
+    assert restarted.hud_dock.height() > restarted.settings_dock.height()

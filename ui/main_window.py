@@ -15,7 +15,14 @@ from typing import Any
 
 from PySide6.QtCore import QSettings, Qt, QTimer, Signal
 from PySide6.QtGui import QCloseEvent, QCursor, QGuiApplication
-from PySide6.QtWidgets import QDockWidget, QMainWindow, QSplitter, QToolTip, QWidget
+from PySide6.QtWidgets import (
+    QDockWidget,
+    QMainWindow,
+    QSizePolicy,
+    QSplitter,
+    QToolTip,
+    QWidget,
+)
 
 from engine import (
     GenerationResult,
@@ -138,6 +145,10 @@ class MainWindow(QMainWindow):
 
     def _build_docks(self, hud_calibrate: bool) -> None:
         self.controls = ControlsPanel()
+        # The settings never grow past what they show: height the window gains goes to the
+        # HUD, which has panels to fill it (else a trip to a small window and back, or a
+        # restart after one, leaves the HUD squashed to its headline).
+        self.controls.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Maximum)
         self.hud = HudWidget(calibrate=hud_calibrate)  # tests skip the device calibration
         self.settings_dock = QDockWidget("Generation", self)
         self.settings_dock.setObjectName("settingsDock")
