@@ -12,6 +12,7 @@ from PySide6.QtTest import QTest
 from PySide6.QtWidgets import QScrollArea, QWidget
 
 from tests.window_helpers import WAIT_MS, show_and_wait
+from ui.main_window import CHAT_MIN_WIDTH, DOCK_WIDTH
 
 
 def hud_scroll(window: Any) -> QScrollArea:
@@ -85,3 +86,18 @@ def test_the_hud_gets_its_height_back_after_a_small_window_and_after_a_restart(
     show_and_wait(qtbot, restarted)
     assert settings_not_inflated(restarted)
     assert restarted.hud_dock.height() > restarted.settings_dock.height()
+
+
+def test_a_small_window_squeezes_the_docks_before_the_chat(qtbot, make_window) -> None:
+    window = make_window()
+    show_and_wait(qtbot, window)
+    window.controls.advanced_toggle.setChecked(True)  # the settings at their widest
+    full = window.size()
+    window.resize(800, 600)
+    qtbot.waitUntil(lambda: window.width() == 800, timeout=WAIT_MS)
+    assert window.pane.width() >= CHAT_MIN_WIDTH  # the chat keeps its width ...
+    assert window.settings_dock.width() < DOCK_WIDTH  # ... the docks gave way
+    assert window.hud_dock.width() >= window.hud.minimumWidth()
+    assert not hud_scroll(window).horizontalScrollBar().isVisible()
+    window.resize(full)
+    qtbot.waitUntil(lambda: window.settings_dock.width() == DOCK_WIDTH, timeout=WAIT_MS)

@@ -111,6 +111,11 @@ class ControlsPanel(QWidget):
         self.speculative = QComboBox()
         for label, mode in SPECULATIVE_MODES:
             self.speculative.addItem(label, mode)
+        # Its width comes from the dock, not from its longest mode: the settings column may
+        # narrow (a small window gives the chat priority); the open list shows modes in full.
+        self.speculative.setSizeAdjustPolicy(
+            QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.speculative.setMinimumContentsLength(10)
         self.speculative.setToolTip(
             "Decode several tokens per step from cheap guesses the model then checks: the "
             "reply is the same, only faster when the guesses are right.")

@@ -59,6 +59,9 @@ from ui.window_settings import restore_layout, save_layout
 
 SAVE_INTERVAL_MS = 500  # how often a streaming reply's text is written to the database
 DOCK_WIDTH = 430  # the settings and HUD column's first width
+# The chat column's narrowest: a small window squeezes the docks (down to their own minimum
+# widths) before the chat gets narrower than this.
+CHAT_MIN_WIDTH = 340
 
 
 class MainWindow(QMainWindow):
@@ -135,6 +138,7 @@ class MainWindow(QMainWindow):
         self.composer = Composer()
         self.drafts = Drafts(self.settings, self.composer)
         self.pane = ChatPane(self.chat, self.composer)
+        self.pane.setMinimumWidth(CHAT_MIN_WIDTH)
         self.notice, self.notice_label = self.pane.notice, self.pane.notice_label  # for tests
         self.splitter = QSplitter()
         self.splitter.addWidget(self.sidebar)

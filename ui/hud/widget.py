@@ -89,6 +89,9 @@ _DIRTY_BY_EVENT: dict[type, frozenset[str]] = {
 _TIME_MARKER_PANELS = ("throughput",)
 _TURN_MARKER_PANELS = ("ttft", "cache")
 LIVE_ITEM = "Live reply (follows the newest)"
+# The narrowest the HUD gets (its toolbar and a vertical scroll bar fit): in a small window the
+# docks give way before the chat does.
+MIN_WIDTH = 310
 
 
 @dataclass(frozen=True)
@@ -177,7 +180,7 @@ class HudWidget(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(scroll)
-        self.setMinimumWidth(360)
+        self.setMinimumWidth(MIN_WIDTH)
 
     def _toolbar(self) -> QHBoxLayout:
         row = QHBoxLayout()
@@ -188,7 +191,7 @@ class HudWidget(QWidget):
         # sideways because of a title.
         self.reply_combo.setSizeAdjustPolicy(
             QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
-        self.reply_combo.setMinimumContentsLength(12)
+        self.reply_combo.setMinimumContentsLength(8)
         self.reply_combo.setToolTip("Which reply the ITL, breakdown and advisor describe; "
                                     "picking a past reply pins it")
         self.reply_combo.activated.connect(self._on_combo_activated)
