@@ -11,7 +11,7 @@ from PySide6.QtCore import QPoint
 from PySide6.QtTest import QTest
 from PySide6.QtWidgets import QScrollArea, QWidget
 
-from tests.window_helpers import WAIT_MS, show_and_wait
+from tests.window_helpers import WAIT_MS, settings, show_and_wait
 from ui.main_window import CHAT_MIN_WIDTH, DOCK_WIDTH
 
 
@@ -101,3 +101,41 @@ def test_a_small_window_squeezes_the_docks_before_the_chat(qtbot, make_window) -
     assert not hud_scroll(window).horizontalScrollBar().isVisible()
     window.resize(full)
     qtbot.waitUntil(lambda: window.settings_dock.width() == DOCK_WIDTH, timeout=WAIT_MS)
+
+
+# ----- item 8: alternatives ----------------------------------------------------------------------
+def shown_order(window: Any, labels: list[str]) -> list[str]:
+    """The labels as they appear in the chat view, top to bottom."""
+    text = window.chat.toPlainText()
+    assert all(label in text for label in labels), text
+    return sorted(labels, key=text.index)
+
+
+def test_alternatives_are_shown_in_their_order_while_a_later_one_has_finished(
+        qtbot, make_window) -> None:
+    window = make_window()
+    settings(window, temperature=80, max_tokens=200)  # sampled; long enough to still stream
+    window.composer.alternatives.setValue(2)
+    labels = ["Alternative 1", "Alternative 2"]
+    seen: list[tuple[bool, list[str]]] = []  # (is alternative 1 still streaming, view order)
+
+    def on_finished(result: Any) -> None:
+        if result.request_id == ids[1]:
+            seen.append((ids[0] in window.session.replies, shown_order(window, labels)))
+
+    window.sig_reply_finished.connect(on_finished)
+    assert window.send("Two takes")
+    ids = window.session.alternative_sets[window.conversation_id].request_ids
+    window.session.backend.cancel(ids[1])  # alternative 2 ends first
+    qtbot.waitUntil(lambda: bool(seen), timeout=WAIT_MS)
+    assert seen == [(True, labels)]  # alternative 2 ended while 1 streamed: still below it
+    streamed = len(window.chat.stream_text(ids[0]))
+    qtbot.waitUntil(lambda: len(window.chat.stream_text(ids[0])) > streamed + 4,
+                    timeout=WAIT_MS)
+    window.chat.flush()
+    text = window.chat.toPlainText()
+    between = text[text.index(labels[0]):text.index(labels[1])]
+    assert window.chat.stream_text(ids[0]) in between  # its new text lands in its own block
+    with qtbot.waitSignal(window.sig_alternatives_ready, timeout=WAIT_MS):
+        window.session.backend.cancel(ids[0])
+    assert shown_order(window, labels) == labels

@@ -12,9 +12,11 @@ ends the view is re-rendered as Markdown.
 
 from __future__ import annotations
 
+import contextlib
 import html
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from PySide6.QtCore import QTimer, QUrl, Signal
@@ -195,28 +197,46 @@ class ChatView(QTextBrowser):
             "</div>"
         )
 
+    def add_alternative(self, alt: Alternative) -> None:
+        """Show a finished alternative at the end of the view, after any live reply: a set's
+        alternatives are shown in their own order while some still stream."""
+        if not self._messages and not self._alternatives and not self._streams:
+            self.setHtml("")
+        self._alternatives.append(alt)
+        with self._streams_kept():
+            cursor = QTextCursor(self.document())
+            cursor.movePosition(QTextCursor.MoveOperation.End)
+            cursor.insertHtml(self._alternative_html(alt, self._theme()))
+
+    @contextlib.contextmanager
+    def _streams_kept(self) -> Iterator[None]:
+        """Live replies' cursors sit at the document's end: keep them there while something
+        is added after them, else they would move along and write into it."""
+        for stream in self._streams.values():
+            stream.cursor.setKeepPositionOnInsert(True)
+        try:
+            yield
+        finally:
+            for stream in self._streams.values():
+                stream.cursor.setKeepPositionOnInsert(False)
+                stream.cursor.clearSelection()  # its anchor moved along: select nothing
+
     # ----- streaming ---------------------------------------------------------------------
     def begin_stream(self, request_id: str, label: str = "Assistant") -> None:
         """Start showing a live reply at the end of the view (after any other live one)."""
         if not self._messages and not self._alternatives and not self._streams:
             self.setHtml("")
-        # The last live reply's cursor sits at the document's end: keep it there while this
-        # reply is added after it, else it would move along and write into this one.
-        for stream in self._streams.values():
-            stream.cursor.setKeepPositionOnInsert(True)
-        cursor = QTextCursor(self.document())
-        cursor.movePosition(QTextCursor.MoveOperation.End)
-        if self._streams:
+        with self._streams_kept():
+            cursor = QTextCursor(self.document())
+            cursor.movePosition(QTextCursor.MoveOperation.End)
+            if self._streams:
+                cursor.insertBlock()
+            cursor.insertHtml(f"<p><b>{html.escape(label)}</b> <span style=\"color:"
+                              f"{self._theme().muted}\">{WRITING}</span></p>")
             cursor.insertBlock()
-        cursor.insertHtml(f"<p><b>{html.escape(label)}</b> <span style=\"color:"
-                          f"{self._theme().muted}\">{WRITING}</span></p>")
-        cursor.insertBlock()
-        status = self.document().find(WRITING, cursor, QTextDocument.FindFlag.FindBackward)
-        status.setPosition(status.selectionEnd())
-        _select_back(status, len(WRITING))
-        for stream in self._streams.values():
-            stream.cursor.setKeepPositionOnInsert(False)
-            stream.cursor.clearSelection()  # its anchor moved along: select nothing
+            status = self.document().find(WRITING, cursor, QTextDocument.FindFlag.FindBackward)
+            status.setPosition(status.selectionEnd())
+            _select_back(status, len(WRITING))
         self._streams[request_id] = _Stream(cursor, status)
         self._last_stream, self._last_stream_text = request_id, ""
         self._scroll_to_bottom()

@@ -31,6 +31,7 @@ from engine import (
     TokenEmitted,
 )
 from engine.hud_model import saved_request_id
+from engine.params import MAX_ALTERNATIVES
 from engine.protocol import Backend
 from ui.about import confirm
 from ui.bridge import EngineBridge
@@ -292,17 +293,31 @@ class MainWindow(QMainWindow):
         self._show_chat_history(conv, saved)
 
     def _render_conversation(self, saved: list[Message]) -> None:
-        """Saved messages, finished alternatives, then this chat's live replies."""
+        """Saved messages, then this chat's alternatives in their order, finished or still
+        streaming (one that ends first never jumps ahead), then its other live replies."""
         messages = self.session.visible_messages(saved)
-        alternatives = [Alternative(i, f"Alternative {i + 1}", r.text,
-                                    FINISH_STATUS.get(r.finish_reason, DONE))
-                        for i, r in self.session.finished_alternatives(self.conversation_id)]
-        self.chat.show_messages(messages, alternatives)
-        for reply in self.session.running(self.conversation_id):
-            self.chat.begin_stream(reply.request_id, reply.label)
-            self.chat.push_text(reply.request_id, reply.text)
+        finished = {i: Alternative(i, f"Alternative {i + 1}", r.text,
+                                   FINISH_STATUS.get(r.finish_reason, DONE))
+                    for i, r in self.session.finished_alternatives(self.conversation_id)}
+        running = self.session.running(self.conversation_id)
+        live = {r.alternative: r for r in running if r.alternative is not None}
+        first_live = min(live, default=MAX_ALTERNATIVES)
+        self.chat.show_messages(messages, [finished[i] for i in sorted(finished)
+                                           if i < first_live])
+        for index in sorted(i for i in finished.keys() | live.keys() if i >= first_live):
+            if index in live:
+                self._show_live(live[index])
+            else:
+                self.chat.add_alternative(finished[index])  # after the live ones before it
+        for reply in running:
+            if reply.alternative is None:
+                self._show_live(reply)
         self.chat.flush()
         self._show_context_fill(messages)
+
+    def _show_live(self, reply: ActiveReply) -> None:
+        self.chat.begin_stream(reply.request_id, reply.label)
+        self.chat.push_text(reply.request_id, reply.text)
 
     def _show_chat_history(self, conv: Conversation | None, saved: list[Message]) -> None:
         """The HUD's per-turn panels follow the chat on screen: its saved replies as history
