@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from PySide6.QtCore import QPoint
+import pytest
+from PySide6.QtCore import QPoint, Qt
 from PySide6.QtTest import QTest
-from PySide6.QtWidgets import QScrollArea, QWidget
+from PySide6.QtWidgets import QMenu, QScrollArea, QWidget
 
-from tests.window_helpers import WAIT_MS, settings, show_and_wait
+from tests.window_helpers import WAIT_MS, banner, send_and_wait, settings, show_and_wait
 from ui.main_window import CHAT_MIN_WIDTH, DOCK_WIDTH
 
 
@@ -139,3 +140,46 @@ def test_alternatives_are_shown_in_their_order_while_a_later_one_has_finished(
     with qtbot.waitSignal(window.sig_alternatives_ready, timeout=WAIT_MS):
         window.session.backend.cancel(ids[0])
     assert shown_order(window, labels) == labels
+
+
+def open_menus(window: Any) -> list[QMenu]:
+    return [m for m in window.findChildren(QMenu, "alternativesMenu") if m.isVisible()]
+
+
+# A popup menu on the offscreen platform (nothing to raise or grab there).
+@pytest.mark.qt_log_ignore("This plugin does not support (raise|grabbing the keyboard)")
+def test_the_alternatives_link_asks_how_many(qtbot, make_window) -> None:
+    window = make_window()
+    show_and_wait(qtbot, window)
+    settings(window, temperature=80, max_tokens=3)
+    send_and_wait(qtbot, window, "Trip ideas")
+    reply = window.store.messages(window.conversation_id)[-1]
+    assert "Alternatives…" in window.chat.toPlainText()  # the link says it asks first
+
+    window.chat.sig_action.emit("alternatives", reply.id)  # the link under the reply
+    menu = window.findChild(QMenu, "alternativesMenu")
+    qtbot.waitUntil(menu.isVisible, timeout=WAIT_MS)
+    offered = {action.text(): action for action in menu.actions()}
+    assert list(offered) == ["2 alternatives", "3 alternatives", "4 alternatives"]
+    assert menu.defaultAction() is offered["3 alternatives"]  # × 1: three, as before
+    with qtbot.waitSignal(window.sig_alternatives_ready, timeout=WAIT_MS):
+        qtbot.mouseClick(menu, Qt.MouseButton.LeftButton,
+                         pos=menu.actionGeometry(offered["2 alternatives"]).center())
+    assert open_menus(window) == []  # the click closed it
+    assert len(window.session.alternative_sets[window.conversation_id].request_ids) == 2
+    assert window.keep_alternative(1)
+
+    window.composer.alternatives.setValue(6)  # × N beyond the menu's own counts
+    window.chat.sig_action.emit("alternatives", window.store.messages(
+        window.conversation_id)[-1].id)
+    menus = open_menus(window)
+    assert len(menus) == 1
+    assert [a.text() for a in menus[0].actions()][-1] == "6 alternatives"
+    assert menus[0].defaultAction().text() == "6 alternatives"
+    menus[0].close()
+
+    window.controls.temperature.setValue(0)  # greedy: no menu, the reason at once
+    window.chat.sig_action.emit("alternatives", window.store.messages(
+        window.conversation_id)[-1].id)
+    assert open_menus(window) == []
+    assert banner(window).startswith("Alternatives need a temperature above 0")

@@ -40,6 +40,7 @@ FLUSH_INTERVAL_MS = 50  # at most 20 inserts a second per live reply
 # the window costs about 3% of decode speed instead of 6% at 20 Hz (benchmarks/gui_overhead.py).
 CPU_FLUSH_INTERVAL_MS = 100
 ACTION_SCHEME = "pw-action"  # our own links: pw-action:<action>/<message id>
+LINK_TEXT = {"alternatives": "Alternatives…"}  # it asks how many first
 STATUS_LABELS = {"stopped": "stopped", "length": "hit max tokens", "error": "failed"}
 WRITING = "· writing…"  # a live reply's status until its prompt is being read
 
@@ -151,7 +152,8 @@ class ChatView(QTextBrowser):
         elif last_reply:
             actions += ["regenerate", "alternatives"]
         links = " &nbsp; ".join(
-            f'<a href="{ACTION_SCHEME}:{a}/{message.id}">{a.capitalize()}</a>' for a in actions
+            f'<a href="{ACTION_SCHEME}:{a}/{message.id}">{LINK_TEXT.get(a, a.capitalize())}</a>'
+            for a in actions
         )
         return self._bubble_html(who, message.role, message.status, links, body, theme,
                                  self._stats_html(message, theme))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from PySide6.QtCore import QSettings, Qt, QTimer, Signal
@@ -18,6 +19,7 @@ from PySide6.QtGui import QCloseEvent, QCursor, QGuiApplication
 from PySide6.QtWidgets import (
     QDockWidget,
     QMainWindow,
+    QMenu,
     QSizePolicy,
     QSplitter,
     QToolTip,
@@ -51,6 +53,7 @@ from ui.session import (
     ChatSession,
     ReplyOptions,
     Until,
+    default_alternatives,
     store_message,
 )
 from ui.shortcuts import WindowMenus
@@ -63,6 +66,7 @@ DOCK_WIDTH = 430  # the settings and HUD column's first width
 # The chat column's narrowest: a small window squeezes the docks (down to their own minimum
 # widths) before the chat gets narrower than this.
 CHAT_MIN_WIDTH = 340
+ALTERNATIVE_CHOICES = (2, 3, 4)  # the Alternatives… link's menu (and × N's count if not here)
 
 
 class MainWindow(QMainWindow):
@@ -349,8 +353,30 @@ class MainWindow(QMainWindow):
         """Replace a reply with a new one (or `alternatives` of them) from the same history."""
         self.session.regenerate(message_id, self.reply_options(), alternatives)
 
-    def generate_alternatives(self, message_id: int) -> None:
-        self.session.generate_alternatives(message_id, self.reply_options())
+    def generate_alternatives(self, message_id: int, count: int | None = None) -> None:
+        """Replace a reply with `count` alternatives (None: the × N box's count, or 3)."""
+        self.session.generate_alternatives(message_id, self.reply_options(), count)
+
+    def ask_alternatives(self, message_id: int) -> QMenu | None:
+        """The Alternatives… link: a menu of how many (2 to 4, and × N's count if more; the
+        count it offers first in bold), at the pointer. At temperature 0 the refusal shows
+        at once instead (None)."""
+        options = self.reply_options()
+        if options.params.greedy:
+            self.generate_alternatives(message_id)  # says why there are none
+            return None
+        offered = default_alternatives(options)
+        menu = QMenu(self)
+        menu.setObjectName("alternativesMenu")
+        menu.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        for count in sorted({*ALTERNATIVE_CHOICES, offered}):
+            action = menu.addAction(f"{count} alternatives",
+                                    partial(self.generate_alternatives, message_id, count))
+            if count == offered:
+                menu.setDefaultAction(action)
+                menu.setActiveAction(action)
+        menu.popup(QCursor.pos())
+        return menu
 
     def keep_alternative(self, index: int) -> bool:
         """Save alternative `index` of the current chat as its reply; discard the others."""
@@ -391,7 +417,7 @@ class MainWindow(QMainWindow):
         """A link under a message (keep's argument is the alternative's index)."""
         handlers: dict[str, Callable[[int], object]] = {
             "copy": self.copy, "edit": self.edit, "regenerate": self.regenerate,
-            "alternatives": self.generate_alternatives, "keep": self.keep_alternative,
+            "alternatives": self.ask_alternatives, "keep": self.keep_alternative,
             "stats": self.show_reply_stats}
         if action in handlers:
             handlers[action](message_id)
