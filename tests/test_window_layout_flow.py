@@ -12,7 +12,14 @@ from PySide6.QtCore import QPoint, Qt
 from PySide6.QtTest import QTest
 from PySide6.QtWidgets import QMenu, QScrollArea, QWidget
 
-from tests.window_helpers import WAIT_MS, banner, send_and_wait, settings, show_and_wait
+from tests.window_helpers import (
+    WAIT_MS,
+    banner,
+    greedy,
+    send_and_wait,
+    settings,
+    show_and_wait,
+)
 from ui.main_window import CHAT_MIN_WIDTH, DOCK_WIDTH
 
 
@@ -183,3 +190,26 @@ def test_the_alternatives_link_asks_how_many(qtbot, make_window) -> None:
         window.conversation_id)[-1].id)
     assert open_menus(window) == []
     assert banner(window).startswith("Alternatives need a temperature above 0")
+
+
+def test_each_attempt_at_a_turn_has_its_own_picker_entry_and_its_own_bar(qtbot,
+                                                                         make_window) -> None:
+    window = make_window()
+    greedy(window, 3)
+    send_and_wait(qtbot, window, "Trip ideas")
+    with qtbot.waitSignal(window.sig_reply_finished, timeout=WAIT_MS):
+        window.regenerate(window.store.messages(window.conversation_id)[-1].id)
+    window.edit(window.store.messages(window.conversation_id)[0].id)  # one turn: no question
+    send_and_wait(qtbot, window, "Trip ideas, please")
+
+    window.hud.flush()  # the picker and the plots as the next redraw shows them
+    combo = window.hud.reply_combo
+    names = [combo.itemText(i) for i in range(1, combo.count())]
+    assert names == ["Trip ideas · turn 1", "Trip ideas · turn 1 · attempt 2",
+                     "Trip ideas · turn 1 · attempt 3"]
+    ttft, cache = window.hud.panels["ttft"], window.hud.panels["cache"]
+    for bar in (ttft._bars["prefill"], cache._reused):
+        centres = list(bar.opts["x"])
+        assert len(centres) == 3 and centres == sorted(set(centres))  # side by side, in order
+        assert all(0.5 < x < 1.5 for x in centres)  # all in turn 1's slot
+        assert max(bar.opts["width"]) < centres[1] - centres[0]  # none covers another

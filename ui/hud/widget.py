@@ -102,6 +102,12 @@ class ExportOutcome:
     message: str
 
 
+def _send_of(request_id: str) -> str:
+    """The request id of the send a reply belongs to: an alternative's, less its ".N"."""
+    send, _, index = request_id.rpartition(".")
+    return send if send and index.isdigit() else request_id
+
+
 def run_write(write: Callable[[], list[Path]]) -> ExportOutcome:
     """Run one export: a missing folder or no permission is a one-line message, never a
     traceback on stderr. Shared by the HUD's exports and the window's chat exports."""
@@ -346,8 +352,20 @@ class HudWidget(QWidget):
         named = self._names.get(reply.request_id)
         if named is not None:
             chat, turn = named
-            return f"{chat} · turn {turn}{suffix}"
+            attempt = self._attempt(reply.request_id)
+            again = f" · attempt {attempt}" if attempt > 1 else ""
+            return f"{chat} · turn {turn}{again}{suffix}"
         return f"Reply {reply.number}{suffix}"
+
+    def _attempt(self, request_id: str) -> int:
+        """Which try at its chat's turn a named reply is: 1, then 2, 3 ... for each regenerate
+        or edit & resend of that turn (the alternatives of one send are one attempt)."""
+        def turn_of(rid: str) -> object:
+            return self.model.chat_of(rid) or self._names[rid]  # (chat id or title, turn)
+
+        mine = turn_of(request_id)
+        sends = dict.fromkeys(_send_of(rid) for rid in self._names if turn_of(rid) == mine)
+        return list(sends).index(_send_of(request_id)) + 1
 
     def set_text_interval(self, seconds: float) -> None:
         """The chat view paints streaming text this often: render lag is judged against it."""
