@@ -213,3 +213,36 @@ def test_each_attempt_at_a_turn_has_its_own_picker_entry_and_its_own_bar(qtbot,
         assert len(centres) == 3 and centres == sorted(set(centres))  # side by side, in order
         assert all(0.5 < x < 1.5 for x in centres)  # all in turn 1's slot
         assert max(bar.opts["width"]) < centres[1] - centres[0]  # none covers another
+
+
+# ----- item 9: Tab reaches everything, in reading order, with a ring you can see ----------------
+def tab_walk(qtbot: Any, window: Any, presses: int) -> list[QWidget]:
+    """The widgets that have the focus after each Tab from the message box."""
+    editor = window.composer.editor
+    editor.setFocus()
+    qtbot.waitUntil(editor.hasFocus, timeout=WAIT_MS)
+    seen = []
+    for _ in range(presses):
+        qtbot.keyClick(window.focusWidget(), Qt.Key.Key_Tab)
+        seen.append(window.focusWidget())
+    return seen
+
+
+def test_tab_from_the_message_box_reaches_the_settings_the_sidebar_and_the_hud(
+        qtbot, make_window) -> None:
+    window = make_window()
+    show_and_wait(qtbot, window)
+    c, s, hud, pane = window.composer, window.controls, window.hud, window.pane
+    expected = [c.alternatives, c.button, s.temperature, s.top_p, s.max_tokens,
+                s.max_tokens_box, s.advanced_toggle, s.system_prompt,
+                window.sidebar.new_button, window.sidebar.search, window.sidebar.list,
+                hud.reply_combo, hud.panels_button, hud.export_button, hud.scroll_area,
+                pane.plain_toggle, pane.model_button, window.chat, c.editor]
+    assert tab_walk(qtbot, window, len(expected)) == expected  # round to the message box
+
+    s.advanced_toggle.setChecked(True)  # the advanced settings, once shown, in their place
+    walked = tab_walk(qtbot, window, 15)
+    assert walked[6:15] == [s.advanced_toggle, s.top_k, s.repetition_penalty, s.min_p, s.seed,
+                            s.speculative, s.draft_button, s.system_prompt,
+                            window.sidebar.new_button]
+

@@ -210,6 +210,13 @@ class ControlsPanel(QWidget):
         layout.addWidget(self.system_prompt)
         layout.addStretch(1)
 
+    def focus_order(self) -> list[QWidget]:
+        """The controls in reading order, as Tab should reach them (the advanced ones only
+        while shown)."""
+        return [self.temperature, self.top_p, self.max_tokens, self.max_tokens_box,
+                self.advanced_toggle, self.top_k, self.repetition_penalty, self.min_p,
+                self.seed, self.speculative, self.draft_button, self.system_prompt]
+
     def _wire(self) -> None:
         self.temperature.valueChanged.connect(lambda _v: self._changed("temperature"))
         self.top_p.valueChanged.connect(lambda _v: self._changed("top_p"))

@@ -179,10 +179,15 @@ class MainWindow(QMainWindow):
         self.context_label = self.status.context_label
 
     def _set_focus_chain(self) -> None:
-        """Tab goes search → chats → message → replies count → Send, then the settings; the
-        plain-text boxes pass Tab on instead of typing it."""
-        chain = [self.sidebar.search, self.sidebar.list, self.composer.editor,
-                 self.composer.alternatives, self.composer.button, self.controls.system_prompt]
+        """Tab goes message → replies count → Send → the settings in reading order → the
+        chat list (New chat, search, chats) → the HUD's picker, menus and panels → the chat's
+        header → the transcript (its links) → back to the message. The plain-text boxes pass
+        Tab on instead of typing it."""
+        chain = [self.composer.editor, self.composer.alternatives, self.composer.button,
+                 *self.controls.focus_order(),
+                 self.sidebar.new_button, self.sidebar.search, self.sidebar.list,
+                 *self.hud.focus_order(),
+                 self.pane.plain_toggle, self.pane.model_button, self.chat]
         for first, second in itertools.pairwise(chain):
             QWidget.setTabOrder(first, second)
 

@@ -135,6 +135,7 @@ class Panel(QFrame):
         hide.setText("✕")
         hide.setToolTip(f"Hide “{self.title}” (Panels menu brings it back)")
         hide.clicked.connect(lambda: self.sig_hide_requested.emit(self.key))
+        hide.setFocusPolicy(Qt.FocusPolicy.NoFocus)  # by keyboard: the HUD's Panels menu
         row.addWidget(title, 1)
         row.addWidget(hide)
         return row

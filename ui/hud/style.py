@@ -94,6 +94,7 @@ def make_plot(height: int = 150) -> HudPlot:
     plot = HudPlot(background=CARD)
     plot.setMinimumHeight(height)
     plot.setMaximumHeight(height + 40)
+    plot.setFocusPolicy(Qt.FocusPolicy.NoFocus)  # nothing to do there by keyboard: Tab skips it
     item = plot.getPlotItem()
     item.showGrid(x=True, y=True, alpha=0.18)
     item.setMouseEnabled(x=False, y=False)

@@ -179,7 +179,7 @@ class HudWidget(QWidget):
             panel.sig_hide_requested.connect(lambda key: self.set_panel_visible(key, False))
             column.addWidget(panel)
         column.addStretch(1)
-        scroll = QScrollArea()
+        scroll = self.scroll_area = QScrollArea()
         scroll.setWidgetResizable(True)
         scroll.verticalScrollBar().valueChanged.connect(self._on_scrolled)
         scroll.setWidget(body)
@@ -202,8 +202,10 @@ class HudWidget(QWidget):
                                     "picking a past reply pins it")
         self.reply_combo.activated.connect(self._on_combo_activated)
         row.addWidget(self.reply_combo, 1)
-        row.addWidget(self._menu_button("Panels", self._panels_menu()))
-        row.addWidget(self._menu_button("Export", self._export_menu()))
+        self.panels_button = self._menu_button("Panels", self._panels_menu())
+        self.export_button = self._menu_button("Export", self._export_menu())
+        row.addWidget(self.panels_button)
+        row.addWidget(self.export_button)
         return row
 
     def _menu_button(self, text: str, menu: QMenu) -> QToolButton:
@@ -416,6 +418,11 @@ class HudWidget(QWidget):
         if self._selected_id is not None:
             return self.model.record(self._selected_id)
         return self.model.latest()
+
+    def focus_order(self) -> list[QWidget]:
+        """What Tab reaches in the HUD: the picker, its two menus (Panels shows and hides
+        panels), then the column itself (the arrow keys scroll it)."""
+        return [self.reply_combo, self.panels_button, self.export_button, self.scroll_area]
 
     def panel_keys(self) -> list[str]:
         return list(self.panels)
