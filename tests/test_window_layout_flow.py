@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from PySide6.QtCore import QPoint, Qt
+from PySide6.QtGui import QColor, QPalette
 from PySide6.QtTest import QTest
 from PySide6.QtWidgets import QMenu, QScrollArea, QWidget
 
@@ -228,6 +229,13 @@ def tab_walk(qtbot: Any, window: Any, presses: int) -> list[QWidget]:
     return seen
 
 
+def ring_colour(window: Any) -> QColor:
+    """The colour on the focus ring's left edge, halfway down, as the window draws it."""
+    ring = window.focus_ring
+    at = ring.mapTo(window, QPoint(0, ring.height() // 2))
+    return window.grab().toImage().pixelColor(at)
+
+
 def test_tab_from_the_message_box_reaches_the_settings_the_sidebar_and_the_hud(
         qtbot, make_window) -> None:
     window = make_window()
@@ -246,3 +254,16 @@ def test_tab_from_the_message_box_reaches_the_settings_the_sidebar_and_the_hud(
                             s.speculative, s.draft_button, s.system_prompt,
                             window.sidebar.new_button]
 
+
+def test_the_widget_tab_reaches_has_a_ring_in_the_accent_colour(qtbot, make_window) -> None:
+    window = make_window()
+    show_and_wait(qtbot, window)
+    c, s = window.composer, window.controls
+    tab_walk(qtbot, window, 3)  # onto the temperature slider
+    ring = window.focus_ring
+    assert ring.widget() is s.temperature and ring.isVisible()
+    assert ring.geometry().contains(s.temperature.geometry())
+    highlight = s.temperature.palette().color(QPalette.ColorRole.Highlight)
+    assert ring_colour(window) == highlight
+    qtbot.mouseClick(c.editor, Qt.MouseButton.LeftButton)  # a click needs no ring
+    assert c.editor.hasFocus() and not ring.isVisible()

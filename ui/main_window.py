@@ -59,6 +59,7 @@ from ui.session import (
 from ui.shortcuts import WindowMenus
 from ui.sidebar import Sidebar
 from ui.store import DONE, ChatStore, Conversation, Message
+from ui.theme import FocusRing
 from ui.window_settings import restore_layout, save_layout
 
 SAVE_INTERVAL_MS = 500  # how often a streaming reply's text is written to the database
@@ -107,6 +108,7 @@ class MainWindow(QMainWindow):
         self._build_status_bar()
         self.menus = WindowMenus(self)
         self._set_focus_chain()
+        self.focus_ring = FocusRing(self)
         self._wire()
         self._save_timer = QTimer(self)
         self._save_timer.setInterval(SAVE_INTERVAL_MS)
