@@ -25,6 +25,7 @@ from PySide6.QtGui import (
     QGuiApplication,
     QPalette,
     QResizeEvent,
+    QShowEvent,
     QTextCursor,
     QTextDocument,
 )
@@ -399,6 +400,13 @@ class ChatView(QTextBrowser):
         """A new width re-wraps the text (Qt keeps the old offset, not the end): stay at the
         end if the view was following it."""
         super().resizeEvent(event)
+        self._keep_following()
+
+    def showEvent(self, event: QShowEvent) -> None:
+        """QTextEdit's first show makes its cursor (the document's start) visible, scrolling
+        to the top when the transcript is laid out by then (a window restored at a size where
+        the chat column sits at its minimum): stay at the end if the view was following it."""
+        super().showEvent(event)
         self._keep_following()
 
     def changeEvent(self, event) -> None:
