@@ -100,6 +100,8 @@ def test_the_hud_gets_its_height_back_after_a_small_window_and_after_a_restart(
 def test_a_small_window_squeezes_the_docks_before_the_chat(qtbot, make_window) -> None:
     window = make_window()
     show_and_wait(qtbot, window)
+    greedy(window, 3)
+    send_and_wait(qtbot, window, "Hello")  # the HUD's headline numbers are filled in
     window.controls.advanced_toggle.setChecked(True)  # the settings at their widest
     full = window.size()
     window.resize(800, 600)
@@ -108,6 +110,16 @@ def test_a_small_window_squeezes_the_docks_before_the_chat(qtbot, make_window) -
     assert window.settings_dock.width() < DOCK_WIDTH  # ... the docks gave way
     assert window.hud_dock.width() >= window.hud.minimumWidth()
     assert not hud_scroll(window).horizontalScrollBar().isVisible()
+    window.hud.flush()
+    values = window.hud._kpis.values()
+    assert all(value.text() != "–" for value in values)
+    view = hud_scroll(window).viewport()
+
+    def in_view(value: Any) -> bool:  # its whole text, inside the HUD's visible width
+        right = value.mapTo(view, QPoint(value.width(), 0)).x()
+        return value.width() >= value.sizeHint().width() and right <= view.width()
+
+    qtbot.waitUntil(lambda: all(in_view(value) for value in values), timeout=WAIT_MS)
     window.resize(full)
     qtbot.waitUntil(lambda: window.settings_dock.width() == DOCK_WIDTH, timeout=WAIT_MS)
 

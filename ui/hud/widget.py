@@ -24,7 +24,7 @@ from functools import partial
 from pathlib import Path
 
 from PySide6.QtCore import QTimer, Signal
-from PySide6.QtGui import QAction
+from PySide6.QtGui import QAction, QResizeEvent
 from PySide6.QtWidgets import (
     QComboBox,
     QFileDialog,
@@ -92,6 +92,7 @@ LIVE_ITEM = "Live reply (follows the newest)"
 # The narrowest the HUD gets (its toolbar and a vertical scroll bar fit): in a small window the
 # docks give way before the chat does.
 MIN_WIDTH = 310
+KPI_ROW_WIDTH = 360  # narrower than this, the four headline numbers sit two by two
 
 
 @dataclass(frozen=True)
@@ -237,25 +238,41 @@ class HudWidget(QWidget):
         card.setObjectName("hudAdvisor")
         layout = QVBoxLayout(card)
         layout.setContentsMargins(10, 8, 10, 8)
-        grid = QGridLayout()
+        grid = self._kpi_grid = QGridLayout()
         grid.setHorizontalSpacing(12)
         self._kpis: dict[str, LiveLabel] = {}
         self._kpi_names: dict[str, QLabel] = {}
-        for col, name in enumerate(("TTFT", "decode", "ITL p50", "total")):
+        for name in ("TTFT", "decode", "ITL p50", "total"):
             value = LiveLabel("–")
             value.setObjectName("hudKpiValue")
             caption = QLabel(name)
             caption.setObjectName("hudKpiName")
-            grid.addWidget(value, 0, col)
-            grid.addWidget(caption, 1, col)
             self._kpis[name] = value
             self._kpi_names[name] = caption
+        self._kpi_columns = 0
+        self._arrange_kpis(4)
         layout.addLayout(grid)
         self.advice_label = LiveLabel("Send a message to see where the time goes.",
                                       word_wrap=True)
         self.advice_label.setObjectName("hudAdvice")
         layout.addWidget(self.advice_label)
         return card
+
+    def _arrange_kpis(self, columns: int) -> None:
+        """The headline numbers in one row of four, or two by two in a narrow HUD (a small
+        window narrows the docks first): never clipped."""
+        if columns == self._kpi_columns:
+            return
+        self._kpi_columns = columns
+        for i, name in enumerate(self._kpis):
+            row, col = 2 * (i // columns), i % columns
+            for widget, at in ((self._kpis[name], row), (self._kpi_names[name], row + 1)):
+                self._kpi_grid.removeWidget(widget)
+                self._kpi_grid.addWidget(widget, at, col)
+
+    def resizeEvent(self, event: QResizeEvent) -> None:
+        super().resizeEvent(event)
+        self._arrange_kpis(4 if event.size().width() >= KPI_ROW_WIDTH else 2)
 
     # ----- inputs from the window ----------------------------------------------------------
     def on_engine_event(self, event: EngineEvent) -> None:
