@@ -41,6 +41,7 @@ LABEL_GAP_PX = 6  # between the ITL plot's percentile labels
 NO_HOVER = " "  # the readout's resting text (keeps its line's height)
 SAMPLER_ROWS = 10
 BAR_WIDTH = 0.62  # a turn's slot on the per-turn bar plots
+SHARED_BAR_FILL = 0.8  # of a bar's share of a slot it shares: a gap tells the bars apart
 DASH = Qt.PenStyle.DashLine
 
 
@@ -260,7 +261,7 @@ def turn_slots(rows: Sequence[tuple[int, ReplyRecord]]) -> tuple[np.ndarray, np.
     for turn, _r in rows:
         width = BAR_WIDTH / per_turn[turn]
         centres.append(turn - BAR_WIDTH / 2 + width * (placed[turn] + 0.5))
-        widths.append(width)
+        widths.append(width if per_turn[turn] == 1 else width * SHARED_BAR_FILL)
         placed[turn] += 1
     return np.array(centres, dtype=float), np.array(widths, dtype=float)
 
