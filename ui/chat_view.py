@@ -12,9 +12,11 @@ ends the view is re-rendered as Markdown.
 
 from __future__ import annotations
 
+import contextlib
 import html
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from PySide6.QtCore import QTimer, QUrl, Signal
@@ -23,6 +25,7 @@ from PySide6.QtGui import (
     QGuiApplication,
     QPalette,
     QResizeEvent,
+    QShowEvent,
     QTextCursor,
     QTextDocument,
 )
@@ -38,6 +41,7 @@ FLUSH_INTERVAL_MS = 50  # at most 20 inserts a second per live reply
 # the window costs about 3% of decode speed instead of 6% at 20 Hz (benchmarks/gui_overhead.py).
 CPU_FLUSH_INTERVAL_MS = 100
 ACTION_SCHEME = "pw-action"  # our own links: pw-action:<action>/<message id>
+LINK_TEXT = {"alternatives": "Alternatives…"}  # it asks how many first
 STATUS_LABELS = {"stopped": "stopped", "length": "hit max tokens", "error": "failed"}
 WRITING = "· writing…"  # a live reply's status until its prompt is being read
 
@@ -151,7 +155,8 @@ class ChatView(QTextBrowser):
         elif last_reply:
             actions += ["regenerate", "alternatives"]
         links = " &nbsp; ".join(
-            f'<a href="{ACTION_SCHEME}:{a}/{message.id}">{a.capitalize()}</a>' for a in actions
+            f'<a href="{ACTION_SCHEME}:{a}/{message.id}">{LINK_TEXT.get(a, a.capitalize())}</a>'
+            for a in actions
         )
         return self._bubble_html(who, message.role, message.status, links, body, theme,
                                  self._stats_html(message, theme))
@@ -197,28 +202,46 @@ class ChatView(QTextBrowser):
             "</div>"
         )
 
+    def add_alternative(self, alt: Alternative) -> None:
+        """Show a finished alternative at the end of the view, after any live reply: a set's
+        alternatives are shown in their own order while some still stream."""
+        if not self._messages and not self._alternatives and not self._streams:
+            self.setHtml("")
+        self._alternatives.append(alt)
+        with self._streams_kept():
+            cursor = QTextCursor(self.document())
+            cursor.movePosition(QTextCursor.MoveOperation.End)
+            cursor.insertHtml(self._alternative_html(alt, self._theme()))
+
+    @contextlib.contextmanager
+    def _streams_kept(self) -> Iterator[None]:
+        """Live replies' cursors sit at the document's end: keep them there while something
+        is added after them, else they would move along and write into it."""
+        for stream in self._streams.values():
+            stream.cursor.setKeepPositionOnInsert(True)
+        try:
+            yield
+        finally:
+            for stream in self._streams.values():
+                stream.cursor.setKeepPositionOnInsert(False)
+                stream.cursor.clearSelection()  # its anchor moved along: select nothing
+
     # ----- streaming ---------------------------------------------------------------------
     def begin_stream(self, request_id: str, label: str = "Assistant") -> None:
         """Start showing a live reply at the end of the view (after any other live one)."""
         if not self._messages and not self._alternatives and not self._streams:
             self.setHtml("")
-        # The last live reply's cursor sits at the document's end: keep it there while this
-        # reply is added after it, else it would move along and write into this one.
-        for stream in self._streams.values():
-            stream.cursor.setKeepPositionOnInsert(True)
-        cursor = QTextCursor(self.document())
-        cursor.movePosition(QTextCursor.MoveOperation.End)
-        if self._streams:
+        with self._streams_kept():
+            cursor = QTextCursor(self.document())
+            cursor.movePosition(QTextCursor.MoveOperation.End)
+            if self._streams:
+                cursor.insertBlock()
+            cursor.insertHtml(f"<p><b>{html.escape(label)}</b> <span style=\"color:"
+                              f"{self._theme().muted}\">{WRITING}</span></p>")
             cursor.insertBlock()
-        cursor.insertHtml(f"<p><b>{html.escape(label)}</b> <span style=\"color:"
-                          f"{self._theme().muted}\">{WRITING}</span></p>")
-        cursor.insertBlock()
-        status = self.document().find(WRITING, cursor, QTextDocument.FindFlag.FindBackward)
-        status.setPosition(status.selectionEnd())
-        _select_back(status, len(WRITING))
-        for stream in self._streams.values():
-            stream.cursor.setKeepPositionOnInsert(False)
-            stream.cursor.clearSelection()  # its anchor moved along: select nothing
+            status = self.document().find(WRITING, cursor, QTextDocument.FindFlag.FindBackward)
+            status.setPosition(status.selectionEnd())
+            _select_back(status, len(WRITING))
         self._streams[request_id] = _Stream(cursor, status)
         self._last_stream, self._last_stream_text = request_id, ""
         self._scroll_to_bottom()
@@ -379,6 +402,13 @@ class ChatView(QTextBrowser):
         """A new width re-wraps the text (Qt keeps the old offset, not the end): stay at the
         end if the view was following it."""
         super().resizeEvent(event)
+        self._keep_following()
+
+    def showEvent(self, event: QShowEvent) -> None:
+        """QTextEdit's first show makes its cursor (the document's start) visible, scrolling
+        to the top when the transcript is laid out by then (a window restored at a size where
+        the chat column sits at its minimum): stay at the end if the view was following it."""
+        super().showEvent(event)
         self._keep_following()
 
     def changeEvent(self, event) -> None:

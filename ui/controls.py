@@ -121,6 +121,11 @@ class ControlsPanel(QWidget):
         self.speculative = QComboBox()
         for label, mode in SPECULATIVE_MODES:
             self.speculative.addItem(label, mode)
+        # Its width comes from the dock, not from its longest mode: the settings column may
+        # narrow (a small window gives the chat priority); the open list shows modes in full.
+        self.speculative.setSizeAdjustPolicy(
+            QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.speculative.setMinimumContentsLength(10)
         self.speculative.setToolTip(
             "Decode several tokens per step from cheap guesses the model then checks: the "
             "reply is the same, only faster when the guesses are right.")
@@ -219,6 +224,13 @@ class ControlsPanel(QWidget):
         layout.addWidget(heading)
         layout.addWidget(self.system_prompt)
         layout.addStretch(1)
+
+    def focus_order(self) -> list[QWidget]:
+        """The controls in reading order, as Tab should reach them (the advanced ones only
+        while shown)."""
+        return [self.temperature, self.top_p, self.max_tokens, self.max_tokens_box,
+                self.advanced_toggle, self.top_k, self.repetition_penalty, self.min_p,
+                self.seed, self.speculative, self.draft_button, self.system_prompt]
 
     def _wire(self) -> None:
         self.temperature.valueChanged.connect(lambda _v: self._changed("temperature"))

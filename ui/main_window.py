@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from PySide6.QtCore import QSettings, Qt, QTimer, Signal
@@ -18,7 +19,9 @@ from PySide6.QtGui import QCloseEvent, QCursor, QGuiApplication
 from PySide6.QtWidgets import (
     QDockWidget,
     QMainWindow,
+    QMenu,
     QMessageBox,
+    QSizePolicy,
     QSplitter,
     QToolTip,
     QWidget,
@@ -31,6 +34,7 @@ from engine import (
     TokenEmitted,
 )
 from engine.hud_model import saved_request_id
+from engine.params import MAX_ALTERNATIVES
 from engine.protocol import Backend
 from ui.about import confirm
 from ui.bridge import EngineBridge
@@ -50,15 +54,21 @@ from ui.session import (
     ChatSession,
     ReplyOptions,
     Until,
+    default_alternatives,
     store_message,
 )
 from ui.shortcuts import WindowMenus
 from ui.sidebar import Sidebar
 from ui.store import DONE, ChatStore, Conversation, Message
+from ui.theme import FocusRing
 from ui.window_settings import restore_layout, save_layout
 
 SAVE_INTERVAL_MS = 500  # how often a streaming reply's text is written to the database
 DOCK_WIDTH = 430  # the settings and HUD column's first width
+# The chat column's narrowest: a small window squeezes the docks (down to their own minimum
+# widths) before the chat gets narrower than this.
+CHAT_MIN_WIDTH = 340
+ALTERNATIVE_CHOICES = (2, 3, 4)  # the Alternatives… link's menu (and × N's count if not here)
 
 
 class MainWindow(QMainWindow):
@@ -99,6 +109,7 @@ class MainWindow(QMainWindow):
         self._build_status_bar()
         self.menus = WindowMenus(self)
         self._set_focus_chain()
+        self.focus_ring = FocusRing(self)
         self._wire()
         self._save_timer = QTimer(self)
         self._save_timer.setInterval(SAVE_INTERVAL_MS)
@@ -135,6 +146,7 @@ class MainWindow(QMainWindow):
         self.composer = Composer()
         self.drafts = Drafts(self.settings, self.composer)
         self.pane = ChatPane(self.chat, self.composer)
+        self.pane.setMinimumWidth(CHAT_MIN_WIDTH)
         self.notice, self.notice_label = self.pane.notice, self.pane.notice_label  # for tests
         self.splitter = QSplitter()
         self.splitter.addWidget(self.sidebar)
@@ -145,6 +157,10 @@ class MainWindow(QMainWindow):
 
     def _build_docks(self, hud_calibrate: bool) -> None:
         self.controls = ControlsPanel()
+        # The settings never grow past what they show: height the window gains goes to the
+        # HUD, which has panels to fill it (else a trip to a small window and back, or a
+        # restart after one, leaves the HUD squashed to its headline).
+        self.controls.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Maximum)
         self.hud = HudWidget(calibrate=hud_calibrate)  # tests skip the device calibration
         self.settings_dock = QDockWidget("Generation", self)
         self.settings_dock.setObjectName("settingsDock")
@@ -166,10 +182,15 @@ class MainWindow(QMainWindow):
         self.context_label = self.status.context_label
 
     def _set_focus_chain(self) -> None:
-        """Tab goes search → chats → message → replies count → Send, then the settings; the
-        plain-text boxes pass Tab on instead of typing it."""
-        chain = [self.sidebar.search, self.sidebar.list, self.composer.editor,
-                 self.composer.alternatives, self.composer.button, self.controls.system_prompt]
+        """Tab goes message → replies count → Send → the settings in reading order → the
+        chat list (New chat, search, chats) → the HUD's picker, menus and panels → the chat's
+        header → the transcript (its links) → back to the message. The plain-text boxes pass
+        Tab on instead of typing it."""
+        chain = [self.composer.editor, self.composer.alternatives, self.composer.button,
+                 *self.controls.focus_order(),
+                 self.sidebar.new_button, self.sidebar.search, self.sidebar.list,
+                 *self.hud.focus_order(),
+                 self.pane.plain_toggle, self.pane.model_button, self.chat]
         for first, second in itertools.pairwise(chain):
             QWidget.setTabOrder(first, second)
 
@@ -284,17 +305,31 @@ class MainWindow(QMainWindow):
         self._show_chat_history(conv, saved)
 
     def _render_conversation(self, saved: list[Message]) -> None:
-        """Saved messages, finished alternatives, then this chat's live replies."""
+        """Saved messages, then this chat's alternatives in their order, finished or still
+        streaming (one that ends first never jumps ahead), then its other live replies."""
         messages = self.session.visible_messages(saved)
-        alternatives = [Alternative(i, f"Alternative {i + 1}", r.text,
-                                    FINISH_STATUS.get(r.finish_reason, DONE))
-                        for i, r in self.session.finished_alternatives(self.conversation_id)]
-        self.chat.show_messages(messages, alternatives)
-        for reply in self.session.running(self.conversation_id):
-            self.chat.begin_stream(reply.request_id, reply.label)
-            self.chat.push_text(reply.request_id, reply.text)
+        finished = {i: Alternative(i, f"Alternative {i + 1}", r.text,
+                                   FINISH_STATUS.get(r.finish_reason, DONE))
+                    for i, r in self.session.finished_alternatives(self.conversation_id)}
+        running = self.session.running(self.conversation_id)
+        live = {r.alternative: r for r in running if r.alternative is not None}
+        first_live = min(live, default=MAX_ALTERNATIVES)
+        self.chat.show_messages(messages, [finished[i] for i in sorted(finished)
+                                           if i < first_live])
+        for index in sorted(i for i in finished.keys() | live.keys() if i >= first_live):
+            if index in live:
+                self._show_live(live[index])
+            else:
+                self.chat.add_alternative(finished[index])  # after the live ones before it
+        for reply in running:
+            if reply.alternative is None:
+                self._show_live(reply)
         self.chat.flush()
         self._show_context_fill(messages)
+
+    def _show_live(self, reply: ActiveReply) -> None:
+        self.chat.begin_stream(reply.request_id, reply.label)
+        self.chat.push_text(reply.request_id, reply.text)
 
     def _show_chat_history(self, conv: Conversation | None, saved: list[Message]) -> None:
         """The HUD's per-turn panels follow the chat on screen: its saved replies as history
@@ -339,8 +374,30 @@ class MainWindow(QMainWindow):
         """Replace a reply with a new one (or `alternatives` of them) from the same history."""
         self.session.regenerate(message_id, self.reply_options(), alternatives)
 
-    def generate_alternatives(self, message_id: int) -> None:
-        self.session.generate_alternatives(message_id, self.reply_options())
+    def generate_alternatives(self, message_id: int, count: int | None = None) -> None:
+        """Replace a reply with `count` alternatives (None: the × N box's count, or 3)."""
+        self.session.generate_alternatives(message_id, self.reply_options(), count)
+
+    def ask_alternatives(self, message_id: int) -> QMenu | None:
+        """The Alternatives… link: a menu of how many (2 to 4, and × N's count if more; the
+        count it offers first in bold), at the pointer. At temperature 0 the refusal shows
+        at once instead (None)."""
+        options = self.reply_options()
+        if options.params.greedy:
+            self.generate_alternatives(message_id)  # says why there are none
+            return None
+        offered = default_alternatives(options)
+        menu = QMenu(self)
+        menu.setObjectName("alternativesMenu")
+        menu.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        for count in sorted({*ALTERNATIVE_CHOICES, offered}):
+            action = menu.addAction(f"{count} alternatives",
+                                    partial(self.generate_alternatives, message_id, count))
+            if count == offered:
+                menu.setDefaultAction(action)
+                menu.setActiveAction(action)
+        menu.popup(QCursor.pos())
+        return menu
 
     def keep_alternative(self, index: int) -> bool:
         """Save alternative `index` of the current chat as its reply; discard the others."""
@@ -376,7 +433,7 @@ class MainWindow(QMainWindow):
         """A link under a message (keep's argument is the alternative's index)."""
         handlers: dict[str, Callable[[int], object]] = {
             "copy": self.copy, "edit": self.edit, "regenerate": self.regenerate,
-            "alternatives": self.generate_alternatives, "keep": self.keep_alternative,
+            "alternatives": self.ask_alternatives, "keep": self.keep_alternative,
             "stats": self.show_reply_stats}
         if action in handlers:
             handlers[action](message_id)

@@ -226,11 +226,13 @@ class ChatSession:
             return
         self._start_reply(message.conversation_id, None, "", options, count)
 
-    def generate_alternatives(self, message_id: int, options: ReplyOptions) -> None:
-        """Replace a reply with N alternatives streaming at once (N from the composer, at
-        least two); the user keeps one."""
-        count = options.alternatives
-        self.regenerate(message_id, options, count if count > 1 else DEFAULT_ALTERNATIVES)
+    def generate_alternatives(self, message_id: int, options: ReplyOptions,
+                              count: int | None = None) -> None:
+        """Replace a reply with `count` alternatives streaming at once (None: the composer's
+        × N, or DEFAULT_ALTERNATIVES when it asks for one reply); the user keeps one."""
+        if count is None:
+            count = default_alternatives(options)
+        self.regenerate(message_id, options, count)
 
     def begin_edit(self, message_id: int) -> str | None:
         """A user message's text to edit (sending replaces it and what followed); None if
@@ -523,6 +525,12 @@ def dropped_note(count: int) -> str:
     """The one line a reply gets when its chat's oldest messages were left out of its prompt."""
     messages = "oldest message" if count == 1 else f"{count} oldest messages"
     return f"Left out the {messages} to fit the model's context (the chat keeps them)."
+
+
+def default_alternatives(options: ReplyOptions) -> int:
+    """How many alternatives the Alternatives link offers first: the composer's × N when it
+    asks for more than one reply, else DEFAULT_ALTERNATIVES."""
+    return options.alternatives if options.alternatives > 1 else DEFAULT_ALTERNATIVES
 
 
 def metrics_dict(result: GenerationResult) -> dict[str, Any]:

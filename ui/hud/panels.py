@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 import math
 import re
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,6 +41,8 @@ WAITING = "Waiting for a reply."  # a caption before there is anything to descri
 LABEL_GAP_PX = 6  # between the ITL plot's percentile labels
 NO_HOVER = " "  # the readout's resting text (keeps its line's height)
 SAMPLER_ROWS = 10
+BAR_WIDTH = 0.62  # a turn's slot on the per-turn bar plots
+SHARED_BAR_FILL = 0.8  # of a bar's share of a slot it shares: a gap tells the bars apart
 DASH = Qt.PenStyle.DashLine
 
 
@@ -136,6 +139,7 @@ class Panel(QFrame):
         hide.setText("✕")
         hide.setToolTip(f"Hide “{self.title}” (Panels menu brings it back)")
         hide.clicked.connect(lambda: self.sig_hide_requested.emit(self.key))
+        hide.setFocusPolicy(Qt.FocusPolicy.NoFocus)  # by keyboard: the HUD's Panels menu
         row.addWidget(title, 1)
         row.addWidget(hide)
         return row
@@ -239,6 +243,7 @@ def turn_axis(plot: pg.PlotWidget, values: list[int], most: int = 12) -> None:
     """A per-turn axis: whole-number ticks (no 1.5, 2.5), thinned when there are many, over
     the turns' slots (turn 1's alone when there are none yet), so a settings marker between
     turns stays in view and no other chat's range lingers."""
+    values = list(dict.fromkeys(values))  # a turn with several replies is one tick
     step = max(1, math.ceil(len(values) / most))
     plot.getPlotItem().getAxis("bottom").setTicks([[(v, str(v)) for v in values[::step]]])
     plot.setXRange(min(values, default=1) - 0.5, max(values, default=1) + 0.5, padding=0.02)
@@ -247,6 +252,21 @@ def turn_axis(plot: pg.PlotWidget, values: list[int], most: int = 12) -> None:
 def bar_brushes(rows: Sequence[tuple[int, ReplyRecord]], color: str) -> list[object]:
     """One brush per bar: faded for a saved reply (history), full for a live one."""
     return [style.brush(color, HISTORY_ALPHA if r.history else 255) for _x, r in rows]
+
+
+def turn_slots(rows: Sequence[tuple[int, ReplyRecord]]) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's bar centre and width on a per-turn axis: the replies of one turn (attempts
+    of a regenerated or edited turn, a set of alternatives) share its slot side by side, in
+    order, so none hides another behind it."""
+    per_turn = Counter(turn for turn, _r in rows)
+    placed: Counter[int] = Counter()
+    centres, widths = [], []
+    for turn, _r in rows:
+        width = BAR_WIDTH / per_turn[turn]
+        centres.append(turn - BAR_WIDTH / 2 + width * (placed[turn] + 0.5))
+        widths.append(width if per_turn[turn] == 1 else width * SHARED_BAR_FILL)
+        placed[turn] += 1
+    return np.array(centres, dtype=float), np.array(widths, dtype=float)
 
 
 def history_key(rows: Sequence[tuple[int, ReplyRecord]]) -> str:
@@ -314,7 +334,7 @@ class TtftPanel(Panel):
         style.axis_label(self.plot, "left", "TTFT", "s")
         style.axis_label(self.plot, "bottom", "turn")
         self._bars = {
-            phase: pg.BarGraphItem(x=[], height=[], width=0.62, brush=style.brush(color),
+            phase: pg.BarGraphItem(x=[], height=[], width=BAR_WIDTH, brush=style.brush(color),
                                    pen=style.pen(color, 0))
             for phase, color in (("queue", style.QUEUE), ("prefill", style.PREFILL),
                                  ("first", style.OTHER))
@@ -325,11 +345,14 @@ class TtftPanel(Panel):
                                           pen=None)
         self.plot.addItem(self._cached)
         self._rows: list[tuple[int, ReplyRecord]] = []  # (turn, reply); history included
+        self._x = np.zeros(0)  # each row's bar centre (turn_slots)
 
     def refresh(self, ctx: HudContext) -> None:
         self._rows = ctx.model.turn_rows()[-MAX_TURNS_SHOWN:]
-        drawn = [(x, r) for x, r in self._rows if r.metrics is not None]  # "–": no bar
-        x = np.array([turn for turn, _r in drawn], dtype=float)
+        self._x, widths = turn_slots(self._rows)
+        shown = [i for i, (_x, r) in enumerate(self._rows) if r.metrics is not None]  # "–"
+        drawn = [self._rows[i] for i in shown]
+        x, width = self._x[shown], widths[shown]
         m = [_metrics(r) for _x, r in drawn]
         queue = np.array([mm.queue_s for mm in m])
         prefill = np.array([mm.prefill_s for mm in m])
@@ -337,7 +360,7 @@ class TtftPanel(Panel):
         colors = {"queue": style.QUEUE, "prefill": style.PREFILL, "first": style.OTHER}
         for (key, height), y0 in zip((("queue", queue), ("prefill", prefill), ("first", first)),
                                      (np.zeros_like(queue), queue, queue + prefill), strict=True):
-            self._bars[key].setOpts(x=x, height=height, y0=y0,
+            self._bars[key].setOpts(x=x, width=width, height=height, y0=y0,
                                     brushes=bar_brushes(drawn, colors[key]))
         ttft = queue + prefill + first
         # Cached share of the prompt drawn as a marker at that fraction of the bar's height;
@@ -375,7 +398,7 @@ class TtftPanel(Panel):
                 "its bar appears when the reply finishes.")
 
     def hover_text(self, x: float, y: float) -> str | None:
-        i = _nearest([turn for turn, _r in self._rows], x)
+        i = _nearest(self._x, x)
         if i is None:
             return None
         turn, r = self._rows[i]
@@ -678,24 +701,27 @@ class CachePanel(Panel):
         super().__init__()
         style.axis_label(self.plot, "left", "prompt", "tokens")
         style.axis_label(self.plot, "bottom", "turn")
-        self._reused = pg.BarGraphItem(x=[], height=[], width=0.62,
+        self._reused = pg.BarGraphItem(x=[], height=[], width=BAR_WIDTH,
                                        brush=style.brush(style.CACHED), pen=None)
-        self._recomputed = pg.BarGraphItem(x=[], height=[], width=0.62,
+        self._recomputed = pg.BarGraphItem(x=[], height=[], width=BAR_WIDTH,
                                            brush=style.brush(style.RECOMPUTED), pen=None)
         self.plot.addItem(self._reused)
         self.plot.addItem(self._recomputed)
         self.plot.getPlotItem().getAxis("left").enableAutoSIPrefix(False)
         self._rows: list[tuple[int, ReplyRecord]] = []  # (turn, reply); history included
+        self._x = np.zeros(0)  # each row's bar centre (turn_slots)
 
     def refresh(self, ctx: HudContext) -> None:
         self._rows = ctx.model.turn_rows(finished=False)[-MAX_TURNS_SHOWN:]
-        drawn = [(x, r) for x, r in self._rows if r.prompt_tokens and r.prompt_known]
-        x = np.array([turn for turn, _r in drawn], dtype=float)
+        self._x, widths = turn_slots(self._rows)
+        shown = [i for i, (_x, r) in enumerate(self._rows) if r.prompt_tokens and r.prompt_known]
+        drawn = [self._rows[i] for i in shown]
+        x, width = self._x[shown], widths[shown]
         reused = np.array([r.cached_tokens for _x, r in drawn], dtype=float)
         fresh = np.array([r.prompt_tokens - r.cached_tokens for _x, r in drawn], dtype=float)
-        self._reused.setOpts(x=x, height=reused, y0=np.zeros_like(reused),
+        self._reused.setOpts(x=x, width=width, height=reused, y0=np.zeros_like(reused),
                              brushes=bar_brushes(drawn, style.CACHED))
-        self._recomputed.setOpts(x=x, height=fresh, y0=reused,
+        self._recomputed.setOpts(x=x, width=width, height=fresh, y0=reused,
                                  brushes=bar_brushes(drawn, style.RECOMPUTED))
         turn_axis(self.plot, [turn for turn, _r in self._rows])
         self.caption.setText(
@@ -714,7 +740,7 @@ class CachePanel(Panel):
                 f"{r.prompt_tokens - r.cached_tokens:,} recomputed ({why}).")
 
     def hover_text(self, x: float, y: float) -> str | None:
-        i = _nearest([turn for turn, _r in self._rows], x)
+        i = _nearest(self._x, x)
         return None if i is None else self._describe(*self._rows[i])
 
 

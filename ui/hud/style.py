@@ -6,7 +6,7 @@ import time
 
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
-from PySide6.QtGui import QColor, QFont, QPaintEvent
+from PySide6.QtGui import QColor, QFont, QPaintEvent, QWheelEvent
 from PySide6.QtWidgets import QGraphicsItem
 
 BG = "#15171c"
@@ -77,6 +77,12 @@ class HudPlot(pg.PlotWidget):
         super().paintEvent(event)
         self.paint_s += time.perf_counter() - started
 
+    def wheelEvent(self, event: QWheelEvent) -> None:
+        """The wheel scrolls what holds the plot (the HUD's column), never the plot: its view
+        would take the event (and zoom, were the mouse enabled) even with pan and zoom off.
+        Ignored here, Qt hands it on to the parent widgets, up to the scroll area."""
+        event.ignore()
+
     def take_paint_s(self) -> float:
         """Seconds spent painting since the last call."""
         spent, self.paint_s = self.paint_s, 0.0
@@ -88,6 +94,7 @@ def make_plot(height: int = 150) -> HudPlot:
     plot = HudPlot(background=CARD)
     plot.setMinimumHeight(height)
     plot.setMaximumHeight(height + 40)
+    plot.setFocusPolicy(Qt.FocusPolicy.NoFocus)  # nothing to do there by keyboard: Tab skips it
     item = plot.getPlotItem()
     item.showGrid(x=True, y=True, alpha=0.18)
     item.setMouseEnabled(x=False, y=False)

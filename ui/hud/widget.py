@@ -24,7 +24,7 @@ from functools import partial
 from pathlib import Path
 
 from PySide6.QtCore import QTimer, Signal
-from PySide6.QtGui import QAction
+from PySide6.QtGui import QAction, QResizeEvent
 from PySide6.QtWidgets import (
     QComboBox,
     QFileDialog,
@@ -89,6 +89,10 @@ _DIRTY_BY_EVENT: dict[type, frozenset[str]] = {
 _TIME_MARKER_PANELS = ("throughput",)
 _TURN_MARKER_PANELS = ("ttft", "cache")
 LIVE_ITEM = "Newest reply of this chat"
+# The narrowest the HUD gets (its toolbar and a vertical scroll bar fit): in a small window the
+# docks give way before the chat does.
+MIN_WIDTH = 310
+KPI_ROW_WIDTH = 360  # narrower than this, the four headline numbers sit two by two
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,12 @@ class ExportOutcome:
 
     written: list[Path]
     message: str
+
+
+def _send_of(request_id: str) -> str:
+    """The request id of the send a reply belongs to: an alternative's, less its ".N"."""
+    send, _, index = request_id.rpartition(".")
+    return send if send and index.isdigit() else request_id
 
 
 def run_write(write: Callable[[], list[Path]]) -> ExportOutcome:
@@ -170,14 +180,14 @@ class HudWidget(QWidget):
             panel.sig_hide_requested.connect(lambda key: self.set_panel_visible(key, False))
             column.addWidget(panel)
         column.addStretch(1)
-        scroll = QScrollArea()
+        scroll = self.scroll_area = QScrollArea()
         scroll.setWidgetResizable(True)
         scroll.verticalScrollBar().valueChanged.connect(self._on_scrolled)
         scroll.setWidget(body)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(scroll)
-        self.setMinimumWidth(360)
+        self.setMinimumWidth(MIN_WIDTH)
 
     def _toolbar(self) -> QHBoxLayout:
         row = QHBoxLayout()
@@ -188,13 +198,15 @@ class HudWidget(QWidget):
         # sideways because of a title.
         self.reply_combo.setSizeAdjustPolicy(
             QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
-        self.reply_combo.setMinimumContentsLength(12)
+        self.reply_combo.setMinimumContentsLength(8)
         self.reply_combo.setToolTip("Which reply the ITL, breakdown and advisor describe; "
                                     "picking a past reply pins it")
         self.reply_combo.activated.connect(self._on_combo_activated)
         row.addWidget(self.reply_combo, 1)
-        row.addWidget(self._menu_button("Panels", self._panels_menu()))
-        row.addWidget(self._menu_button("Export", self._export_menu()))
+        self.panels_button = self._menu_button("Panels", self._panels_menu())
+        self.export_button = self._menu_button("Export", self._export_menu())
+        row.addWidget(self.panels_button)
+        row.addWidget(self.export_button)
         return row
 
     def _menu_button(self, text: str, menu: QMenu) -> QToolButton:
@@ -226,25 +238,41 @@ class HudWidget(QWidget):
         card.setObjectName("hudAdvisor")
         layout = QVBoxLayout(card)
         layout.setContentsMargins(10, 8, 10, 8)
-        grid = QGridLayout()
+        grid = self._kpi_grid = QGridLayout()
         grid.setHorizontalSpacing(12)
         self._kpis: dict[str, LiveLabel] = {}
         self._kpi_names: dict[str, QLabel] = {}
-        for col, name in enumerate(("TTFT", "decode", "ITL p50", "total")):
+        for name in ("TTFT", "decode", "ITL p50", "total"):
             value = LiveLabel("–")
             value.setObjectName("hudKpiValue")
             caption = QLabel(name)
             caption.setObjectName("hudKpiName")
-            grid.addWidget(value, 0, col)
-            grid.addWidget(caption, 1, col)
             self._kpis[name] = value
             self._kpi_names[name] = caption
+        self._kpi_columns = 0
+        self._arrange_kpis(4)
         layout.addLayout(grid)
         self.advice_label = LiveLabel("Send a message to see where the time goes.",
                                       word_wrap=True)
         self.advice_label.setObjectName("hudAdvice")
         layout.addWidget(self.advice_label)
         return card
+
+    def _arrange_kpis(self, columns: int) -> None:
+        """The headline numbers in one row of four, or two by two in a narrow HUD (a small
+        window narrows the docks first): never clipped."""
+        if columns == self._kpi_columns:
+            return
+        self._kpi_columns = columns
+        for i, name in enumerate(self._kpis):
+            row, col = 2 * (i // columns), i % columns
+            for widget, at in ((self._kpis[name], row), (self._kpi_names[name], row + 1)):
+                self._kpi_grid.removeWidget(widget)
+                self._kpi_grid.addWidget(widget, at, col)
+
+    def resizeEvent(self, event: QResizeEvent) -> None:
+        super().resizeEvent(event)
+        self._arrange_kpis(4 if event.size().width() >= KPI_ROW_WIDTH else 2)
 
     # ----- inputs from the window ----------------------------------------------------------
     def on_engine_event(self, event: EngineEvent) -> None:
@@ -339,8 +367,20 @@ class HudWidget(QWidget):
         named = self._names.get(reply.request_id)
         if named is not None:
             chat, turn = named
-            return f"{chat} · turn {turn}{suffix}"
+            attempt = self._attempt(reply.request_id)
+            again = f" · attempt {attempt}" if attempt > 1 else ""
+            return f"{chat} · turn {turn}{again}{suffix}"
         return f"Reply {reply.number}{suffix}"
+
+    def _attempt(self, request_id: str) -> int:
+        """Which try at its chat's turn a named reply is: 1, then 2, 3 ... for each regenerate
+        or edit & resend of that turn (the alternatives of one send are one attempt)."""
+        def turn_of(rid: str) -> object:
+            return self.model.chat_of(rid) or self._names[rid]  # (chat id or title, turn)
+
+        mine = turn_of(request_id)
+        sends = dict.fromkeys(_send_of(rid) for rid in self._names if turn_of(rid) == mine)
+        return list(sends).index(_send_of(request_id)) + 1
 
     def set_text_interval(self, seconds: float) -> None:
         """The chat view paints streaming text this often: render lag is judged against it."""
@@ -393,6 +433,11 @@ class HudWidget(QWidget):
         if self._selected_id is not None:
             return self.model.record(self._selected_id)
         return self.model.newest_of_chat()
+
+    def focus_order(self) -> list[QWidget]:
+        """What Tab reaches in the HUD: the picker, its two menus (Panels shows and hides
+        panels), then the column itself (the arrow keys scroll it)."""
+        return [self.reply_combo, self.panels_button, self.export_button, self.scroll_area]
 
     def panel_keys(self) -> list[str]:
         return list(self.panels)
