@@ -317,3 +317,134 @@ def test_real_model_batched_matches_alone(real_engine: Engine) -> None:
                                          "Name three colours.", "Say hi.")]
     expected = [alone(real_engine, r).token_ids for r in requests]
     assert [h.wait(120).token_ids for h in [real_engine.submit(r) for r in requests]] == expected
+
+
+# ----- the scheduler's decisions on their own (mutation testing, `make mutation`) ---------------
+def fake_loaded(context: int = 64, template_fallback: bool = False) -> Any:
+    """What the Batcher reads of a loaded model to decide things, without a model."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        device=torch.device("cpu"), tokenizer=SimpleNamespace(eos_token_id=2),
+        model=SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[2, 3])),
+        info=SimpleNamespace(template_fallback=template_fallback, context_length=context))
+
+
+def decisions(prefill_chunk: int = 256, streaming: int = 0, **kw: Any) -> Any:
+    """A Batcher with `streaming` placeholder rows (only their count matters here)."""
+    from engine.batching import Batcher
+    from engine.prefix_cache import PrefixCache
+
+    batcher = Batcher(fake_loaded(), PrefixCache(None, 1 << 20), lambda job, e: None,
+                      lambda job, result, error: None, prefill_chunk=prefill_chunk, **kw)
+    batcher.rows = [object()] * streaming
+    return batcher
+
+
+def test_only_plain_requests_join_the_batch() -> None:
+    from engine.batching import batchable
+
+    assert batchable(ask("hi"))
+    assert not batchable(ask("hi", speculative="ngram"))
+    assert not batchable(ask("hi", speculative="draft"))
+
+
+def test_only_caches_of_plain_attention_layers_batch() -> None:
+    from types import SimpleNamespace
+
+    from transformers import Lfm2Config, LlamaConfig, MistralConfig
+
+    from engine.batching import cache_supports_batching
+
+    sizes = dict(num_hidden_layers=2, hidden_size=16, intermediate_size=32, vocab_size=50,
+                 num_attention_heads=2, num_key_value_heads=1)
+    conv = Lfm2Config(**sizes, layer_types=["conv", "full_attention"])
+    for config, expected in ((LlamaConfig(**sizes), True),
+                             (MistralConfig(**sizes, sliding_window=4), True),  # kept whole
+                             (conv, False), (None, False)):  # a recurrent layer; no layers
+        loaded = SimpleNamespace(model=SimpleNamespace(config=config))
+        assert cache_supports_batching(loaded) is expected, config
+
+
+def test_a_prompt_alone_is_read_in_whole_chunks() -> None:
+    assert decisions(prefill_chunk=256)._chunk_tokens() == 256
+    assert decisions(prefill_chunk=256, streaming=3, interleave=False)._chunk_tokens() == 256
+
+
+def test_beside_streaming_rows_a_chunk_is_the_budget_less_one_token_a_row() -> None:
+    from engine.batching import MIN_INTERLEAVED_CHUNK, STEP_TOKEN_BUDGET
+
+    assert decisions()._chunk_tokens() == 256
+    assert decisions(streaming=1).step_token_budget == STEP_TOKEN_BUDGET == 32
+    assert MIN_INTERLEAVED_CHUNK == 32
+    for budget, rows, expected in ((100, 3, 97), (100, 1, 99), (1000, 3, 256),
+                                   (34, 3, 32), (32, 1, 32)):  # never below 32 tokens
+        batcher = decisions(streaming=rows, step_token_budget=budget)
+        assert batcher._chunk_tokens() == expected, (budget, rows)
+    assert decisions(prefill_chunk=16, streaming=1, step_token_budget=100)._chunk_tokens() == 32
+
+
+def test_the_budget_follows_the_clock_halfway_and_within_bounds() -> None:
+    """The next chunk should take about one decode step (CHUNK_STALL = 1): the budget scales
+    by sqrt(step / chunk), between 32 + rows and the prefill chunk + rows."""
+
+    def adapted(budget: int, step_s: float, chunk_s: float, rows: int = 2) -> int:
+        batcher = decisions(streaming=rows)
+        batcher.step_token_budget, batcher._decode_step_s = budget, step_s
+        batcher._adapt_budget(chunk_s)
+        return batcher.step_token_budget
+
+    assert adapted(100, 0.09, 0.04) == 150  # sqrt(2.25): chunks were cheap, grow them
+    assert adapted(100, 0.01, 0.0225) == 67  # sqrt(0.444...) = 0.667
+    assert adapted(100, 0.04, 0.04) == 100
+    assert adapted(32, 0.01, 0.04) == 34  # halved to 16, floored at 32 + 2 rows
+    assert adapted(32, 0.01, 0.04, rows=5) == 37
+    assert adapted(200, 0.04, 0.01) == 258  # doubled to 400, capped at 256 + 2 rows
+    assert adapted(100, 0.0, 0.04) == 100  # no decode step measured yet
+    assert adapted(100, 0.04, 0.0) == 100
+    fixed = decisions(streaming=2, step_token_budget=100)
+    fixed._decode_step_s = 0.09
+    fixed._adapt_budget(0.04)
+    assert fixed.step_token_budget == 100  # a given budget stays
+
+
+def test_a_row_may_generate_up_to_max_tokens_or_the_context_left() -> None:
+    from engine.batching import DetachedJob
+    from engine.generate import FALLBACK_STOPS
+
+    batcher = decisions()
+    lease = batcher.prefix_cache.cold_lease("c")
+    prompt = list(range(60))  # the fake context: 64
+    row = batcher._new_row(DetachedJob(ask("x", SamplingParams(max_tokens=10))), prompt, lease)
+    assert row.budget == 4
+    row = batcher._new_row(DetachedJob(ask("x", SamplingParams(max_tokens=3))), prompt, lease)
+    assert row.budget == 3
+    assert (row.prompt_ids, row.lease, row.generated, row.finish) == (prompt, lease, [], None)
+    greedy = batcher._new_row(DetachedJob(ask("x", GREEDY)), prompt, lease)
+    assert greedy.generator is None
+    seeded = batcher._new_row(DetachedJob(ask("x", SamplingParams(seed=5))), prompt, lease)
+    assert torch.rand(1, generator=seeded.generator).item() == \
+        torch.rand(1, generator=torch.Generator().manual_seed(5)).item()
+    stops = SamplingParams(stop=("END",), max_tokens=4)
+    plain = batcher._new_row(DetachedJob(ask("x", stops)), prompt, lease)
+    assert plain.stopper.feed("a END b") == "a " and plain.stopper.stopped
+    from engine.batching import Batcher
+
+    fallback = Batcher(fake_loaded(template_fallback=True), batcher.prefix_cache,
+                       lambda job, e: None, lambda job, r, e: None, prefill_chunk=8)
+    row = fallback._new_row(DetachedJob(ask("x", stops)), prompt, lease)
+    assert row.stopper.feed(f"a {FALLBACK_STOPS[0]}") == "a " and row.stopper.stopped
+    row = fallback._new_row(DetachedJob(ask("x", stops)), prompt, lease)
+    assert row.stopper.feed("a END") == "a " and row.stopper.stopped
+
+
+def test_the_batcher_knows_its_stop_tokens_and_room() -> None:
+    from engine.batching import MAX_BATCH
+
+    batcher = decisions(streaming=3)
+    assert batcher.eos_ids == {2, 3}
+    assert batcher.room == MAX_BATCH - 3
+    assert batcher.prefill_chunk == 256 and batcher.interleave and batcher.beside
+    from engine.generate import CPU_PREFILL_CHUNK
+
+    assert decisions(prefill_chunk=0).prefill_chunk == CPU_PREFILL_CHUNK  # the device's own
