@@ -41,7 +41,8 @@ lint: setup
 # the metrics, the prefix cache's record and the scheduler's and decode loop's decisions (the
 # functions below; "?" stands for mutmut's "ǁ" between a class and its method). One worker and
 # one torch thread: a shared machine. MUTANTS=... runs other functions, e.g. 'engine.metrics.*'.
-# Results stay in mutants/ (`$(VENV)/bin/mutmut browse`, `mutmut show NAME`).
+# Results stay in mutants/ (ignored): the per-module score below, `$(VENV)/bin/mutmut browse`,
+# `mutmut show NAME`. mutmut retests every mutant it is given by name: each run is a full one.
 MUTANTS ?= 'engine.sampling.*' 'engine.metrics.*' \
 	'engine.prefix_cache.x_common_prefix_len__*' 'engine.prefix_cache.x?CacheEntry?*' \
 	'engine.prefix_cache.x?CacheLease?*' 'engine.prefix_cache.x?PrefixCache?*' \
@@ -55,7 +56,7 @@ MUTANTS ?= 'engine.sampling.*' 'engine.metrics.*' \
 	'engine.generate.x_default_prefill_chunk__*'
 mutation: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/mutmut run --max-children 1 $(MUTANTS)
-	$(VENV)/bin/mutmut export-cicd-stats && cat mutants/mutmut-cicd-stats.json
+	$(PY) tests/mutation_summary.py
 
 bench: setup
 	$(VENV)/bin/phasewise bench --vs hf

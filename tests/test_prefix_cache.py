@@ -255,6 +255,7 @@ def test_first_turn_then_regenerate_then_next_turn() -> None:
     pool = PrefixCache(None, budget_bytes=1 << 20)
     first = run_turn(pool, "c", [1, 2, 3, 4, 5], reply=2)
     assert (first.cached_tokens, first.miss_reason, first.conversation_id) == (0, "first_turn", "c")
+    assert first.checkpoint_at is None and first.checkpoint is None  # not a recurrent model
     assert pool.conversations() == ["c"]
     assert pool.used_bytes == 7 * POSITION_BYTES
     again = pool.acquire("c", [1, 2, 3, 4, 5])  # regenerate: all but the last prompt token
@@ -284,7 +285,8 @@ def test_an_edit_reuses_up_to_the_edit_and_names_where_it_was() -> None:
     old = [1, 2, 3, 4, 5, 6, 7, 8, 9]
     layout = PromptLayout(spans=(("system", 0, 3), ("user", 3, 5), ("assistant", 5, 7)),
                           generated_span=(5, 7))
-    expected = {1: "system_prompt_changed", 3: "edited_history", 4: "edited_history",
+    expected = {0: "system_prompt_changed", 1: "system_prompt_changed",
+                2: "system_prompt_changed", 3: "edited_history", 4: "edited_history",
                 5: "template_mismatch", 6: "template_mismatch", 7: "edited_history"}
     for at, reason in expected.items():
         run_turn(pool, "c", old)
@@ -292,8 +294,8 @@ def test_an_edit_reuses_up_to_the_edit_and_names_where_it_was() -> None:
         lease = pool.acquire("c", edited, layout)
         assert (lease.cached_tokens, lease.miss_reason) == (at, reason), at
         assert held(lease.cache) == old[:at]
-        pool.release(lease)  # nothing fed: the entry is the cut-back cache
-        assert pool.conversations() == ["c"]
+        pool.release(lease)  # nothing fed: the entry is the cut-back cache (none at 0)
+        assert pool.conversations() == (["c"] if at else [])
     run_turn(pool, "c", old)
     assert pool.acquire("c", [1, 99, 3, 4], None).miss_reason == "edited_history"
 
@@ -330,6 +332,7 @@ def test_a_new_chat_borrows_a_copy_of_the_longest_shared_prefix() -> None:
     assert lease.cache is not b.cache and held(b.cache) == [1, 2, 3, 4, 5, 6]  # donor intact
     assert pool.conversations() == ["a", "z", "b"]  # the donor is now the most recently used
     assert pool.acquire("other", [6, 6]).cached_tokens == 0
+    assert pool.acquire("one", [1, 6]).cached_tokens == 1  # one shared token is lent too
 
 
 def test_own_entry_wins_a_tie_and_a_longer_donor_wins_over_it() -> None:
@@ -409,15 +412,82 @@ def test_cold_lease_drops_the_entry_and_says_disabled() -> None:
 
 
 def test_evict_all_names_every_chat_it_freed() -> None:
-    pool = PrefixCache(None, budget_bytes=1 << 20)
-    run_turn(pool, "a", [1, 2])
+    pool = PrefixCache(None, budget_bytes=4 * POSITION_BYTES)
+    run_turn(pool, "x", [1, 2, 3])
+    run_turn(pool, "a", [1, 2])  # x goes over the budget
     run_turn(pool, "b", [3, 4])
     pool.acquire("leased", [5, 6])
+    assert pool.evictions == 1
     pool.evict_all()
-    assert (pool.conversations(), pool.used_bytes, pool.evictions) == ([], 0, 2)
-    for conv in ("a", "b", "leased"):
+    assert (pool.conversations(), pool.used_bytes, pool.evictions) == ([], 0, 3)
+    for conv in ("a", "b", "leased", "x"):
         assert pool.acquire(conv, [1, 2, 3]).miss_reason == "evicted"
     assert pool.acquire("new", [1, 2, 3]).miss_reason == "first_turn"
+
+
+def test_a_chat_back_in_the_pool_is_no_longer_evicted_or_switched() -> None:
+    """What the ledger says once a chat's entry is gone again without an eviction."""
+    pool = PrefixCache(None, budget_bytes=3 * POSITION_BYTES)
+    run_turn(pool, "a", [1, 2, 3])
+    run_turn(pool, "b", [4, 5, 6])  # a is evicted
+    run_turn(pool, "a", [1, 2, 3])  # a is back (b goes)
+    pool.drop("a")
+    assert pool.acquire("a", [1, 2, 3]).miss_reason == "first_turn"
+    switched = PrefixCache(None, budget_bytes=1 << 20)
+    run_turn(switched, "a", [1, 2, 3])
+    switched.reset(model_changed=True)
+    run_turn(switched, "a", [1, 2, 3])
+    switched.drop("a")
+    assert switched.acquire("a", [1, 2, 3]).miss_reason == "first_turn"
+
+
+def test_a_cache_that_cannot_go_back_says_why() -> None:
+    """A chat whose sliding-window cache has rolled past the edit gets a cold prefill, and the
+    ledger names the window rather than the edit."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    pool = PrefixCache(None, budget_bytes=1 << 20)
+    lease = pool.acquire("c", [1, 2, 3, 4, 5, 6])
+    lease.cache = DynamicCache()
+    lease.cache.layers = [DynamicSlidingWindowLayer(sliding_window=3)]
+    feed(lease, [1, 2, 3, 4, 5])
+    pool.release(lease)
+    edited = pool.acquire("c", [1, 2, 3, 9, 9])
+    assert (edited.cached_tokens, edited.miss_reason) == (0, "sliding_window")
+    assert edited.cache is not lease.cache
+
+
+def test_a_checkpoint_goes_with_the_cache_only_while_it_is_within_it() -> None:
+    from engine.prefix_cache import Checkpoint
+
+    pool = PrefixCache(None, budget_bytes=1 << 20)
+    lease = pool.acquire("c", [1, 2, 3, 4, 5, 6])
+    feed(lease, [1, 2, 3, 4, 5])
+    lease.checkpoint = Checkpoint(3, [])
+    pool.release(lease)
+    again = pool.acquire("c", [1, 2, 3, 4, 5, 6])
+    assert again.cached_tokens == 5 and again.checkpoint is lease.checkpoint
+    pool.release(again)
+    edited = pool.acquire("c", [1, 2, 7, 7])
+    assert edited.cached_tokens == 2 and edited.checkpoint is None  # 3 is past the cut
+    late = pool.acquire("d", [1, 2, 3])
+    feed(late, [1, 2])
+    late.checkpoint = Checkpoint(4, [])  # beyond what the cache holds: dropped
+    pool.release(late)
+    assert pool._entries["d"].checkpoint is None
+
+
+def test_reset_with_a_new_config_makes_caches_for_that_model() -> None:
+    from transformers import LlamaConfig
+
+    pool = PrefixCache(None, budget_bytes=1 << 20)
+    assert len(pool.acquire("a", [1, 2]).cache.layers) == 0  # no config: layers on first use
+    config = LlamaConfig(num_hidden_layers=3, hidden_size=16, intermediate_size=32,
+                         num_attention_heads=2, num_key_value_heads=1, vocab_size=50)
+    pool.reset(config=config)
+    assert len(pool.acquire("b", [1, 2]).cache.layers) == 3
+    assert len(pool.cold_lease("c").cache.layers) == 3
 
 
 def test_reset_on_a_model_switch_names_it_for_every_chat() -> None:
@@ -472,18 +542,24 @@ def test_adopt_makes_an_alternative_the_chat_own_entry() -> None:
     assert pool.acquire("c", [1]).miss_reason == "evicted"  # c's lease is still out
 
 
-def test_adopt_moves_the_entry_to_most_recently_used_and_clears_model_changed() -> None:
+def test_adopt_moves_the_entry_to_most_recently_used_and_clears_the_ledger() -> None:
     pool = PrefixCache(None, budget_bytes=7 * POSITION_BYTES)
-    run_turn(pool, "c", [1])  # nothing computed (one token): no entry, but c is in the ledger
-    run_turn(pool, "src", [1, 2, 3])
-    pool.reset(model_changed=True)
+    run_turn(pool, "c", [1, 2])
+    pool.reset(model_changed=True)  # c: "model_changed"
     run_turn(pool, "src", [1, 2, 3])
     run_turn(pool, "x", [4, 5, 6])
     pool.adopt("src", "c")
     assert pool.conversations() == ["x", "c"]
     run_turn(pool, "y", [7, 8])  # over budget: x is the oldest now
     assert pool.conversations() == ["c", "y"]
-    assert pool.acquire("c", [1, 2, 3, 4]).miss_reason == "none"
+    pool.drop("c")
+    assert pool.acquire("c", [1, 2, 3, 4]).miss_reason == "first_turn"
+    evicted = PrefixCache(None, budget_bytes=3 * POSITION_BYTES)
+    run_turn(evicted, "c", [1, 2, 3])
+    run_turn(evicted, "src", [4, 5, 6])  # c is evicted
+    evicted.adopt("src", "c")
+    evicted.drop("c")
+    assert evicted.acquire("c", [1, 2]).miss_reason == "first_turn"
 
 
 def test_drop_forgets_a_chat_entry() -> None:
