@@ -614,3 +614,42 @@ def test_a_rolled_sliding_window_cache_lends_nothing_it_cannot_cut_back_to() -> 
     assert (entry.reach(4), entry.reach(3), entry.reach(2)) == (3, 3, 0)
     rollable = CacheEntry([1, 2, 3, 4, 5], DynamicCache(), 0)
     assert rollable.reach(2) == 2
+
+
+def recurrent_config() -> object:
+    """A model whose layers keep a recurrent state (linear attention): caches cannot be cut
+    back, so each prefill keeps a checkpoint one token short of the prompt's end."""
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(num_hidden_layers=2, hidden_size=16, intermediate_size=32,
+                           num_attention_heads=2, num_key_value_heads=1, vocab_size=50)
+
+
+def test_a_recurrent_model_checkpoints_one_token_before_the_end() -> None:
+    pool = PrefixCache(recurrent_config(), budget_bytes=1 << 20)
+    lease = pool.acquire("c", [1, 2, 3, 4, 5])
+    assert (lease.cached_tokens, lease.checkpoint_at) == (0, 4)
+    assert pool.acquire("one", [1]).checkpoint_at is None  # nothing before the last token
+    switched = PrefixCache(None, budget_bytes=1 << 20)
+    assert switched.acquire("c", [1, 2, 3]).checkpoint_at is None
+    switched.reset(config=recurrent_config())
+    assert switched.acquire("d", [1, 2, 3]).checkpoint_at == 2
+    switched.reset(config=None)  # no new model: the pool stays as it was
+    assert switched.acquire("e", [1, 2, 3]).checkpoint_at == 2
+
+
+def test_inheriting_a_ledger_keeps_the_pool_own() -> None:
+    old = PrefixCache(None, budget_bytes=3 * POSITION_BYTES)
+    run_turn(old, "m", [1, 2])
+    old.reset(model_changed=True)
+    run_turn(old, "e", [1, 2, 3])
+    run_turn(old, "f", [4, 5, 6])  # e is evicted
+    new = PrefixCache(None, budget_bytes=3 * POSITION_BYTES)
+    run_turn(new, "n", [1, 2])
+    new.reset(model_changed=True)
+    run_turn(new, "g", [1, 2, 3])
+    run_turn(new, "h", [4, 5, 6])  # g is evicted
+    new.inherit_ledger(old)
+    reasons = {conv: new.acquire(conv, [1, 2]).miss_reason for conv in "menghf"}
+    assert reasons == {"m": "model_changed", "n": "model_changed", "e": "evicted",
+                       "g": "evicted", "h": "edited_history", "f": "first_turn"}
