@@ -466,3 +466,115 @@ def test_batched_rows_apply_the_repetition_penalty_to_their_own_tokens(
         assert result.token_ids == reference_greedy(loaded, result.prompt_token_ids, 16, 5.0)
     plain = [reference_greedy(loaded, r.prompt_token_ids, 16) for r in results]
     assert plain != [r.token_ids for r in results]  # the penalty changed a reply
+
+
+def test_a_long_prompt_is_read_beside_streaming_rows_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The schedule of a joining prompt: beside the rows (a side thread) only when rows stream,
+    both beside and interleave are on, and its uncached part is long enough; else between."""
+    from engine import batching
+    from engine.batching import DetachedJob
+    from tests.test_prefix_cache import feed
+
+    asked: list[int] = []
+    monkeypatch.setattr(batching, "can_prefill_beside",
+                        lambda loaded, n: asked.append(n) is None and n >= 10)
+
+    def path(prompt: int, cached: int = 0, streaming: int = 1, **kw: Any) -> tuple[str, Any]:
+        batcher = decisions(streaming=streaming, **kw)
+        if cached:
+            lease = batcher.prefix_cache.acquire("c", list(range(cached + 1)))
+            feed(lease, list(range(cached)))
+            batcher.prefix_cache.release(lease)
+        taken: list[str] = []
+        batcher._prefill_beside = lambda job, lease, ids: taken.append(f"beside {len(ids)}")
+        batcher._prefill_between = lambda job, lease, ids: taken.append(f"between {len(ids)}")
+        job = DetachedJob(GenerationRequest([], SamplingParams(max_tokens=4), conversation_id="c",
+                                            prompt_token_ids=list(range(prompt))))
+        row, logits = batcher._prefill(job)
+        assert logits.numel() == 0 and job.timeline.first_logits_ns == 0  # Stop came first
+        assert job.timeline.prefill_start_ns > 0
+        return taken[0], row
+
+    assert path(12)[0] == "beside 12"
+    assert path(9)[0] == "between 9"
+    assert path(14, cached=5)[0] == "between 9"  # only the uncached part counts
+    assert asked[-1] == 9
+    assert path(12, streaming=0)[0] == "between 12"  # nothing streams: every core to it
+    assert path(12, beside=False)[0] == "between 12"
+    assert path(12, interleave=False)[0] == "between 12"
+    row = path(14, cached=5)[1]
+    assert (row.prompt_ids, row.lease.cached_tokens, row.lease.miss_reason) == \
+        (list(range(14)), 5, "none")
+
+
+def test_a_joining_prompt_reports_its_prefill_and_first_logits() -> None:
+    from engine.batching import DetachedJob
+
+    batcher = decisions()
+    events: list[Any] = []
+    batcher._emit = lambda job, event: events.append(event)
+    batcher._prefill_between = lambda job, lease, ids: torch.tensor([[0.5, 1.5]])
+    job = DetachedJob(GenerationRequest([], SamplingParams(max_tokens=4), conversation_id="c",
+                                        prompt_token_ids=[1, 2, 3], reuse_cache=False))
+    row, logits = batcher._prefill(job)
+    assert logits.tolist() == [0.5, 1.5]
+    assert job.timeline.first_logits_ns >= job.timeline.prefill_start_ns > 0
+    started = events[0]
+    assert isinstance(started, PrefillStarted)
+    assert (started.request_id, started.t_ns, started.prompt_tokens, started.cached_tokens,
+            started.cache_miss_reason) == (job.request.request_id, job.timeline.prefill_start_ns,
+                                           3, 0, "disabled")
+    assert row.lease.miss_reason == "disabled"
+
+
+def test_chunks_alternate_with_decode_steps_while_rows_stream(tiny_model_dir: Path) -> None:
+    """A 70-token prompt beside one streaming row, at a budget of 33: chunks of 32 (32, 32, 6 fed)
+    with a decode step between two chunks (none after the last); alone: one chunk."""
+    from engine.batching import Batcher, DetachedJob
+    from engine.loader import load_model
+    from engine.prefix_cache import PrefixCache
+
+    loaded = load_model(str(tiny_model_dir))
+    ids = list(range(3, 73))
+
+    def prefill(streaming: int, **kw: Any) -> tuple[list[int], int, Any]:
+        pool = PrefixCache(loaded.model.config, 1 << 30)
+        batcher = Batcher(loaded, pool, lambda job, e: None, lambda job, r, e: None,
+                          prefill_chunk=128, **kw)
+        batcher.rows = [object()] * streaming
+        lease = pool.cold_lease("c")
+        chunks: list[int] = []
+        steps: list[int] = []
+
+        def step() -> None:
+            steps.append(len(lease.ids))
+            batcher._decode_step_s = 1e3  # a slow decode step: the next chunks may grow
+
+        batcher.step = step
+        real_step = batcher._chunk_tokens
+        batcher._chunk_tokens = lambda: chunks.append(real_step()) or chunks[-1]
+        logits = batcher._prefill_between(DetachedJob(ask("x")), lease, ids)
+        assert lease.ids == ids and logits is not None and logits.shape[0] == 1
+        return chunks, batcher.step_token_budget, steps
+
+    chunks, budget, steps = prefill(1, step_token_budget=33)
+    assert (chunks, steps, budget) == ([32, 32, 32], [32, 64], 33)
+    chunks, budget, steps = prefill(1)  # adaptive: after a slow step, chunks grow to the cap
+    assert (chunks[0], steps[0], budget) == (32, 32, 128 + 1)
+    assert prefill(0)[0] == [128] and prefill(0)[2] == []
+    assert prefill(1, interleave=False)[0:3:2] == ([128], [])
+
+
+def test_a_cancelled_job_reads_no_more_of_its_prompt(tiny_model_dir: Path) -> None:
+    from engine.batching import Batcher, DetachedJob
+    from engine.loader import load_model
+    from engine.prefix_cache import PrefixCache
+
+    loaded = load_model(str(tiny_model_dir))
+    pool = PrefixCache(loaded.model.config, 1 << 30)
+    batcher = Batcher(loaded, pool, lambda job, e: None, lambda job, r, e: None, prefill_chunk=8)
+    job = DetachedJob(ask("x"))
+    job.cancel.set()
+    lease = pool.cold_lease("c")
+    assert batcher._prefill_between(job, lease, list(range(3, 20))) is None
+    assert lease.ids == []
