@@ -233,3 +233,34 @@ def test_a_token_event_is_stamped_on_the_timeline() -> None:
     assert (event.request_id, event.index, event.token_id, event.text) == ("r", 2, 42, "hi")
     assert timeline.token_ns[:2] == [5, 9] and timeline.token_ns[2] == event.t_ns
     assert len(timeline.token_ns) == 3
+
+
+def test_a_self_draft_is_accepted_whole_and_changes_nothing(tiny: LoadedModel,
+                                                             tiny_model_dir: Path) -> None:
+    """The model as its own draft: every proposal accepted, greedy and sampled; the reply is
+    the plain one (greedy: the reference; sampled: the same seed again) and the cache mirrors
+    prompt + reply minus its last token."""
+    from engine.draft import load_draft
+
+    draft = load_draft(str(tiny_model_dir), tiny, kernel="fp32-eager")
+    prompt = fixed_prompt_ids(tiny, 12)
+    for params in (SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+                   SamplingParams(temperature=1.0, seed=7, max_tokens=9, ignore_eos=True)):
+        pool = PrefixCache(tiny.model.config, budget_bytes=1 << 30)
+        request = GenerationRequest([], params, conversation_id="c", prompt_token_ids=prompt,
+                                    speculative="draft")
+        result, events, _ = decode(tiny, request, pool, session=DecodeSession(tiny, pool, draft))
+        assert result.speculative == "draft" and result.finish_reason == "length"
+        assert result.spec_accepted == result.spec_proposed > 0
+        assert len(result.token_ids) == 9
+        tokens = [e for e in events if isinstance(e, TokenEmitted)]
+        assert [(e.index, e.token_id) for e in tokens] == list(enumerate(result.token_ids))
+        entry = pool._entries["c"]
+        assert entry.ids == prompt + result.token_ids[:-1]
+        assert entry.cache.get_seq_length() == len(entry.ids)
+        if params.greedy:
+            assert result.token_ids == reference_greedy(tiny, prompt, 9)
+        else:
+            again = decode(tiny, request, session=DecodeSession(tiny, PrefixCache(
+                tiny.model.config, budget_bytes=1 << 30), draft))[0]
+            assert again.token_ids == result.token_ids
