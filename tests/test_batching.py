@@ -578,3 +578,64 @@ def test_a_cancelled_job_reads_no_more_of_its_prompt(tiny_model_dir: Path) -> No
     lease = pool.cold_lease("c")
     assert batcher._prefill_between(job, lease, list(range(3, 20))) is None
     assert lease.ids == []
+
+
+def test_how_a_row_decides_its_reply_ends() -> None:
+    """One token per step: Stop before any token means nothing is sampled; an EOS token ends
+    the reply ("stop") unless EOS is ignored; the budget ends it ("length"); Stop after a token
+    keeps that token ("cancelled")."""
+    from types import SimpleNamespace
+
+    from engine import SamplerSnapshot
+    from engine.batching import DetachedJob
+
+    batcher = decisions()
+    batcher.loaded.tokenizer = SimpleNamespace(
+        eos_token_id=2, decode=lambda ids, skip_special_tokens=True: "".join(f"<{i}>" for i in ids))
+    events: list[Any] = []
+    batcher._emit = lambda job, event: events.append(event)
+
+    def row(budget: int = 8, **params: Any) -> Any:
+        request = ask("x", SamplingParams(temperature=0.0, **params))
+        r = batcher._new_row(DetachedJob(request), [5, 6, 7], batcher.prefix_cache.cold_lease("c"))
+        r.budget = budget
+        return r
+
+    def favour(token: int) -> torch.Tensor:
+        return torch.nn.functional.one_hot(torch.tensor(token), 10).float()
+
+    stopped = row()
+    stopped.job.cancel.set()
+    batcher._take_token(stopped, favour(4))
+    assert (stopped.generated, stopped.finish, events) == ([], "cancelled", [])
+    empty = row()
+    batcher._take_token(empty, torch.empty(0))
+    assert (empty.generated, empty.finish, events) == ([], "cancelled", [])
+
+    plain = row(budget=3)
+    for token, finish in ((4, None), (8, None), (9, "length")):
+        batcher._take_token(plain, favour(token))
+        assert plain.finish == finish
+    assert plain.generated == [4, 8, 9]
+    emitted = [e for e in events if isinstance(e, TokenEmitted)]
+    assert [(e.index, e.token_id, e.text) for e in emitted] == [(0, 4, "<4>"), (1, 8, "<8>"),
+                                                                 (2, 9, "<9>")]
+    snaps = [e for e in events if isinstance(e, SamplerSnapshot)]
+    assert snaps[0].index == 0 and snaps[0].chosen_id == 4  # the first token's, always
+
+    eos = row(budget=1)
+    batcher._take_token(eos, favour(3))  # 3 is an EOS id (and the budget is reached)
+    assert (eos.generated, eos.finish) == ([3], "stop")
+    ignored = row(ignore_eos=True)
+    batcher._take_token(ignored, favour(2))
+    assert ignored.finish is None
+
+    late = row()
+    batcher._take_token(late, favour(4))
+    late.job.cancel.set()
+    batcher._take_token(late, favour(5))
+    assert (late.generated, late.finish) == ([4, 5], "cancelled")
+
+    penalised = row(repetition_penalty=4.0)
+    batcher._take_token(penalised, torch.tensor([0.0, 0, 0, 0, 0, 3.0, 0, 0, 1.0, 0]))
+    assert penalised.generated == [8]  # 5 is in the prompt: 3.0 / 4 < 1.0
