@@ -317,3 +317,325 @@ def test_real_model_batched_matches_alone(real_engine: Engine) -> None:
                                          "Name three colours.", "Say hi.")]
     expected = [alone(real_engine, r).token_ids for r in requests]
     assert [h.wait(120).token_ids for h in [real_engine.submit(r) for r in requests]] == expected
+
+
+# ----- the scheduler's decisions on their own (mutation testing, `make mutation`) ---------------
+def fake_loaded(context: int = 64, template_fallback: bool = False) -> Any:
+    """What the Batcher reads of a loaded model to decide things, without a model."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        device=torch.device("cpu"), tokenizer=SimpleNamespace(eos_token_id=2),
+        model=SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[2, 3])),
+        info=SimpleNamespace(template_fallback=template_fallback, context_length=context))
+
+
+def decisions(prefill_chunk: int = 256, streaming: int = 0, **kw: Any) -> Any:
+    """A Batcher with `streaming` placeholder rows (only their count matters here)."""
+    from engine.batching import Batcher
+    from engine.prefix_cache import PrefixCache
+
+    batcher = Batcher(fake_loaded(), PrefixCache(None, 1 << 20), lambda job, e: None,
+                      lambda job, result, error: None, prefill_chunk=prefill_chunk, **kw)
+    batcher.rows = [object()] * streaming
+    return batcher
+
+
+def test_only_plain_requests_join_the_batch() -> None:
+    from engine.batching import batchable
+
+    assert batchable(ask("hi"))
+    assert not batchable(ask("hi", speculative="ngram"))
+    assert not batchable(ask("hi", speculative="draft"))
+
+
+def test_only_caches_of_plain_attention_layers_batch() -> None:
+    from types import SimpleNamespace
+
+    from transformers import Lfm2Config, LlamaConfig, MistralConfig
+
+    from engine.batching import cache_supports_batching
+
+    sizes = dict(num_hidden_layers=2, hidden_size=16, intermediate_size=32, vocab_size=50,
+                 num_attention_heads=2, num_key_value_heads=1)
+    conv = Lfm2Config(**sizes, layer_types=["conv", "full_attention"])
+    for config, expected in ((LlamaConfig(**sizes), True),
+                             (MistralConfig(**sizes, sliding_window=4), True),  # kept whole
+                             (conv, False), (None, False)):  # a recurrent layer; no layers
+        loaded = SimpleNamespace(model=SimpleNamespace(config=config))
+        assert cache_supports_batching(loaded) is expected, config
+
+
+def test_a_prompt_alone_is_read_in_whole_chunks() -> None:
+    assert decisions(prefill_chunk=256)._chunk_tokens() == 256
+    assert decisions(prefill_chunk=256, streaming=3, interleave=False)._chunk_tokens() == 256
+
+
+def test_beside_streaming_rows_a_chunk_is_the_budget_less_one_token_a_row() -> None:
+    from engine.batching import MIN_INTERLEAVED_CHUNK, STEP_TOKEN_BUDGET
+
+    assert decisions()._chunk_tokens() == 256
+    assert decisions(streaming=1).step_token_budget == STEP_TOKEN_BUDGET == 32
+    assert MIN_INTERLEAVED_CHUNK == 32
+    for budget, rows, expected in ((100, 3, 97), (100, 1, 99), (1000, 3, 256),
+                                   (34, 3, 32), (32, 1, 32)):  # never below 32 tokens
+        batcher = decisions(streaming=rows, step_token_budget=budget)
+        assert batcher._chunk_tokens() == expected, (budget, rows)
+    assert decisions(prefill_chunk=16, streaming=1, step_token_budget=100)._chunk_tokens() == 32
+
+
+def test_the_budget_follows_the_clock_halfway_and_within_bounds() -> None:
+    """The next chunk should take about one decode step (CHUNK_STALL = 1): the budget scales
+    by sqrt(step / chunk), between 32 + rows and the prefill chunk + rows."""
+
+    def adapted(budget: int, step_s: float, chunk_s: float, rows: int = 2) -> int:
+        batcher = decisions(streaming=rows)
+        batcher.step_token_budget, batcher._decode_step_s = budget, step_s
+        batcher._adapt_budget(chunk_s)
+        return batcher.step_token_budget
+
+    assert adapted(100, 0.09, 0.04) == 150  # sqrt(2.25): chunks were cheap, grow them
+    assert adapted(100, 0.01, 0.0225) == 67  # sqrt(0.444...) = 0.667
+    assert adapted(100, 0.04, 0.04) == 100
+    assert adapted(32, 0.01, 0.04) == 34  # halved to 16, floored at 32 + 2 rows
+    assert adapted(32, 0.01, 0.04, rows=5) == 37
+    assert adapted(200, 0.04, 0.01) == 258  # doubled to 400, capped at 256 + 2 rows
+    assert adapted(100, 0.0, 0.04) == 100  # no decode step measured yet
+    assert adapted(100, 0.04, 0.0) == 100
+    fixed = decisions(streaming=2, step_token_budget=100)
+    fixed._decode_step_s = 0.09
+    fixed._adapt_budget(0.04)
+    assert fixed.step_token_budget == 100  # a given budget stays
+
+
+def test_a_row_may_generate_up_to_max_tokens_or_the_context_left() -> None:
+    from engine.batching import DetachedJob
+    from engine.generate import FALLBACK_STOPS
+
+    batcher = decisions()
+    lease = batcher.prefix_cache.cold_lease("c")
+    prompt = list(range(60))  # the fake context: 64
+    row = batcher._new_row(DetachedJob(ask("x", SamplingParams(max_tokens=10))), prompt, lease)
+    assert row.budget == 4
+    row = batcher._new_row(DetachedJob(ask("x", SamplingParams(max_tokens=3))), prompt, lease)
+    assert row.budget == 3
+    assert (row.prompt_ids, row.lease, row.generated, row.finish) == (prompt, lease, [], None)
+    greedy = batcher._new_row(DetachedJob(ask("x", GREEDY)), prompt, lease)
+    assert greedy.generator is None
+    seeded = batcher._new_row(DetachedJob(ask("x", SamplingParams(seed=5))), prompt, lease)
+    assert torch.rand(1, generator=seeded.generator).item() == \
+        torch.rand(1, generator=torch.Generator().manual_seed(5)).item()
+    stops = SamplingParams(stop=("END",), max_tokens=4)
+    plain = batcher._new_row(DetachedJob(ask("x", stops)), prompt, lease)
+    assert plain.stopper.feed("a END b") == "a " and plain.stopper.stopped
+    from engine.batching import Batcher
+
+    fallback = Batcher(fake_loaded(template_fallback=True), batcher.prefix_cache,
+                       lambda job, e: None, lambda job, r, e: None, prefill_chunk=8)
+    row = fallback._new_row(DetachedJob(ask("x", stops)), prompt, lease)
+    assert row.stopper.feed(f"a {FALLBACK_STOPS[0]}") == "a " and row.stopper.stopped
+    row = fallback._new_row(DetachedJob(ask("x", stops)), prompt, lease)
+    assert row.stopper.feed("a END") == "a " and row.stopper.stopped
+
+
+def test_the_batcher_knows_its_stop_tokens_and_room() -> None:
+    from engine.batching import MAX_BATCH
+
+    batcher = decisions(streaming=3)
+    assert batcher.eos_ids == {2, 3}
+    assert batcher.room == MAX_BATCH - 3
+    assert batcher.prefill_chunk == 256 and batcher.interleave and batcher.beside
+    from engine.generate import CPU_PREFILL_CHUNK
+
+    assert decisions(prefill_chunk=0).prefill_chunk == CPU_PREFILL_CHUNK  # the device's own
+
+
+def test_batched_rows_apply_the_repetition_penalty_to_their_own_tokens(
+        engine: Engine, sharp_model_dir: Path) -> None:
+    """Each row's penalty covers its own prompt and reply: checked against a plain forward over
+    the whole sequence per token (tests/test_decode_loop.py's reference), not the engine."""
+    from engine.loader import load_model
+    from tests.test_decode_loop import reference_greedy
+
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                            repetition_penalty=5.0)
+    requests = [ask(p, params) for p in PROMPTS[1:3]]
+    results = [h.wait(60) for h in [engine.submit(r) for r in requests]]
+    loaded = load_model(str(sharp_model_dir))
+    for result in results:
+        assert result.token_ids == reference_greedy(loaded, result.prompt_token_ids, 16, 5.0)
+    plain = [reference_greedy(loaded, r.prompt_token_ids, 16) for r in results]
+    assert plain != [r.token_ids for r in results]  # the penalty changed a reply
+
+
+def test_a_long_prompt_is_read_beside_streaming_rows_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The schedule of a joining prompt: beside the rows (a side thread) only when rows stream,
+    both beside and interleave are on, and its uncached part is long enough; else between."""
+    from engine import batching
+    from engine.batching import DetachedJob
+    from tests.test_prefix_cache import feed
+
+    asked: list[int] = []
+    monkeypatch.setattr(batching, "can_prefill_beside",
+                        lambda loaded, n: asked.append(n) is None and n >= 10)
+
+    def path(prompt: int, cached: int = 0, streaming: int = 1, **kw: Any) -> tuple[str, Any]:
+        batcher = decisions(streaming=streaming, **kw)
+        if cached:
+            lease = batcher.prefix_cache.acquire("c", list(range(cached + 1)))
+            feed(lease, list(range(cached)))
+            batcher.prefix_cache.release(lease)
+        taken: list[str] = []
+        batcher._prefill_beside = lambda job, lease, ids: taken.append(f"beside {len(ids)}")
+        batcher._prefill_between = lambda job, lease, ids: taken.append(f"between {len(ids)}")
+        job = DetachedJob(GenerationRequest([], SamplingParams(max_tokens=4), conversation_id="c",
+                                            prompt_token_ids=list(range(prompt))))
+        row, logits = batcher._prefill(job)
+        assert logits.numel() == 0 and job.timeline.first_logits_ns == 0  # Stop came first
+        assert job.timeline.prefill_start_ns > 0
+        return taken[0], row
+
+    assert path(12)[0] == "beside 12"
+    assert path(9)[0] == "between 9"
+    assert path(14, cached=5)[0] == "between 9"  # only the uncached part counts
+    assert asked[-1] == 9
+    assert path(12, streaming=0)[0] == "between 12"  # nothing streams: every core to it
+    assert path(12, beside=False)[0] == "between 12"
+    assert path(12, interleave=False)[0] == "between 12"
+    row = path(14, cached=5)[1]
+    assert (row.prompt_ids, row.lease.cached_tokens, row.lease.miss_reason) == \
+        (list(range(14)), 5, "none")
+
+
+def test_a_joining_prompt_reports_its_prefill_and_first_logits() -> None:
+    from engine.batching import DetachedJob
+
+    batcher = decisions()
+    events: list[Any] = []
+    batcher._emit = lambda job, event: events.append(event)
+    batcher._prefill_between = lambda job, lease, ids: torch.tensor([[0.5, 1.5]])
+    job = DetachedJob(GenerationRequest([], SamplingParams(max_tokens=4), conversation_id="c",
+                                        prompt_token_ids=[1, 2, 3], reuse_cache=False))
+    row, logits = batcher._prefill(job)
+    assert logits.tolist() == [0.5, 1.5]
+    assert job.timeline.first_logits_ns >= job.timeline.prefill_start_ns > 0
+    started = events[0]
+    assert isinstance(started, PrefillStarted)
+    assert (started.request_id, started.t_ns, started.prompt_tokens, started.cached_tokens,
+            started.cache_miss_reason) == (job.request.request_id, job.timeline.prefill_start_ns,
+                                           3, 0, "disabled")
+    assert row.lease.miss_reason == "disabled"
+
+
+def test_chunks_alternate_with_decode_steps_while_rows_stream(tiny_model_dir: Path) -> None:
+    """A 70-token prompt beside one streaming row, at a budget of 33: chunks of 32 (32, 32, 6 fed)
+    with a decode step between two chunks (none after the last); alone: one chunk."""
+    from engine.batching import Batcher, DetachedJob
+    from engine.loader import load_model
+    from engine.prefix_cache import PrefixCache
+
+    loaded = load_model(str(tiny_model_dir))
+    ids = list(range(3, 73))
+
+    def prefill(streaming: int, **kw: Any) -> tuple[list[int], int, Any]:
+        pool = PrefixCache(loaded.model.config, 1 << 30)
+        batcher = Batcher(loaded, pool, lambda job, e: None, lambda job, r, e: None,
+                          prefill_chunk=128, **kw)
+        batcher.rows = [object()] * streaming
+        lease = pool.cold_lease("c")
+        chunks: list[int] = []
+        steps: list[int] = []
+
+        def step() -> None:
+            steps.append(len(lease.ids))
+            batcher._decode_step_s = 1e3  # a slow decode step: the next chunks may grow
+
+        batcher.step = step
+        real_step = batcher._chunk_tokens
+        batcher._chunk_tokens = lambda: chunks.append(real_step()) or chunks[-1]
+        logits = batcher._prefill_between(DetachedJob(ask("x")), lease, ids)
+        assert lease.ids == ids and logits is not None and logits.shape[0] == 1
+        return chunks, batcher.step_token_budget, steps
+
+    chunks, budget, steps = prefill(1, step_token_budget=33)
+    assert (chunks, steps, budget) == ([32, 32, 32], [32, 64], 33)
+    chunks, budget, steps = prefill(1)  # adaptive: after a slow step, chunks grow to the cap
+    assert (chunks[0], steps[0], budget) == (32, 32, 128 + 1)
+    assert prefill(0)[0] == [128] and prefill(0)[2] == []
+    assert prefill(1, interleave=False)[0:3:2] == ([128], [])
+
+
+def test_a_cancelled_job_reads_no_more_of_its_prompt(tiny_model_dir: Path) -> None:
+    from engine.batching import Batcher, DetachedJob
+    from engine.loader import load_model
+    from engine.prefix_cache import PrefixCache
+
+    loaded = load_model(str(tiny_model_dir))
+    pool = PrefixCache(loaded.model.config, 1 << 30)
+    batcher = Batcher(loaded, pool, lambda job, e: None, lambda job, r, e: None, prefill_chunk=8)
+    job = DetachedJob(ask("x"))
+    job.cancel.set()
+    lease = pool.cold_lease("c")
+    assert batcher._prefill_between(job, lease, list(range(3, 20))) is None
+    assert lease.ids == []
+
+
+def test_how_a_row_decides_its_reply_ends() -> None:
+    """One token per step: Stop before any token means nothing is sampled; an EOS token ends
+    the reply ("stop") unless EOS is ignored; the budget ends it ("length"); Stop after a token
+    keeps that token ("cancelled")."""
+    from types import SimpleNamespace
+
+    from engine import SamplerSnapshot
+    from engine.batching import DetachedJob
+
+    batcher = decisions()
+    batcher.loaded.tokenizer = SimpleNamespace(
+        eos_token_id=2, decode=lambda ids, skip_special_tokens=True: "".join(f"<{i}>" for i in ids))
+    events: list[Any] = []
+    batcher._emit = lambda job, event: events.append(event)
+
+    def row(budget: int = 8, **params: Any) -> Any:
+        request = ask("x", SamplingParams(temperature=0.0, **params))
+        r = batcher._new_row(DetachedJob(request), [5, 6, 7], batcher.prefix_cache.cold_lease("c"))
+        r.budget = budget
+        return r
+
+    def favour(token: int) -> torch.Tensor:
+        return torch.nn.functional.one_hot(torch.tensor(token), 10).float()
+
+    stopped = row()
+    stopped.job.cancel.set()
+    batcher._take_token(stopped, favour(4))
+    assert (stopped.generated, stopped.finish, events) == ([], "cancelled", [])
+    empty = row()
+    batcher._take_token(empty, torch.empty(0))
+    assert (empty.generated, empty.finish, events) == ([], "cancelled", [])
+
+    plain = row(budget=3)
+    for token, finish in ((4, None), (8, None), (9, "length")):
+        batcher._take_token(plain, favour(token))
+        assert plain.finish == finish
+    assert plain.generated == [4, 8, 9]
+    emitted = [e for e in events if isinstance(e, TokenEmitted)]
+    assert [(e.index, e.token_id, e.text) for e in emitted] == [(0, 4, "<4>"), (1, 8, "<8>"),
+                                                                 (2, 9, "<9>")]
+    snaps = [e for e in events if isinstance(e, SamplerSnapshot)]
+    assert snaps[0].index == 0 and snaps[0].chosen_id == 4  # the first token's, always
+
+    eos = row(budget=1)
+    batcher._take_token(eos, favour(3))  # 3 is an EOS id (and the budget is reached)
+    assert (eos.generated, eos.finish) == ([3], "stop")
+    ignored = row(ignore_eos=True)
+    batcher._take_token(ignored, favour(2))
+    assert ignored.finish is None
+
+    late = row()
+    batcher._take_token(late, favour(4))
+    late.job.cancel.set()
+    batcher._take_token(late, favour(5))
+    assert (late.generated, late.finish) == ([4, 5], "cancelled")
+
+    penalised = row(repetition_penalty=4.0)
+    batcher._take_token(penalised, torch.tensor([0.0, 0, 0, 0, 0, 3.0, 0, 0, 1.0, 0]))
+    assert penalised.generated == [8]  # 5 is in the prompt: 3.0 / 4 < 1.0

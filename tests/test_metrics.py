@@ -43,3 +43,76 @@ def test_percentile_matches_linear_interpolation() -> None:
     assert percentile(values, 50) == 3.0
     assert percentile(values, 90) == pytest.approx(4.6)
     assert percentile([], 99) == 0.0
+
+
+# ----- edge cases and every field (mutation testing, `make mutation`) ---------------------------
+def metrics_of(tl: RequestTimeline, **kw) -> object:
+    args = dict(prompt_tokens=10, cached_tokens=4, parameters=1000, weight_bytes_per_step=10**9,
+                cache_miss_reason="edited_history")
+    args.update(kw)
+    return compute_metrics(tl, **args)
+
+
+def test_every_field_of_a_finished_request() -> None:
+    tl = RequestTimeline(submitted_ns=5 * MS, prefill_start_ns=7 * MS, first_logits_ns=47 * MS,
+                         token_ns=[50 * MS, 60 * MS, 90 * MS], done_ns=95 * MS)
+    d = metrics_of(tl).to_dict()
+    assert d.pop("itl_s") == pytest.approx([0.010, 0.030])
+    assert d == pytest.approx({
+        "queue_s": 0.002, "prefill_s": 0.040, "ttft_s": 0.045,
+        "tpot_s": (0.090 - 0.045) / 2, "decode_s": 0.040, "decode_tok_s": 2 / 0.040,
+        "e2e_s": 0.090, "prompt_tokens": 10, "cached_tokens": 4, "prefilled_tokens": 6,
+        "output_tokens": 3, "parameters": 1000, "weight_bytes_per_step": 10**9,
+        "achieved_gb_s": 1.0 * 2 / 0.040, "prefill_tflop_s": 2 * 1000 * 6 / 0.040 / 1e12,
+        "itl_p50_s": 0.020, "itl_p90_s": 0.028, "itl_p99_s": 0.0298,
+        "cache_miss_reason": "edited_history", "prompt_tokens_known": True,
+        "cached_tokens_known": True,
+    })
+
+
+def test_cancelled_before_its_prefill_queued_until_done() -> None:
+    """No prefill start: the whole wait was the queue; no prefill, no tokens."""
+    tl = RequestTimeline(submitted_ns=2 * MS, done_ns=32 * MS)
+    m = metrics_of(tl)
+    assert (m.queue_s, m.prefill_s, m.ttft_s, m.e2e_s) == pytest.approx((0.030, 0.0, 0.0, 0.030))
+    assert (m.output_tokens, m.itl_s, m.decode_s, m.decode_tok_s, m.tpot_s) == (0, [], 0.0, 0.0,
+                                                                                0.0)
+    assert (m.prefill_tflop_s, m.achieved_gb_s) == (0.0, 0.0)
+    assert (m.itl_p50_s, m.itl_p90_s, m.itl_p99_s) == (0.0, 0.0, 0.0)
+
+
+def test_stopped_inside_the_prefill_has_no_prefill_time() -> None:
+    tl = RequestTimeline(submitted_ns=0, prefill_start_ns=4 * MS, done_ns=9 * MS)
+    m = metrics_of(tl)
+    assert (m.queue_s, m.prefill_s, m.e2e_s) == pytest.approx((0.004, 0.0, 0.009))
+    assert m.prefill_tflop_s == 0.0
+
+
+def test_tokens_on_one_clock_tick_have_no_decode_rate() -> None:
+    tl = RequestTimeline(submitted_ns=0, prefill_start_ns=1, first_logits_ns=2, token_ns=[3, 3],
+                         done_ns=4)
+    m = metrics_of(tl)
+    assert (m.decode_s, m.decode_tok_s, m.achieved_gb_s) == (0.0, 0.0, 0.0)
+    assert m.tpot_s == pytest.approx((4 - 3) * 1e-9)
+
+
+def test_two_tokens_decode_rate() -> None:
+    tl = RequestTimeline(submitted_ns=MS, prefill_start_ns=MS, first_logits_ns=2 * MS,
+                         token_ns=[3 * MS, 7 * MS], done_ns=8 * MS)
+    m = metrics_of(tl, prompt_tokens=3, cached_tokens=0, weight_bytes_per_step=4 * 10**9)
+    assert (m.decode_s, m.decode_tok_s) == pytest.approx((0.004, 250.0))
+    assert m.achieved_gb_s == pytest.approx(1000.0)
+    assert m.prefill_tflop_s == pytest.approx(2 * 1000 * 3 / 0.001 / 1e12)
+    assert m.itl_s == pytest.approx([0.004])
+    assert (m.itl_p50_s, m.itl_p90_s, m.itl_p99_s) == pytest.approx((0.004, 0.004, 0.004))
+
+
+def test_percentiles_interpolate_between_neighbours() -> None:
+    from engine.metrics import percentiles
+
+    values = [10.0, 40.0, 20.0, 30.0]
+    assert percentiles(values, (0, 25, 50, 100)) == pytest.approx([10.0, 17.5, 25.0, 40.0])
+    assert percentiles([7.0], (0, 50, 99)) == [7.0, 7.0, 7.0]
+    assert percentiles([], (50, 90)) == [0.0, 0.0]
+    assert percentile([1.0, 2.0], 99) == pytest.approx(1.99)
+    assert values == [10.0, 40.0, 20.0, 30.0]  # the caller's list is left as it was

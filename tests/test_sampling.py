@@ -101,3 +101,199 @@ def test_sampler_view_reports_cut() -> None:
 def test_invalid_params_are_refused(kwargs: dict, message: str) -> None:
     with pytest.raises(InvalidRequestError, match=message):
         SamplingParams(**kwargs).validate()
+
+
+# ----- exact values (mutation testing, `make mutation`): each computed here independently -------
+def softmax(values: list[float]) -> list[float]:
+    top = max(values)
+    weights = [math.exp(v - top) for v in values]
+    return [w / sum(weights) for w in weights]
+
+
+def test_temperature_divides_the_logits_exactly() -> None:
+    logits = [2.0, 1.0, 0.0, -1.0]
+    for temperature in (0.5, 1.0, 2.0):
+        probs = filtered_probs(torch.tensor(logits), SamplingParams(temperature=temperature))
+        expected = softmax([v / temperature for v in logits])
+        assert probs.tolist() == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_tiny_temperature_stays_finite() -> None:
+    """Shifting by the max first: 1000 / 1e-36 would overflow float32 to inf (then NaN)."""
+    logits = torch.tensor([1000.0, 999.0])
+    params = SamplingParams(temperature=1e-36)
+    assert filtered_probs(logits, params).tolist() == [1.0, 0.0]
+    assert sampler_view(logits, params)[0] == [(0, 1.0), (1, 0.0)]
+    assert sample_token(logits, params, make_generator(1)) == 0
+
+
+def test_top_p_of_one_is_off_even_for_a_vanishing_tail() -> None:
+    """p = 1 keeps every token: the mass before a 1e-13 tail rounds to 1.0 in float32."""
+    probs = filtered_probs(torch.tensor([0.0, -30.0, -30.0]), SamplingParams(temperature=1.0))
+    assert torch.count_nonzero(probs) == 3
+
+
+def test_top_k_keeps_exactly_k_renormalised() -> None:
+    logits = [3.0, 1.0, 2.0, 0.0, -1.0]
+    probs = filtered_probs(torch.tensor(logits), SamplingParams(temperature=1.0, top_k=2))
+    kept = softmax([3.0, 2.0])
+    assert probs.tolist() == pytest.approx([kept[0], 0.0, kept[1], 0.0, 0.0], rel=1e-5)
+
+
+def test_top_k_of_one_is_the_argmax() -> None:
+    probs = filtered_probs(torch.tensor([0.5, 2.0, 1.0]), SamplingParams(temperature=1.0, top_k=1))
+    assert probs.tolist() == [0.0, 1.0, 0.0]
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth() -> None:
+    probs = filtered_probs(torch.tensor([1.0, 1.0, 1.0, 0.0]),
+                           SamplingParams(temperature=1.0, top_k=2))
+    assert probs.tolist() == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0.0])
+
+
+def test_top_k_at_or_above_the_vocabulary_is_off() -> None:
+    logits = torch.tensor([2.0, 1.0, 0.0])
+    plain = filtered_probs(logits, SamplingParams(temperature=1.0))
+    assert plain.tolist() == pytest.approx(softmax([2.0, 1.0, 0.0]), rel=1e-5)
+    for k in (3, 50):
+        assert filtered_probs(logits, SamplingParams(temperature=1.0, top_k=k)).tolist() == \
+            plain.tolist()
+
+
+def test_top_p_stops_where_the_mass_before_a_token_reaches_p() -> None:
+    """Four equal tokens (0.25 each, exact in float): p = 0.5 keeps two, as the mass before the
+    third is exactly 0.5; p = 0.51 keeps three."""
+    logits = torch.zeros(4)
+    half = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.5))
+    assert half.tolist() == [0.5, 0.5, 0.0, 0.0]
+    more = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.51))
+    assert more.tolist() == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0.0])
+
+
+def test_top_p_drops_the_tail_of_an_unsorted_vocabulary() -> None:
+    """The cut is made in probability order, then mapped back to token ids."""
+    logits = logits_from_probs([0.05, 0.3, 0.15, 0.5])
+    probs = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    assert probs.tolist() == pytest.approx([0.0, 0.375, 0.0, 0.625], rel=1e-5)
+
+
+def test_min_p_floor_is_relative_to_the_most_likely_token() -> None:
+    logits = logits_from_probs([0.1, 0.4, 0.3, 0.2])
+    probs = filtered_probs(logits, SamplingParams(temperature=1.0, min_p=0.6))
+    assert probs.tolist() == pytest.approx([0.0, 4 / 7, 3 / 7, 0.0], rel=1e-5)
+    off = filtered_probs(logits, SamplingParams(temperature=1.0, min_p=0.0))
+    assert off.tolist() == pytest.approx([0.1, 0.4, 0.3, 0.2], rel=1e-5)
+
+
+def test_filters_compose_in_order() -> None:
+    """temperature, then top-k, top-p and min-p, each cutting one more token."""
+    logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
+    params = SamplingParams(temperature=2.0, top_k=4, top_p=0.85, min_p=0.5)
+    after_k = softmax([2.0, 1.5, 1.0, 0.5])  # T = 2; top-k cuts the last token
+    assert sum(after_k[:2]) < 0.85 <= sum(after_k[:3])  # top-p cuts the fourth
+    assert after_k[2] / after_k[0] < 0.5 <= after_k[1] / after_k[0]  # min-p cuts the third
+    kept = after_k[0] + after_k[1]
+    expected = [after_k[0] / kept, after_k[1] / kept, 0.0, 0.0, 0.0]
+    assert filtered_probs(logits, params).tolist() == pytest.approx(expected, rel=1e-5)
+
+
+def test_filtered_probs_works_row_by_row_on_a_batch() -> None:
+    """[..., vocab] logits: each row is filtered and renormalised on its own."""
+    rows = torch.tensor([[3.0, 1.0, 0.0, -2.0], [0.0, 0.5, 4.0, 1.0]])
+    for params in (SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_k=2),
+                   SamplingParams(temperature=1.0, top_p=0.6),
+                   SamplingParams(temperature=1.0, min_p=0.2)):
+        batch = filtered_probs(rows, params)
+        for i in range(2):
+            assert batch[i].tolist() == pytest.approx(filtered_probs(rows[i], params).tolist())
+
+
+def test_repetition_penalty_shrinks_small_positive_and_grows_negative_logits() -> None:
+    logits = torch.tensor([0.5, -0.5, 0.0, 3.0])
+    out = apply_repetition_penalty(logits, [0, 1, 2, 0, 2], 2.0)
+    assert out.tolist() == [0.25, -1.0, 0.0, 3.0]
+    assert apply_repetition_penalty(logits, [0], 1.0).tolist() == logits.tolist()
+    assert apply_repetition_penalty(logits, [], 2.0).tolist() == logits.tolist()
+
+
+def test_repetition_penalty_changes_which_token_is_greedy() -> None:
+    logits = torch.tensor([2.0, 1.5, 0.0])
+    greedy = SamplingParams(temperature=0, repetition_penalty=1.5)
+    assert sample_token(logits, greedy, None) == 0
+    assert sample_token(logits, greedy, None, previous_ids=[0]) == 1  # 2.0 / 1.5 < 1.5
+
+
+def test_infinite_logits_are_refused() -> None:
+    with pytest.raises(SamplingError, match="infinite"):
+        sample_token(torch.tensor([0.0, float("inf")]), SamplingParams(temperature=0), None)
+
+
+def test_some_masked_logits_are_fine() -> None:
+    logits = torch.tensor([float("-inf"), 1.0, float("-inf"), 0.5])
+    assert sample_token(logits, SamplingParams(temperature=0), None) == 1
+    gen = make_generator(7)
+    draws = {sample_token(logits, SamplingParams(temperature=1.0), gen) for _ in range(30)}
+    assert draws <= {1, 3}
+
+
+def test_a_penalty_that_overflows_a_logit_is_refused() -> None:
+    """A penalty below 1 grows a seen positive logit: 3e38 / 0.5 overflows float32."""
+    logits = torch.tensor([3e38, 0.0])
+    params = SamplingParams(temperature=0, repetition_penalty=0.5)
+    with pytest.raises(SamplingError, match="infinite"):
+        sample_token(logits, params, None, previous_ids=[0])
+
+
+def test_sampling_draws_with_the_given_generator() -> None:
+    """The request's generator, not the global one: the same seed draws the same tokens
+    whatever else used torch's global generator in between."""
+    logits = torch.zeros(1000)
+    params = SamplingParams(temperature=1.0)
+    first = [sample_token(logits, params, make_generator(99)) for _ in range(3)]
+    torch.rand(10)  # move the global generator on
+    again = [sample_token(logits, params, make_generator(99)) for _ in range(3)]
+    assert first == again
+    assert len(set(first)) == 1  # a fresh generator of one seed: the same first draw each time
+    expected = int(torch.multinomial(torch.full((1000,), 1e-3), 1,
+                                     generator=torch.Generator().manual_seed(99)))
+    assert first[0] == expected
+
+
+def test_an_unseeded_generator_differs_between_requests() -> None:
+    logits = torch.zeros(1 << 16)
+    params = SamplingParams(temperature=1.0)
+    draws = {sample_token(logits, params, make_generator(None)) for _ in range(4)}
+    assert len(draws) > 1  # 4 draws among 65,536 equal tokens: all equal 1 time in 2**48
+
+
+def test_sampler_view_probabilities_are_after_temperature() -> None:
+    logits = torch.tensor([2.0, 0.0, 1.0])
+    top, kept = sampler_view(logits, SamplingParams(temperature=0.5), k=2)
+    expected = softmax([4.0, 0.0, 2.0])
+    assert [t for t, _ in top] == [0, 2]
+    assert [p for _, p in top] == pytest.approx([expected[0], expected[2]], rel=1e-5)
+    assert kept == 2
+
+
+def test_sampler_view_for_greedy_is_the_plain_softmax_and_keeps_one() -> None:
+    logits = torch.tensor([2.0, 0.0, 1.0])
+    top, kept = sampler_view(logits, SamplingParams(temperature=0))
+    assert [t for t, _ in top] == [0, 2, 1]  # k = 12 > vocabulary: all three
+    plain = softmax([2.0, 0.0, 1.0])
+    assert [p for _, p in top] == pytest.approx([plain[0], plain[2], plain[1]], rel=1e-5)
+    assert kept == 1
+
+
+def test_sampler_view_shows_twelve_candidates() -> None:
+    logits = torch.arange(20, dtype=torch.float32)
+    top, kept = sampler_view(logits, SamplingParams(temperature=1.0))
+    assert [t for t, _ in top] == list(range(19, 7, -1))
+    assert kept == 12
+
+
+def test_sampler_view_counts_only_top_candidates_that_survive() -> None:
+    logits = torch.tensor([5.0, 4.0, 3.0, 2.0, 1.0, 0.0])
+    _, kept = sampler_view(logits, SamplingParams(temperature=1.0, top_k=4), k=3)
+    assert kept == 3  # four survive, three of them shown
+    _, kept = sampler_view(logits, SamplingParams(temperature=1.0, top_k=2), k=3)
+    assert kept == 2
