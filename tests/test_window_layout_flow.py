@@ -13,6 +13,7 @@ from PySide6.QtGui import QColor, QPalette
 from PySide6.QtTest import QTest
 from PySide6.QtWidgets import QMenu, QScrollArea, QWidget
 
+from engine import RequestFinished, TokenEmitted
 from tests.window_helpers import (
     WAIT_MS,
     banner,
@@ -21,6 +22,7 @@ from tests.window_helpers import (
     settings,
     show_and_wait,
 )
+from tests.window_scenarios import Gate
 from ui.main_window import CHAT_MIN_WIDTH, DOCK_WIDTH
 
 
@@ -138,25 +140,41 @@ def test_alternatives_are_shown_in_their_order_while_a_later_one_has_finished(
     settings(window, temperature=80, max_tokens=200)  # sampled; long enough to still stream
     window.composer.alternatives.setValue(2)
     labels = ["Alternative 1", "Alternative 2"]
-    seen: list[tuple[bool, list[str]]] = []  # (is alternative 1 still streaming, view order)
+    ids: list[str] = []
+    seen: list[tuple[bool, list[str], int]] = []  # (1 still streaming, view order, 1's text)
+    after: list[str] = []  # alternative 1's tokens after alternative 2 ended (engine thread)
 
     def on_finished(result: Any) -> None:
         if result.request_id == ids[1]:
-            seen.append((ids[0] in window.session.replies, shown_order(window, labels)))
+            seen.append((ids[0] in window.session.replies, shown_order(window, labels),
+                         len(window.chat.stream_text(ids[0]))))
+
+    def sixteen_tokens_after_alternative_2(event: Any) -> bool:
+        if isinstance(event, RequestFinished) and event.request_id == ids[1]:
+            after.append("ended")
+        elif isinstance(event, TokenEmitted) and after and event.request_id == ids[0]:
+            after.append(event.text)
+        return len(after) > 16
 
     window.sig_reply_finished.connect(on_finished)
     assert window.send("Two takes")
-    ids = window.session.alternative_sets[window.conversation_id].request_ids
-    window.session.backend.cancel(ids[1])  # alternative 2 ends first
-    qtbot.waitUntil(lambda: bool(seen), timeout=WAIT_MS)
-    assert seen == [(True, labels)]  # alternative 2 ended while 1 streamed: still below it
-    streamed = len(window.chat.stream_text(ids[0]))
-    qtbot.waitUntil(lambda: len(window.chat.stream_text(ids[0])) > streamed + 4,
-                    timeout=WAIT_MS)
-    window.chat.flush()
-    text = window.chat.toPlainText()
-    between = text[text.index(labels[0]):text.index(labels[1])]
-    assert window.chat.stream_text(ids[0]) in between  # its new text lands in its own block
+    ids += window.session.alternative_sets[window.conversation_id].request_ids
+    # Alternative 1 is held 16 tokens after 2 ended: still streaming whatever the machine's speed.
+    gate = Gate(window.session.backend, sixteen_tokens_after_alternative_2)
+    try:
+        window.session.backend.cancel(ids[1])  # alternative 2 ends first
+        qtbot.waitUntil(lambda: bool(seen), timeout=WAIT_MS)
+        still_streaming, order, streamed = seen[0]
+        assert (still_streaming, order) == (True, labels)  # 2 ended while 1 streamed: below it
+        gate.wait(qtbot, WAIT_MS)
+        qtbot.waitUntil(lambda: len(window.chat.stream_text(ids[0])) > streamed,
+                        timeout=WAIT_MS)
+        window.chat.flush()
+        text = window.chat.toPlainText()
+        between = text[text.index(labels[0]):text.index(labels[1])]
+        assert window.chat.stream_text(ids[0]) in between  # its new text lands in its own block
+    finally:
+        gate.release()
     with qtbot.waitSignal(window.sig_alternatives_ready, timeout=WAIT_MS):
         window.session.backend.cancel(ids[0])
     assert shown_order(window, labels) == labels
