@@ -526,12 +526,19 @@ def test_a_released_turn_clears_model_changed() -> None:
     assert pool.acquire("a", [1, 2]).miss_reason == "model_changed"
 
 
+def pool_with_a_ledger(names: str) -> PrefixCache:
+    """A small pool whose ledger remembers names[0] as model_changed and names[1] as evicted
+    (by names[2], which stays cached)."""
+    pool = PrefixCache(None, budget_bytes=3 * POSITION_BYTES)
+    run_turn(pool, names[0], [1, 2])
+    pool.reset(model_changed=True)
+    run_turn(pool, names[1], [1, 2, 3])
+    run_turn(pool, names[2], [4, 5, 6])  # names[1] is evicted
+    return pool
+
+
 def test_a_new_pool_inherits_the_ledger() -> None:
-    old = PrefixCache(None, budget_bytes=3 * POSITION_BYTES)
-    run_turn(old, "m", [1, 2])
-    old.reset(model_changed=True)
-    run_turn(old, "e", [1, 2, 3])
-    run_turn(old, "f", [4, 5, 6])  # e is evicted
+    old = pool_with_a_ledger("mef")
     new = PrefixCache(None, budget_bytes=1 << 20)
     new.inherit_ledger(old)
     assert new.acquire("m", [1, 2]).miss_reason == "model_changed"
@@ -650,16 +657,7 @@ def test_a_recurrent_model_checkpoints_one_token_before_the_end() -> None:
 
 
 def test_inheriting_a_ledger_keeps_the_pool_own() -> None:
-    old = PrefixCache(None, budget_bytes=3 * POSITION_BYTES)
-    run_turn(old, "m", [1, 2])
-    old.reset(model_changed=True)
-    run_turn(old, "e", [1, 2, 3])
-    run_turn(old, "f", [4, 5, 6])  # e is evicted
-    new = PrefixCache(None, budget_bytes=3 * POSITION_BYTES)
-    run_turn(new, "n", [1, 2])
-    new.reset(model_changed=True)
-    run_turn(new, "g", [1, 2, 3])
-    run_turn(new, "h", [4, 5, 6])  # g is evicted
+    old, new = pool_with_a_ledger("mef"), pool_with_a_ledger("ngh")
     new.inherit_ledger(old)
     reasons = {conv: new.acquire(conv, [1, 2]).miss_reason for conv in "menghf"}
     assert reasons == {"m": "model_changed", "n": "model_changed", "e": "evicted",
