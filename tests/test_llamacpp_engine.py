@@ -468,6 +468,65 @@ def test_a_lone_prefill_reports_and_stops_inside_its_chunks() -> None:
     assert out["a_agrees"] and out["b_agrees"] and out["c_agrees"], out
 
 
+def _ctrl_c_body() -> dict:
+    """A 512-token chunk decoded under the meter on the main thread, as `phasewise bench` does,
+    with SIGINT sent from another thread once the graph is under way: the Python handler then
+    runs at the next bytecode, at the entry of the meter's callback, inside llama_decode."""
+    import os
+    import sys
+    import threading
+
+    from engine.bench import fixed_prompt_ids
+    from engine.llamacpp.graph_meter import GraphMeter
+
+    loaded = _load()
+    ids = fixed_prompt_ids(loaded, loaded.n_batch)
+    under_way = threading.Event()
+    fractions: list[float] = []
+    unraisable: list[str] = []
+    sys.unraisablehook = lambda u: unraisable.append(f"{u.exc_type.__name__}: {u.err_msg}")
+
+    def on_fraction(fraction: float) -> None:
+        fractions.append(fraction)
+        under_way.set()
+
+    def interrupt() -> None:
+        under_way.wait(60)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    meter = GraphMeter(loaded, loaded.ctx, on_fraction, lambda: False)
+    meter.decode(_one_batch(loaded, ids[:16]))  # the graph's size, for fractions
+    fractions.clear()
+    threading.Thread(target=interrupt).start()
+    try:
+        meter.decode(_one_batch(loaded, ids))
+        raised = ""
+    except KeyboardInterrupt:
+        raised = "KeyboardInterrupt"
+    return {"raised": raised, "unraisable": unraisable, "last": fractions[-1],
+            "handler_back": signal.getsignal(signal.SIGINT) is signal.default_int_handler}
+
+
+def _one_batch(loaded: Any, ids: list[int]) -> Any:
+    from engine.llamacpp.decode import writer_for
+
+    loaded.llama_cpp.llama_memory_clear(loaded.memory, False)
+    writer_for(loaded).fill(ids, range(len(ids)), [0] * len(ids), [False] * len(ids))
+    return loaded.batch
+
+
+@needs_llama_cpp
+def test_ctrl_c_inside_a_metered_decode_stops_the_graph_and_raises() -> None:
+    """Ctrl+C during a prefill chunk in `phasewise bench` (the meter's callback on the main
+    thread) raised KeyboardInterrupt inside the ctypes callback, which ctypes printed and
+    dropped: the bench ran on and then failed dividing by a prefill of 0 s."""
+    out = run_in_child(_ctrl_c_body)
+    assert out["raised"] == "KeyboardInterrupt"
+    assert out["unraisable"] == []
+    assert out["last"] < 1.0  # the graph stopped at the next node, not at its end
+    assert out["handler_back"]
+
+
 def _interference_body() -> dict:
     from engine.bench import bench_interference
 

@@ -16,7 +16,10 @@ a meter is installed only around a prefill chunk's decode and taken off after it
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from engine.llamacpp.model import LlamaCppModel
@@ -34,6 +37,7 @@ class GraphMeter:
         self.on_fraction = on_fraction
         self.should_stop = should_stop
         self._error: BaseException | None = None  # raised in the callback; the decode aborted
+        self._interrupted = False  # Ctrl+C came during the graph: stop it, then raise
         self._nodes = 0
         self._callback = loaded.llama_cpp.ggml_abort_callback(self._after_node)
 
@@ -41,20 +45,45 @@ class GraphMeter:
         """llama_decode(ctx, batch) under the meter: its return code (ABORTED when stopped);
         what the callback raised is raised here."""
         lib = self.loaded.llama_cpp
-        self._nodes, self._error = 0, None
+        self._nodes, self._error, self._interrupted = 0, None, False
         lib.llama_set_abort_callback(self.ctx, self._callback, None)
         try:
-            code = int(lib.llama_decode(self.ctx, batch))
+            with self._ctrl_c_deferred():
+                code = int(lib.llama_decode(self.ctx, batch))
         finally:
             lib.llama_set_abort_callback(self.ctx, lib.ggml_abort_callback(), None)
+        if self._interrupted:
+            raise KeyboardInterrupt
         if self._error is not None:
             raise self._error
         if code == 0:
             self.loaded.graph_nodes = max(self.loaded.graph_nodes, self._nodes)
         return code
 
+    @contextlib.contextmanager
+    def _ctrl_c_deferred(self) -> Iterator[None]:
+        """On the main thread (`phasewise bench` decodes there), Python runs a SIGINT handler
+        at the next bytecode, which is inside the callback: a KeyboardInterrupt raised there,
+        even before its try, is printed and dropped by ctypes and the graph runs on. So while
+        the graph runs, Ctrl+C only marks the meter; the graph stops at the next node and
+        decode() raises KeyboardInterrupt. A handler someone else installed stays as it is."""
+        if (threading.current_thread() is not threading.main_thread()
+                or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+            yield
+            return
+        signal.signal(signal.SIGINT, self._mark_interrupted)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def _mark_interrupted(self, _signum: int, _frame: object) -> None:
+        self._interrupted = True
+
     def _after_node(self, _data: Any) -> bool:
         # An exception must not cross into C: it stops the graph and waits in self._error.
+        if self._interrupted:
+            return True
         try:
             self._nodes += 1
             if self.loaded.graph_nodes:
