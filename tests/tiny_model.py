@@ -5,10 +5,16 @@ Loads in milliseconds and goes through the same loading code as a real model fol
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
@@ -82,7 +88,38 @@ def _special_ids(tokenizer: Any) -> dict[str, int]:
     }
 
 
+def _built_once(folder: Path, recipe: str, build: Callable[[Path], object]) -> Path:
+    """Build a tiny model folder once per machine and copy it afterwards.
+
+    Building one trains a tokenizer and saves a model (~2 s); a mutation run starts thousands of
+    short pytest processes, each of which would build its own. The copy is keyed by the recipe,
+    this file's source and the library versions, so any change builds afresh.
+    """
+    source = Path(__file__).read_bytes()
+    key = hashlib.sha256(
+        source + recipe.encode() + transformers.__version__.encode() + torch.__version__.encode()
+    ).hexdigest()[:16]
+    stored = Path(tempfile.gettempdir()) / "phasewise-tiny-models" / key
+    if not stored.is_dir():
+        build(folder)
+        partial = stored.with_name(f"{key}.{os.getpid()}.partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        shutil.copytree(folder, partial)
+        try:
+            partial.rename(stored)  # atomic: another process may have stored it meanwhile
+        except OSError:
+            shutil.rmtree(partial, ignore_errors=True)
+        return folder
+    shutil.copytree(stored, folder, dirs_exist_ok=True)
+    return folder
+
+
 def build_tiny_model(folder: Path, *, chat_template: bool = True, seed: int = 0) -> Path:
+    return _built_once(folder, f"llama template={chat_template} seed={seed}",
+                       lambda into: _build_tiny_model(into, chat_template, seed))
+
+
+def _build_tiny_model(folder: Path, chat_template: bool, seed: int) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = _chatml_tokenizer(folder, chat_template=chat_template)
@@ -99,7 +136,6 @@ def build_tiny_model(folder: Path, *, chat_template: bool = True, seed: int = 0)
     )
     model = LlamaForCausalLM(config)
     model.save_pretrained(folder)
-    return folder
 
 
 # ----- the architecture matrix ---------------------------------------------------------------
@@ -131,6 +167,11 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
 def build_tiny_architecture(folder: Path, model_type: str, *, seed: int = 0) -> Path:
     """A tiny random model of one architecture, from its real config class, with the ChatML
     tokenizer: loads like any model folder a user brings."""
+    return _built_once(folder, f"{model_type} seed={seed}",
+                       lambda into: _build_tiny_architecture(into, model_type, seed))
+
+
+def _build_tiny_architecture(folder: Path, model_type: str, seed: int) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tokenizer = _chatml_tokenizer(folder)
@@ -143,4 +184,3 @@ def build_tiny_architecture(folder: Path, model_type: str, *, seed: int = 0) -> 
             if name.endswith(".A_log"):
                 param.fill_(-4.0)
     model.save_pretrained(folder)
-    return folder
