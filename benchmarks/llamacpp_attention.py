@@ -20,11 +20,10 @@ import threading
 from typing import Any
 
 from engine.bench import fixed_prompt_ids
-from engine.generate import now_ns
 from engine.kernels import cpu_name
 from engine.llamacpp.model import load_gguf
 from engine.loader import default_gguf_path
-from engine.metrics import RequestTimeline
+from engine.metrics import RequestTimeline, now_ns
 from engine.params import GenerationRequest, SamplingParams
 from engine.runtimes import new_prefix_cache, new_session
 

@@ -18,9 +18,8 @@ import threading
 from typing import Any
 
 from engine.bench import fixed_prompt_ids
-from engine.generate import now_ns
 from engine.loader import default_gguf_path
-from engine.metrics import RequestTimeline
+from engine.metrics import RequestTimeline, now_ns
 from engine.params import GenerationRequest, SamplingParams
 from engine.peers import greedy_run
 from engine.runtimes import LLAMA_CPP, load, new_prefix_cache, new_session

@@ -16,7 +16,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import bench, runtimes
-from engine.batching import DetachedJob
+from engine.core.reply import DetachedJob
 from engine.events import PrefillProgress
 from engine.kernels import cpu_name
 from engine.llamacpp.batcher import LlamaBatcher

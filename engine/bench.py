@@ -21,13 +21,13 @@ from typing import Any
 import torch
 
 from engine import runtimes, side_prefill
-from engine.batching import DetachedJob
+from engine.core.prompt import prepare_prompt
+from engine.core.reply import DetachedJob
 from engine.draft import DraftModel
 from engine.errors import InvalidRequestError
 from engine.events import GenerationResult, PrefillProgress
-from engine.generate import now_ns, prepare_prompt
 from engine.loader import LoadedModel
-from engine.metrics import RequestTimeline, percentiles
+from engine.metrics import RequestTimeline, now_ns, percentiles
 from engine.native import NativeCrashError
 from engine.params import ChatMessage, GenerationRequest, SamplingParams, Speculative
 from engine.peers import LlamaCppPeer, PeerResult, gguf_for, result_from_stamps

@@ -12,21 +12,16 @@ proposal is accepted, and its steps cost a fraction of the target's.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from engine.errors import ModelLoadError
 from engine.loader import LoadedModel, load_model
-from engine.params import SamplingParams
 from engine.prefix_cache import RollbackError, common_prefix_len, crop_to, new_cache
-from engine.sampling import filtered_probs
+from engine.speculative import TokenProposer
 
-START_DRAFT = 4
-MIN_DRAFT = 1
-MAX_DRAFT = 8
 VOCAB_SAMPLE = 64  # evenly spaced token ids compared between the two vocabularies
 PROBE_TEXT = "The capital of France is Paris.\ndef main():\n    print('hi')  # café 😀 你好"
 
@@ -67,56 +62,6 @@ def check_same_vocabulary(draft: LoadedModel, target: LoadedModel) -> None:
         raise VocabularyMismatchError(
             f"draft model {draft.info.name} does not share the vocabulary of "
             f"{target.info.name} ({reason}); pick a draft from the same model family")
-
-
-class TokenProposer(ABC):
-    """What both engines' draft models share: propose k tokens one step at a time on a
-    sequence kept in step with the accepted tokens. Subclasses own the KV state: reset,
-    _logits_after (re-sync to history, feed the rest) and _feed (append, return the last
-    position's logits)."""
-
-    vocab_limit: int  # ids the target can embed: never propose beyond them
-    last_probs: list[torch.Tensor]  # what each sampled draft token was drawn from
-
-    @abstractmethod
-    def reset(self) -> None: ...
-
-    @abstractmethod
-    def _logits_after(self, history: Sequence[int]) -> torch.Tensor: ...
-
-    @abstractmethod
-    def _feed(self, ids: list[int]) -> torch.Tensor: ...
-
-    @torch.inference_mode()
-    def propose(self, history: Sequence[int], k: int, stop_ids: Collection[int] = (),
-                params: SamplingParams | None = None,
-                generator: torch.Generator | None = None) -> list[int]:
-        """Up to k tokens continuing history, ending early at a stop id: greedy, or drawn
-        with params' temperature and filters (no repetition penalty), keeping each token's
-        distribution in last_probs for the target's acceptance test."""
-        self.last_probs = []
-        if k <= 0 or not history:
-            return []
-        try:
-            logits = self._logits_after(history)
-            drafts: list[int] = []
-            while True:
-                token = self._pick(logits[: self.vocab_limit], params, generator)
-                drafts.append(token)
-                if len(drafts) >= k or token in stop_ids:
-                    return drafts
-                logits = self._feed([token])
-        except BaseException:
-            self.reset()  # a failed step leaves the KV state unknown
-            raise
-
-    def _pick(self, logits: torch.Tensor, params: SamplingParams | None,
-              generator: torch.Generator | None) -> int:
-        if params is None or params.greedy:
-            return int(logits.argmax())
-        probs = filtered_probs(logits, params)  # a copy: a logits view may die at the next step
-        self.last_probs.append(probs)
-        return int(torch.multinomial(probs, 1, generator=generator))
 
 
 class DraftModel(TokenProposer):
@@ -171,65 +116,6 @@ class DraftModel(TokenProposer):
         return logits
 
 
-
-
-class Drafter(Protocol):
-    """What DraftProposer needs of a loaded draft: DraftModel (torch) or
-    engine/llamacpp/draft.py's LlamaDraftModel."""
-
-    context: int
-    last_probs: list[torch.Tensor]
-
-    def propose(self, history: Sequence[int], k: int, stop_ids: Collection[int] = (),
-                params: SamplingParams | None = None,
-                generator: torch.Generator | None = None) -> list[int]: ...
-
-
-class DraftProposer:
-    """One request's drafter: what has been accepted so far, and a draft length k that grows
-    while whole drafts are accepted and shrinks after a rejection.
-
-    Same interface as PromptLookup: append() each emitted token, propose(max_tokens). With
-    sampling params, drafts are sampled and draft_probs holds their distributions.
-    """
-
-    def __init__(self, draft: Drafter, prompt_ids: Sequence[int],
-                 stop_ids: Collection[int] = (), params: SamplingParams | None = None,
-                 generator: torch.Generator | None = None) -> None:
-        self.draft = draft
-        self.history = list(prompt_ids)
-        self.stop_ids = frozenset(stop_ids)
-        self.params = params
-        self.generator = generator
-        self.draft_probs: list[torch.Tensor] | None = None
-        self.k = START_DRAFT
-        self._last: list[int] = []
-        self._last_at = 0  # len(history) when _last was proposed
-
-    def append(self, token: int) -> None:
-        self.history.append(token)
-
-    def propose(self, max_tokens: int) -> list[int]:
-        self._adapt()
-        room = self.draft.context - len(self.history)  # the draft's own position limit
-        k = min(self.k, max_tokens, room)
-        self._last = self.draft.propose(self.history, k, self.stop_ids, self.params,
-                                        self.generator)
-        self._last_at = len(self.history)
-        sampled = self.params is not None and not self.params.greedy
-        self.draft_probs = self.draft.last_probs if sampled else None
-        return self._last
-
-    def _adapt(self) -> None:
-        """Judge the previous draft by what was appended since it was proposed."""
-        if not self._last:
-            return
-        emitted = self.history[self._last_at : self._last_at + len(self._last)]
-        accepted = common_prefix_len(emitted, self._last)
-        if accepted == len(self._last):
-            self.k = min(self.k + 1, MAX_DRAFT)
-        else:
-            self.k = max(self.k - 1, MIN_DRAFT)
 
 
 def load_draft(

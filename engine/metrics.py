@@ -7,11 +7,17 @@ taken by the caller, on the same monotonic clock). Nothing here reads a clock.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 NS = 1e-9
+
+
+def now_ns() -> int:
+    """The engine's clock: every timeline stamp comes from it (monotonic, in nanoseconds)."""
+    return time.perf_counter_ns()
 
 
 def percentiles(values: Sequence[float], qs: Sequence[float]) -> list[float]:

@@ -379,6 +379,13 @@ class PrefixCache:
         self._model_changed.discard(lease.conversation_id)
         self._evict_to_budget()
 
+    def discard(self, lease: CacheLease) -> None:
+        """A failed request's lease: its cache is in an unknown state and goes; its chat's
+        next turn says "evicted"."""
+        lease.cache = None
+        self._leased.discard(lease.conversation_id)
+        self._evicted.add(lease.conversation_id)
+
     def _evict_to_budget(self) -> None:
         while self._entries and self.used_bytes > self.budget_bytes:
             conv, _ = self._entries.popitem(last=False)

@@ -20,21 +20,13 @@ import time
 
 import torch
 
+from engine.core.schedule import FIRST_SIDE_CHUNK, SIDE_MIN_TOKENS, next_side_chunk
 from engine.events import PrefillProgress
 from engine.generate import ChunkedPrefill
 from engine.kernels import allowed_cpus
 from engine.loader import LoadedModel
 from engine.prefix_cache import CacheLease
-from engine.side_thread import SideWorker, chunk_for
-
-SIDE_MIN_TOKENS = 256  # shorter prompts go in chunks between the rows' steps (a chunk or so)
-# Side chunks follow the clock so that progress and Stop come about every SIDE_CHUNK_S. On the
-# Xeon VM (one core each, bench --interference, 4,000 tokens) 256-token chunks took ~1.3 s at
-# 197-242 tok/s; sized to 0.5 s the prompt ran at 174 tok/s, to 0.4 s (at least 32) at 141,
-# against 156-165 for chunks between the steps: each chunk's ~600 ops also wait for the GIL.
-SIDE_CHUNK_S = 0.5
-FIRST_SIDE_CHUNK = 128
-MIN_SIDE_CHUNK = 64
+from engine.side_thread import SideWorker
 
 
 def side_threads() -> int:
@@ -50,7 +42,7 @@ def can_prefill_beside(loaded: LoadedModel, new_tokens: int) -> bool:
 
 class SidePrefill(SideWorker):
     """Prefill `ids` on top of `lease`'s cache in a thread (see engine.side_thread), in chunks
-    of at most `chunk` sized to take about SIDE_CHUNK_S each. The engine thread emits
+    of at most `chunk` sized to take about schedule.SIDE_CHUNK_S each. The engine thread emits
     `progress()` as it polls, then calls `finish`."""
 
     def __init__(self, loaded: LoadedModel, lease: CacheLease, ids: list[int], request_id: str,
@@ -92,9 +84,7 @@ class SidePrefill(SideWorker):
 
     def _next_chunk(self, tokens: int, seconds: float) -> int:
         """The next chunk after one of `tokens` took `seconds` (the last one's rate)."""
-        if seconds <= 0:
-            return self.chunk
-        return chunk_for(tokens, seconds, SIDE_CHUNK_S, MIN_SIDE_CHUNK, self.chunk)
+        return next_side_chunk(tokens, seconds, self.chunk)
 
     # ----- back on the engine thread ---------------------------------------------------------
     def finish(self) -> torch.Tensor | None:

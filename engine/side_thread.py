@@ -13,14 +13,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
-SIDE_POLL_S = 0.05  # with no row streaming, how often the engine thread looks at the worker
-
-
-def chunk_for(tokens: int, seconds: float, target_s: float, lowest: int, highest: int) -> int:
-    """The next prefill chunk after one of `tokens` took `seconds`: as many tokens as that rate
-    runs in target_s, within [lowest, highest] (a chunk sized by the clock, so progress and
-    Stop come about every target_s whatever the machine)."""
-    return max(lowest, min(highest, round(tokens / seconds * target_s)))
+from engine.core.schedule import SIDE_POLL_S
 
 
 class SideWorker(ABC):

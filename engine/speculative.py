@@ -1,5 +1,7 @@
-"""Prompt-lookup drafts for speculative decoding (no draft model needed; engine/draft.py
-holds the draft-model drafter, with the same append/propose interface).
+"""Drafts for speculative decoding, runtime-neutral: prompt lookup (no draft model needed),
+and the draft-model side both runtimes share (TokenProposer, a draft model's proposal loop;
+DraftProposer, one request's drafter). The draft models themselves are engine/draft.py (torch)
+and engine/llamacpp/draft.py.
 
 Chat replies often copy spans of the prompt (names, code, quoted text) or of themselves.
 The last few tokens are looked up in everything seen so far; the tokens that followed their
@@ -17,12 +19,16 @@ the output is distributed as plain sampling's, though not the same sequence for 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from engine.params import SamplingParams
+from engine.prefix_cache import common_prefix_len
 from engine.sampling import apply_repetition_penalty, check_logits, filtered_probs
 
 DRAFT_TOKENS = 6
@@ -46,6 +52,10 @@ class PromptLookup:
         # n-gram -> position of the token that followed its latest occurrence
         self._follower: dict[tuple[int, ...], int] = {}
         self.extend(ids)
+
+    def prepare(self, cancel: threading.Event) -> bool:
+        """Nothing to feed ahead (the index is the prompt itself); False if Stop came."""
+        return not cancel.is_set()
 
     def extend(self, ids: Iterable[int]) -> None:
         for token in ids:
@@ -114,3 +124,139 @@ def accept_or_resample(p: torch.Tensor, q: torch.Tensor, drafted: int,
     if total <= 0:  # p == q up to rounding: the residual is empty, and p itself is exact
         return int(torch.multinomial(p, 1, generator=generator))
     return int(torch.multinomial(residual / total, 1, generator=generator))
+
+
+# ----- draft models (both runtimes' draft models subclass TokenProposer) ----------------
+START_DRAFT = 4
+MIN_DRAFT = 1
+MAX_DRAFT = 8
+
+
+class TokenProposer(ABC):
+    """What both engines' draft models share: propose k tokens one step at a time on a
+    sequence kept in step with the accepted tokens. Subclasses own the KV state: reset,
+    _logits_after (re-sync to history, feed the rest) and _feed (append, return the last
+    position's logits)."""
+
+    vocab_limit: int  # ids the target can embed: never propose beyond them
+    context: int  # positions the draft model takes
+    last_probs: list[torch.Tensor]  # what each sampled draft token was drawn from
+
+    @abstractmethod
+    def reset(self) -> None: ...
+
+    @abstractmethod
+    def _logits_after(self, history: Sequence[int]) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _feed(self, ids: list[int]) -> torch.Tensor: ...
+
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: Sequence[int], cancel: threading.Event) -> bool:
+        """Bring the draft up to the prompt during the target's prefill, so the draft's share
+        of the prompt counts as prefill, not decode (its first proposal then feeds only the
+        target's first token). False if cancel was set first."""
+        if cancel.is_set():
+            return False
+        try:
+            self._logits_after(prompt_ids)
+        except BaseException:
+            self.reset()
+            raise
+        return True
+
+    @torch.inference_mode()
+    def propose(self, history: Sequence[int], k: int, stop_ids: Collection[int] = (),
+                params: SamplingParams | None = None,
+                generator: torch.Generator | None = None) -> list[int]:
+        """Up to k tokens continuing history, ending early at a stop id: greedy, or drawn
+        with params' temperature and filters (no repetition penalty), keeping each token's
+        distribution in last_probs for the target's acceptance test."""
+        self.last_probs = []
+        if k <= 0 or not history:
+            return []
+        try:
+            logits = self._logits_after(history)
+            drafts: list[int] = []
+            while True:
+                token = self._pick(logits[: self.vocab_limit], params, generator)
+                drafts.append(token)
+                if len(drafts) >= k or token in stop_ids:
+                    return drafts
+                logits = self._feed([token])
+        except BaseException:
+            self.reset()  # a failed step leaves the KV state unknown
+            raise
+
+    def _pick(self, logits: torch.Tensor, params: SamplingParams | None,
+              generator: torch.Generator | None) -> int:
+        if params is None or params.greedy:
+            return int(logits.argmax())
+        probs = filtered_probs(logits, params)  # a copy: a logits view may die at the next step
+        self.last_probs.append(probs)
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class Drafter(Protocol):
+    """What DraftProposer needs of a loaded draft: DraftModel (torch) or
+    engine/llamacpp/draft.py's LlamaDraftModel."""
+
+    context: int
+    last_probs: list[torch.Tensor]
+
+    def prefill(self, prompt_ids: Sequence[int], cancel: threading.Event) -> bool: ...
+
+    def propose(self, history: Sequence[int], k: int, stop_ids: Collection[int] = (),
+                params: SamplingParams | None = None,
+                generator: torch.Generator | None = None) -> list[int]: ...
+
+
+class DraftProposer:
+    """One request's drafter: what has been accepted so far, and a draft length k that grows
+    while whole drafts are accepted and shrinks after a rejection.
+
+    Same interface as PromptLookup: append() each emitted token, propose(max_tokens). With
+    sampling params, drafts are sampled and draft_probs holds their distributions.
+    """
+
+    def __init__(self, draft: Drafter, prompt_ids: Sequence[int],
+                 stop_ids: Collection[int] = (), params: SamplingParams | None = None,
+                 generator: torch.Generator | None = None) -> None:
+        self.draft = draft
+        self.history = list(prompt_ids)
+        self.stop_ids = frozenset(stop_ids)
+        self.params = params
+        self.generator = generator
+        self.draft_probs: list[torch.Tensor] | None = None
+        self.k = START_DRAFT
+        self._last: list[int] = []
+        self._last_at = 0  # len(history) when _last was proposed
+
+    def prepare(self, cancel: threading.Event) -> bool:
+        """Feed the prompt to the draft during the target's prefill; False if Stop came."""
+        return self.draft.prefill(self.history, cancel)
+
+    def append(self, token: int) -> None:
+        self.history.append(token)
+
+    def propose(self, max_tokens: int) -> list[int]:
+        self._adapt()
+        room = self.draft.context - len(self.history)  # the draft's own position limit
+        k = min(self.k, max_tokens, room)
+        self._last = self.draft.propose(self.history, k, self.stop_ids, self.params,
+                                        self.generator)
+        self._last_at = len(self.history)
+        sampled = self.params is not None and not self.params.greedy
+        self.draft_probs = self.draft.last_probs if sampled else None
+        return self._last
+
+    def _adapt(self) -> None:
+        """Judge the previous draft by what was appended since it was proposed."""
+        if not self._last:
+            return
+        emitted = self.history[self._last_at : self._last_at + len(self._last)]
+        accepted = common_prefix_len(emitted, self._last)
+        if accepted == len(self._last):
+            self.k = min(self.k + 1, MAX_DRAFT)
+        else:
+            self.k = max(self.k - 1, MIN_DRAFT)

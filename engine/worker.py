@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine import runtimes
-from engine.batching import alternative_cache_key, batchable
+from engine.batching import batchable
+from engine.core.batch import alternative_cache_key
 from engine.draft import DraftModel
 from engine.errors import ContextOverflowError, ModelLoadError, PhasewiseError
 from engine.events import (
@@ -35,9 +36,8 @@ from engine.events import (
     RequestFinished,
     RequestQueued,
 )
-from engine.generate import now_ns
 from engine.listeners import EventSource
-from engine.metrics import RequestTimeline
+from engine.metrics import RequestTimeline, now_ns
 from engine.params import GenerationRequest
 from engine.prefix_cache import PrefixCache
 from engine.protocol import SPECULATIVE_METHODS, Backend, Capabilities

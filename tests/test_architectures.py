@@ -10,6 +10,7 @@ Each must give exactly the tokens transformers' own generate() and a cold prompt
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -159,6 +160,9 @@ class FlawedOracle:
         self.truth, self.vocab, self.generated, self.steps = truth, vocab, 0, 0
         self.prompt_len = len(prompt_ids)
 
+    def prepare(self, cancel: threading.Event) -> bool:
+        return not cancel.is_set()
+
     def append(self, token: int) -> None:
         self.generated += 1
 
@@ -181,7 +185,7 @@ def test_speculation_matches_plain_and_rolls_back(arch: Arch, monkeypatch) -> No
         assert lookup.speculative is None  # it needs a rollback: decoded plainly, and says so
         return
     vocab = arch.reference.config.vocab_size
-    monkeypatch.setattr("engine.generate.PromptLookup",
+    monkeypatch.setattr("engine.core.solo.PromptLookup",
                         lambda ids: FlawedOracle(plain.token_ids, ids, vocab))
     spec = arch.ask(messages, "spec", params=params, speculative="ngram")
     assert spec.token_ids == plain.token_ids

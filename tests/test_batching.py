@@ -25,7 +25,7 @@ from engine import (
     SamplingParams,
     TokenEmitted,
 )
-from engine.batching import MAX_BATCH
+from engine.core.schedule import MAX_BATCH
 from tests.fault_injection import ForwardFault
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -372,7 +372,7 @@ def test_a_prompt_alone_is_read_in_whole_chunks() -> None:
 
 
 def test_beside_streaming_rows_a_chunk_is_the_budget_less_one_token_a_row() -> None:
-    from engine.batching import MIN_INTERLEAVED_CHUNK, STEP_TOKEN_BUDGET
+    from engine.core.schedule import MIN_INTERLEAVED_CHUNK, STEP_TOKEN_BUDGET
 
     assert decisions()._chunk_tokens() == 256
     assert decisions(streaming=1).step_token_budget == STEP_TOKEN_BUDGET == 32
@@ -409,43 +409,46 @@ def test_the_budget_follows_the_clock_halfway_and_within_bounds() -> None:
 
 
 def test_a_row_may_generate_up_to_max_tokens_or_the_context_left() -> None:
-    from engine.batching import DetachedJob
-    from engine.generate import FALLBACK_STOPS
+    from engine.batching import Batcher
+    from engine.chat_template import FALLBACK_STOPS
+    from engine.core.prompt import PreparedPrompt
+    from engine.core.reply import DetachedJob, Reply
 
     batcher = decisions()
     lease = batcher.prefix_cache.cold_lease("c")
     prompt = list(range(60))  # the fake context: 64
-    row = batcher._new_row(DetachedJob(ask("x", SamplingParams(max_tokens=10))), prompt, lease)
-    assert row.budget == 4
-    row = batcher._new_row(DetachedJob(ask("x", SamplingParams(max_tokens=3))), prompt, lease)
+
+    def new_row(owner: Batcher, params: SamplingParams) -> Reply:
+        return Reply(DetachedJob(ask("x", params)), PreparedPrompt(prompt), lease, owner.vocab,
+                     owner.loaded.info, lambda event: None)
+
+    assert new_row(batcher, SamplingParams(max_tokens=10)).budget == 4
+    row = new_row(batcher, SamplingParams(max_tokens=3))
     assert row.budget == 3
     assert (row.prompt_ids, row.lease, row.generated, row.finish) == (prompt, lease, [], None)
-    greedy = batcher._new_row(DetachedJob(ask("x", GREEDY)), prompt, lease)
-    assert greedy.generator is None
-    seeded = batcher._new_row(DetachedJob(ask("x", SamplingParams(seed=5))), prompt, lease)
+    assert new_row(batcher, GREEDY).generator is None
+    seeded = new_row(batcher, SamplingParams(seed=5))
     assert torch.rand(1, generator=seeded.generator).item() == \
         torch.rand(1, generator=torch.Generator().manual_seed(5)).item()
     stops = SamplingParams(stop=("END",), max_tokens=4)
-    plain = batcher._new_row(DetachedJob(ask("x", stops)), prompt, lease)
+    plain = new_row(batcher, stops)
     assert plain.stopper.feed("a END b") == "a " and plain.stopper.stopped
-    from engine.batching import Batcher
-
     fallback = Batcher(fake_loaded(template_fallback=True), batcher.prefix_cache,
                        lambda job, e: None, lambda job, r, e: None, prefill_chunk=8)
-    row = fallback._new_row(DetachedJob(ask("x", stops)), prompt, lease)
+    row = new_row(fallback, stops)
     assert row.stopper.feed(f"a {FALLBACK_STOPS[0]}") == "a " and row.stopper.stopped
-    row = fallback._new_row(DetachedJob(ask("x", stops)), prompt, lease)
+    row = new_row(fallback, stops)
     assert row.stopper.feed("a END") == "a " and row.stopper.stopped
 
 
 def test_the_batcher_knows_its_stop_tokens_and_room() -> None:
-    from engine.batching import MAX_BATCH
+    from engine.core.schedule import MAX_BATCH
 
     batcher = decisions(streaming=3)
-    assert batcher.eos_ids == {2, 3}
+    assert batcher.vocab.eos_ids == {2, 3}
     assert batcher.room == MAX_BATCH - 3
     assert batcher.prefill_chunk == 256 and batcher.interleave and batcher.beside
-    from engine.generate import CPU_PREFILL_CHUNK
+    from engine.core.schedule import CPU_PREFILL_CHUNK
 
     assert decisions(prefill_chunk=0).prefill_chunk == CPU_PREFILL_CHUNK  # the device's own
 
@@ -472,7 +475,7 @@ def test_a_long_prompt_is_read_beside_streaming_rows_only(monkeypatch: pytest.Mo
     """The schedule of a joining prompt: beside the rows (a side thread) only when rows stream,
     both beside and interleave are on, and its uncached part is long enough; else between."""
     from engine import batching
-    from engine.batching import DetachedJob
+    from engine.core.reply import DetachedJob
     from tests.test_prefix_cache import feed
 
     asked: list[int] = []
@@ -508,7 +511,7 @@ def test_a_long_prompt_is_read_beside_streaming_rows_only(monkeypatch: pytest.Mo
 
 
 def test_a_joining_prompt_reports_its_prefill_and_first_logits() -> None:
-    from engine.batching import DetachedJob
+    from engine.core.reply import DetachedJob
 
     batcher = decisions()
     events: list[Any] = []
@@ -530,7 +533,8 @@ def test_a_joining_prompt_reports_its_prefill_and_first_logits() -> None:
 def test_chunks_alternate_with_decode_steps_while_rows_stream(tiny_model_dir: Path) -> None:
     """A 70-token prompt beside one streaming row, at a budget of 33: chunks of 32 (32, 32, 6 fed)
     with a decode step between two chunks (none after the last); alone: one chunk."""
-    from engine.batching import Batcher, DetachedJob
+    from engine.batching import Batcher
+    from engine.core.reply import DetachedJob
     from engine.loader import load_model
     from engine.prefix_cache import PrefixCache
 
@@ -566,7 +570,8 @@ def test_chunks_alternate_with_decode_steps_while_rows_stream(tiny_model_dir: Pa
 
 
 def test_a_cancelled_job_reads_no_more_of_its_prompt(tiny_model_dir: Path) -> None:
-    from engine.batching import Batcher, DetachedJob
+    from engine.batching import Batcher
+    from engine.core.reply import DetachedJob
     from engine.loader import load_model
     from engine.prefix_cache import PrefixCache
 
@@ -584,20 +589,23 @@ def test_how_a_row_decides_its_reply_ends() -> None:
     """One token per step: Stop before any token means nothing is sampled; an EOS token ends
     the reply ("stop") unless EOS is ignored; the budget ends it ("length"); Stop after a token
     keeps that token ("cancelled")."""
+    import dataclasses
     from types import SimpleNamespace
 
     from engine import SamplerSnapshot
-    from engine.batching import DetachedJob
+    from engine.core.prompt import PreparedPrompt
+    from engine.core.reply import DetachedJob, Reply
 
     batcher = decisions()
-    batcher.loaded.tokenizer = SimpleNamespace(
+    tokenizer = SimpleNamespace(
         eos_token_id=2, decode=lambda ids, skip_special_tokens=True: "".join(f"<{i}>" for i in ids))
+    vocab = dataclasses.replace(batcher.vocab, tokenizer=tokenizer)
     events: list[Any] = []
-    batcher._emit = lambda job, event: events.append(event)
 
     def row(budget: int = 8, **params: Any) -> Any:
         request = ask("x", SamplingParams(temperature=0.0, **params))
-        r = batcher._new_row(DetachedJob(request), [5, 6, 7], batcher.prefix_cache.cold_lease("c"))
+        r = Reply(DetachedJob(request), PreparedPrompt([5, 6, 7]),
+                  batcher.prefix_cache.cold_lease("c"), vocab, batcher.loaded.info, events.append)
         r.budget = budget
         return r
 
@@ -606,15 +614,15 @@ def test_how_a_row_decides_its_reply_ends() -> None:
 
     stopped = row()
     stopped.job.cancel.set()
-    batcher._take_token(stopped, favour(4))
+    stopped.take(favour(4))
     assert (stopped.generated, stopped.finish, events) == ([], "cancelled", [])
     empty = row()
-    batcher._take_token(empty, torch.empty(0))
+    empty.take(torch.empty(0))
     assert (empty.generated, empty.finish, events) == ([], "cancelled", [])
 
     plain = row(budget=3)
     for token, finish in ((4, None), (8, None), (9, "length")):
-        batcher._take_token(plain, favour(token))
+        plain.take(favour(token))
         assert plain.finish == finish
     assert plain.generated == [4, 8, 9]
     emitted = [e for e in events if isinstance(e, TokenEmitted)]
@@ -624,18 +632,18 @@ def test_how_a_row_decides_its_reply_ends() -> None:
     assert snaps[0].index == 0 and snaps[0].chosen_id == 4  # the first token's, always
 
     eos = row(budget=1)
-    batcher._take_token(eos, favour(3))  # 3 is an EOS id (and the budget is reached)
+    eos.take(favour(3))  # 3 is an EOS id (and the budget is reached)
     assert (eos.generated, eos.finish) == ([3], "stop")
     ignored = row(ignore_eos=True)
-    batcher._take_token(ignored, favour(2))
+    ignored.take(favour(2))
     assert ignored.finish is None
 
     late = row()
-    batcher._take_token(late, favour(4))
+    late.take(favour(4))
     late.job.cancel.set()
-    batcher._take_token(late, favour(5))
+    late.take(favour(5))
     assert (late.generated, late.finish) == ([4, 5], "cancelled")
 
     penalised = row(repetition_penalty=4.0)
-    batcher._take_token(penalised, torch.tensor([0.0, 0, 0, 0, 0, 3.0, 0, 0, 1.0, 0]))
+    penalised.take(torch.tensor([0.0, 0, 0, 0, 0, 3.0, 0, 0, 1.0, 0]))
     assert penalised.generated == [8]  # 5 is in the prompt: 3.0 / 4 < 1.0

@@ -4,6 +4,7 @@ every token, no cache. Written for mutation testing (`make mutation`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from pathlib import Path
 from typing import Any
@@ -21,9 +22,9 @@ from engine import (
     TokenEmitted,
 )
 from engine.bench import fixed_prompt_ids
-from engine.generate import ChunkedPrefill, DecodeSession, now_ns
+from engine.generate import ChunkedPrefill, DecodeSession
 from engine.loader import LoadedModel, load_model
-from engine.metrics import RequestTimeline
+from engine.metrics import RequestTimeline, now_ns
 from engine.prefix_cache import PrefixCache
 
 
@@ -98,7 +99,8 @@ def test_a_reply_ends_at_an_eos_token_unless_told_to_ignore_it(tiny: LoadedModel
     session = DecodeSession(tiny, pool)
     first = reference_greedy(tiny, fixed_prompt_ids(tiny, 16), 3, penalty=3.0)
     assert first[1] != first[0]
-    session.eos_ids = {first[1]}  # the reply's second token is this model's "EOS" here
+    # the reply's second token is this model's "EOS" here
+    session.vocab = dataclasses.replace(session.vocab, eos_ids=frozenset({first[1]}))
     ends = decode(tiny, prompt_request(tiny, temperature=0.0, max_tokens=8,
                                        repetition_penalty=3.0), pool, session=session)[0]
     assert (ends.token_ids, ends.finish_reason) == (first[:2], "stop")
@@ -206,12 +208,8 @@ def test_chunked_prefill_stops_before_a_chunk_once_cancelled(tiny: LoadedModel) 
 
 
 def test_prefill_chunk_size_per_device_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.generate import (
-        CPU_PREFILL_CHUNK,
-        GPU_PREFILL_CHUNK,
-        PREFILL_CHUNK_ENV,
-        default_prefill_chunk,
-    )
+    from engine.core.schedule import CPU_PREFILL_CHUNK, GPU_PREFILL_CHUNK, PREFILL_CHUNK_ENV
+    from engine.generate import default_prefill_chunk
 
     monkeypatch.delenv(PREFILL_CHUNK_ENV, raising=False)
     assert default_prefill_chunk(torch.device("cpu")) == CPU_PREFILL_CHUNK == 256
@@ -225,12 +223,24 @@ def test_prefill_chunk_size_per_device_and_override(monkeypatch: pytest.MonkeyPa
     assert default_prefill_chunk(torch.device("cpu")) == 1
 
 
-def test_a_token_event_is_stamped_on_the_timeline() -> None:
-    from engine.generate import token_event
+def test_a_taken_token_is_stamped_on_the_timeline(tiny: LoadedModel) -> None:
+    from engine.core.prompt import PreparedPrompt
+    from engine.core.reply import DetachedJob, Reply
+    from engine.generate import torch_vocabulary
+    from engine.prefix_cache import CacheLease
 
+    request = GenerationRequest([], SamplingParams(temperature=0.0, max_tokens=5),
+                                prompt_token_ids=[1, 2, 3])
     timeline = RequestTimeline(submitted_ns=1, token_ns=[5, 9])
-    event = token_event("r", timeline, 42, "hi")
-    assert (event.request_id, event.index, event.token_id, event.text) == ("r", 2, 42, "hi")
+    events: list[Any] = []
+    reply = Reply(DetachedJob(request, timeline), PreparedPrompt([1, 2, 3]),
+                  CacheLease("c", [], None, 0, "none"), torch_vocabulary(tiny), tiny.info,
+                  events.append)
+    logits = torch.zeros(tiny.model.config.vocab_size)
+    logits[42] = 1.0
+    assert reply.take(logits) == 42 and reply.finish is None
+    [event] = [e for e in events if isinstance(e, TokenEmitted)]
+    assert (event.request_id, event.index, event.token_id) == (request.request_id, 2, 42)
     assert timeline.token_ns[:2] == [5, 9] and timeline.token_ns[2] == event.t_ns
     assert len(timeline.token_ns) == 3
 

@@ -42,8 +42,7 @@ def _run(loaded: Any, pool: Any, draft: Any, request: Any, cancel: Any = None,
     import threading
 
     from engine.events import TokenEmitted
-    from engine.generate import now_ns
-    from engine.metrics import RequestTimeline
+    from engine.metrics import RequestTimeline, now_ns
     from engine.runtimes import new_session
 
     def emit(event: Any) -> None:

@@ -89,8 +89,7 @@ def _greedy(loaded: Any, pool: Any, prompt_ids: list[int] | None = None, *, toke
             reuse: bool = True, speculative: str | None = None) -> Any:
     import threading
 
-    from engine.generate import now_ns
-    from engine.metrics import RequestTimeline
+    from engine.metrics import RequestTimeline, now_ns
     from engine.params import GenerationRequest, SamplingParams
     from engine.runtimes import new_session
 
@@ -216,7 +215,7 @@ def _agree_until_near_tie(batched: list[int], alone: list[int], margins: list[fl
 
 
 def _batch_body() -> dict:
-    from engine.batching import DetachedJob
+    from engine.core.reply import DetachedJob
     from engine.params import GenerationRequest, SamplingParams
     from engine.runtimes import new_batcher, new_prefix_cache
 
@@ -271,12 +270,11 @@ def _mixed_body() -> dict:
     import threading
 
     from engine import prefill_progress
-    from engine.batching import DetachedJob
     from engine.bench import fixed_prompt_ids
+    from engine.core.reply import DetachedJob
     from engine.events import PrefillProgress, TokenEmitted
-    from engine.generate import now_ns
     from engine.llamacpp.batcher import LlamaBatcher
-    from engine.metrics import RequestTimeline
+    from engine.metrics import RequestTimeline, now_ns
     from engine.params import GenerationRequest, SamplingParams
     from engine.runtimes import new_prefix_cache, new_session
 
@@ -378,12 +376,11 @@ def _meter_body() -> dict:
     import threading
 
     from engine import prefill_progress
-    from engine.batching import DetachedJob
     from engine.bench import fixed_prompt_ids
+    from engine.core.reply import DetachedJob
     from engine.events import PrefillProgress
-    from engine.generate import now_ns
     from engine.llamacpp.batcher import LlamaBatcher
-    from engine.metrics import RequestTimeline
+    from engine.metrics import RequestTimeline, now_ns
     from engine.params import GenerationRequest, SamplingParams
     from engine.runtimes import new_prefix_cache, new_session
 

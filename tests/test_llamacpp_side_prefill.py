@@ -31,8 +31,8 @@ def _side_body(memory_bytes: int | None = None, long_tokens: int = LONG_TOKENS) 
     """Three prompts joining while a row streams: a cold one, one that continues a cached chat
     (its prefix is copied into the side context), one stopped at its first progress. With
     memory_bytes, the machine reports that much free memory."""
-    from engine.batching import DetachedJob
     from engine.bench import fixed_prompt_ids
+    from engine.core.reply import DetachedJob
     from engine.events import PrefillProgress, TokenEmitted
     from engine.llamacpp.batcher import LlamaBatcher
     from engine.params import GenerationRequest, SamplingParams
@@ -145,7 +145,7 @@ def _stop_inside_body() -> dict:
     import threading
 
     from engine.bench import fixed_prompt_ids
-    from engine.llamacpp.decode import MIN_SIDE_CHUNK
+    from engine.core.schedule import FIRST_SIDE_CHUNK
     from engine.runtimes import new_prefix_cache
 
     loaded = _load()
@@ -170,7 +170,7 @@ def _stop_inside_body() -> dict:
     finally:
         side.close()
     return {"readings": readings, "done": side.done, "logits": logits,
-            "first_chunk": MIN_SIDE_CHUNK, "graph_nodes": loaded.graph_nodes}
+            "first_chunk": FIRST_SIDE_CHUNK, "graph_nodes": loaded.graph_nodes}
 
 
 @needs_llama_cpp

@@ -22,10 +22,11 @@ from engine import (
     TokenEmitted,
     prefill_progress,
 )
-from engine.batching import Batcher, BatchJob, DetachedJob
-from engine.generate import ChunkedPrefill, DecodeSession, now_ns
+from engine.batching import Batcher
+from engine.core.reply import DetachedJob, ReplyJob
+from engine.generate import ChunkedPrefill, DecodeSession
 from engine.loader import LoadedModel, load_model
-from engine.metrics import RequestTimeline
+from engine.metrics import RequestTimeline, now_ns
 from engine.prefix_cache import PrefixCache
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -153,10 +154,10 @@ class Recorder:
         self.events: list[EngineEvent] = []
         self.results: dict[str, GenerationResult] = {}
 
-    def emit(self, _job: BatchJob, event: EngineEvent) -> None:
+    def emit(self, _job: ReplyJob, event: EngineEvent) -> None:
         self.events.append(event)
 
-    def done(self, job: BatchJob, result: GenerationResult | None,
+    def done(self, job: ReplyJob, result: GenerationResult | None,
              error: BaseException | None) -> None:
         assert error is None, error
         assert result is not None
@@ -217,7 +218,7 @@ def test_cancel_during_a_batched_prefill(sharp: LoadedModel) -> None:
     rec = Recorder()
     long = job(prompt(sharp, 150), max_tokens=8)
 
-    def emit(j: BatchJob, event: EngineEvent) -> None:
+    def emit(j: ReplyJob, event: EngineEvent) -> None:
         rec.emit(j, event)
         if isinstance(event, PrefillProgress):
             long.cancel.set()  # Stop pressed while the first chunk ran
@@ -297,7 +298,7 @@ def test_a_long_prompt_beside_the_stream_gives_the_same_replies(
         sharp: LoadedModel, beside_on_two_cores: int) -> None:
     rec, threads_seen = Recorder(), []
 
-    def emit(j: BatchJob, event: EngineEvent) -> None:
+    def emit(j: ReplyJob, event: EngineEvent) -> None:
         threads_seen.append(threading.current_thread().name)
         rec.emit(j, event)
 
@@ -346,7 +347,7 @@ def test_an_error_in_the_side_thread_fails_that_request_on_the_engine_thread(
         sharp: LoadedModel, beside_on_two_cores: int) -> None:
     rec, failed = Recorder(), {}
 
-    def done(j: BatchJob, result: GenerationResult | None, error: BaseException | None) -> None:
+    def done(j: ReplyJob, result: GenerationResult | None, error: BaseException | None) -> None:
         if error is not None:
             failed[j.request.request_id] = (error, threading.current_thread().name)
         else:
@@ -519,7 +520,7 @@ def test_a_new_chats_prefill_shows_no_other_chats_numbers_and_an_unclipped_marke
 # ----- in the window ---------------------------------------------------------------------------
 def test_window_shows_prompt_progress_then_the_reply_stats_line(qtbot, make_window,
                                                                 monkeypatch) -> None:
-    from engine.generate import PREFILL_CHUNK_ENV
+    from engine.core.schedule import PREFILL_CHUNK_ENV
 
     monkeypatch.setenv(PREFILL_CHUNK_ENV, "8")  # several chunks even for a short prompt
     window = make_window()

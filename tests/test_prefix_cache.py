@@ -199,7 +199,7 @@ def test_engine_thread_is_the_only_cache_user(tiny_engine: Engine) -> None:
 
 def test_drop_oldest_drops_the_fewest_messages(tiny_engine: Engine) -> None:
     """Binary search finds the same cut as dropping one message at a time would."""
-    from engine.generate import prepare_prompt
+    from engine.core.prompt import prepare_prompt
 
     loaded = tiny_engine._loaded
     history = [SYSTEM]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine import ChatMessage, GenerationRequest, SamplingParams
-from engine.generate import readable_piece, sampler_snapshot
+from engine.core.reply import readable_piece, sampler_snapshot
 from ui.hud.panels import short_token
 
 PIECES = {0: "<0x0A>", 1: "<0xE2>", 2: "Hello", 3: "<0x20>", 4: "<0x0a>"}

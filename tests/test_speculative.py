@@ -14,11 +14,11 @@ from engine import (
     SamplingParams,
     TokenEmitted,
 )
-from engine import generate as generate_mod
 from engine.bench import fixed_prompt_ids, run_ours
-from engine.generate import DecodeSession, now_ns
+from engine.core import solo as solo_loop
+from engine.generate import DecodeSession
 from engine.loader import LoadedModel, load_model
-from engine.metrics import RequestTimeline
+from engine.metrics import RequestTimeline, now_ns
 from engine.prefix_cache import PrefixCache
 from engine.speculative import PromptLookup
 
@@ -66,7 +66,7 @@ def run(loaded: LoadedModel, pool: PrefixCache, request: GenerationRequest):
 @pytest.mark.parametrize("lookup_cls", [PromptLookup, ScriptedLookup])
 def test_greedy_output_and_cache_match_plain_decoding(
         tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch, lookup_cls: type) -> None:
-    monkeypatch.setattr(generate_mod, "PromptLookup", lookup_cls)
+    monkeypatch.setattr(solo_loop, "PromptLookup", lookup_cls)
     prompt = fixed_prompt_ids(tiny, 48)
     outputs = {}
     for mode in (None, "ngram"):

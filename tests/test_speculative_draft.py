@@ -8,6 +8,7 @@ model (agrees rarely).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import threading
@@ -29,18 +30,12 @@ from engine import (
     TokenEmitted,
 )
 from engine.bench import bench_decode, fixed_prompt_ids
-from engine.draft import (
-    MAX_DRAFT,
-    START_DRAFT,
-    DraftModel,
-    DraftProposer,
-    load_draft,
-)
-from engine.generate import DecodeSession, now_ns
+from engine.draft import DraftModel, load_draft
+from engine.generate import DecodeSession
 from engine.loader import LoadedModel, load_model
-from engine.metrics import RequestTimeline
+from engine.metrics import RequestTimeline, now_ns
 from engine.prefix_cache import PrefixCache
-from engine.speculative import accept_or_resample
+from engine.speculative import MAX_DRAFT, START_DRAFT, DraftProposer, accept_or_resample
 from tests.tiny_model import build_tiny_tokenizer
 
 CHAT = [ChatMessage("user", "Hello, how are you today? The capital of France is Paris.")]
@@ -101,7 +96,7 @@ def run(target: LoadedModel, request: GenerationRequest, draft: DraftModel | Non
     pool = pool or PrefixCache(target.model.config, budget_bytes=1 << 30)
     session = DecodeSession(target, pool, draft=draft)
     if eos_ids is not None:
-        session.eos_ids = eos_ids
+        session.vocab = dataclasses.replace(session.vocab, eos_ids=frozenset(eos_ids))
     events: list = []
     result = session.run(request, RequestTimeline(submitted_ns=now_ns()), threading.Event(),
                          events.append)

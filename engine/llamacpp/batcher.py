@@ -16,39 +16,24 @@ the worker drives it like engine/batching.py's.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 
-from engine.batching import MAX_BATCH, BatchJob, Done, Emit, Row, alternative_cache_key
-from engine.detok import IncrementalDetokenizer, StopMatcher
-from engine.events import FinishReason, GenerationResult, PrefillStarted, TextFlushed
-from engine.generate import (
-    SNAPSHOT_INTERVAL_NS,
-    now_ns,
-    prepare_prompt,
-    sampler_snapshot,
-    template_stops,
-    token_event,
-    token_text,
-)
+from engine.core.batch import Done, Emit, alternative_cache_key
+from engine.core.reply import Reply, ReplyJob, open_reply, sibling_reply
+from engine.core.schedule import FIRST_MIXED_CHUNK, MAX_BATCH, STEP_STALL
+from engine.events import FinishReason
 from engine.llamacpp.decode import decode, lone_chunk, prefill_meter
 from engine.llamacpp.graph_meter import GraphMeter
 from engine.llamacpp.model import LlamaCppModel
 from engine.llamacpp.prefix_pool import SeqPrefixCache
-from engine.llamacpp.session import eos_ids
+from engine.llamacpp.session import llama_vocabulary
 from engine.llamacpp.side_prefill import SidePrefill, can_prefill_beside, set_threads
-from engine.metrics import compute_metrics
+from engine.metrics import now_ns
 from engine.prefill_progress import PrefillReporter
 from engine.prefix_cache import CacheLease
-from engine.sampling import make_generator, sample_token
 from engine.side_thread import step_rows_beside
-
-# A mixed step (rows' tokens + a prompt chunk) aims at STEP_STALL plain decode steps, so a
-# streaming row's ITL stays about that multiple of its ITL alone (the target of issue 18 is
-# 2.5 at p99: the rest is headroom for noise). A prompt token costs more as the prompt's
-# context grows (attention over it), so the clock shrinks the chunk as the prompt goes in.
-STEP_STALL = 1.8
-FIRST_MIXED_CHUNK = 4  # tokens, before a mixed step has been timed
 
 
 def _clamp(value: int, lowest: int, highest: int) -> int:
@@ -66,9 +51,8 @@ class LlamaBatcher:
         self.prefix_cache = prefix_cache
         self._emit = emit
         self._done = done
-        self.eos_ids = eos_ids(loaded)
-        self.stops = template_stops(loaded)  # type: ignore[arg-type]  # reads .info only
-        self.rows: list[Row] = []
+        self.vocab = llama_vocabulary(loaded)
+        self.rows: list[Reply] = []
         self.steps = 0
         self.mixed_steps = 0
         # interleave=False: a joining prompt is prefilled whole while the rows wait (the
@@ -88,7 +72,7 @@ class LlamaBatcher:
 
     # ----- joining ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def admit(self, jobs: Sequence[BatchJob]) -> None:
+    def admit(self, jobs: Sequence[ReplyJob]) -> None:
         """Prefill one request (or one prompt shared by N alternatives) and join the batch.
         A request that ends at its first token (or fails) never joins."""
         try:
@@ -105,7 +89,7 @@ class LlamaBatcher:
                 self._done(job, None, exc)
         for r in rows:
             try:
-                self._take_token(r, logits)
+                r.take(logits)
             except Exception as exc:
                 self.prefix_cache.discard(r.lease)
                 self._done(r.job, None, exc)
@@ -115,33 +99,22 @@ class LlamaBatcher:
             else:
                 self._finish(r)
 
-    def _prefill(self, job: BatchJob) -> tuple[Row, torch.Tensor]:
-        request, timeline = job.request, job.timeline
-        timeline.prefill_start_ns = now_ns()
-        prompt = prepare_prompt(self.loaded, request)  # type: ignore[arg-type]
-        pool = self.prefix_cache
-        if request.reuse_cache:
-            lease = pool.acquire(request.conversation_id, prompt.ids, prompt.layout)
-        else:
-            lease = pool.cold_lease(request.conversation_id)
-        self._emit(job, PrefillStarted(request.request_id, timeline.prefill_start_ns,
-                                       len(prompt.ids), lease.cached_tokens, lease.miss_reason))
-        row = self._new_row(job, prompt.ids, lease)
-        row.dropped_messages = prompt.dropped_messages
-        uncached = prompt.ids[lease.cached_tokens :]
-        report = PrefillReporter(request.request_id, len(uncached),
-                                 lambda event: self._emit(job, event))
+    def _prefill(self, job: ReplyJob) -> tuple[Reply, torch.Tensor]:
+        row = open_reply(self.loaded, self.prefix_cache, job, self.vocab, partial(self._emit, job))
+        lease = row.lease
+        uncached = row.prompt_ids[lease.cached_tokens :]
+        report = PrefillReporter(job.request.request_id, len(uncached), row.emit)
         try:
             logits = self._feed_prompt(job, lease, uncached, report)
         except BaseException:
-            pool.discard(lease)
+            self.prefix_cache.discard(lease)
             raise
         if logits is None:
             return row, torch.empty(0)
-        timeline.first_logits_ns = now_ns()
+        job.timeline.first_logits_ns = now_ns()
         return row, logits
 
-    def _feed_prompt(self, job: BatchJob, lease: CacheLease, ids: list[int],
+    def _feed_prompt(self, job: ReplyJob, lease: CacheLease, ids: list[int],
                      report: PrefillReporter) -> torch.Tensor | None:
         """Feed ids onto the lease's sequence a chunk per llama_decode, each riding in the
         streaming rows' step (with none streaming, a lone chunk: progress and Stop within it
@@ -191,7 +164,7 @@ class LlamaBatcher:
         lease.ids.extend(chunk)
         return True
 
-    def _feed_beside(self, job: BatchJob, lease: CacheLease, ids: list[int],
+    def _feed_beside(self, job: ReplyJob, lease: CacheLease, ids: list[int],
                      report: PrefillReporter) -> torch.Tensor | None:
         """Feed ids on a side context while the rows keep stepping here on the other cores;
         progress as its chunks go (and within each), every core to it once no row streams. The
@@ -232,29 +205,13 @@ class LlamaBatcher:
         scale = (STEP_STALL * self._decode_step_s / step_s) ** 0.5
         self._mixed_chunk = max(1.0, min(float(self.loaded.n_batch), tokens * scale))
 
-    def _sibling(self, job: BatchJob, source: Row, index: int) -> Row:
+    def _sibling(self, job: ReplyJob, source: Reply, index: int) -> Reply:
         """An alternative of source's prompt: its sequence is a copy of source's prefill."""
-        timeline, src = job.timeline, source.job.timeline
-        timeline.prefill_start_ns = src.prefill_start_ns
-        timeline.first_logits_ns = src.first_logits_ns
-        ids = list(source.lease.ids)
         key = alternative_cache_key(source.lease.conversation_id, index)
-        lease = self.prefix_cache.lease_for(key, ids)
+        lease = self.prefix_cache.lease_for(key, list(source.lease.ids))
         self.loaded.llama_cpp.llama_memory_seq_cp(self.loaded.memory, source.lease.cache,
                                                   lease.cache, -1, -1)
-        self._emit(job, PrefillStarted(job.request.request_id, timeline.prefill_start_ns,
-                                       len(ids), len(ids), "none"))
-        row = self._new_row(job, list(source.prompt_ids), lease)
-        row.dropped_messages = source.dropped_messages  # the same prompt, the same turns left out
-        return row
-
-    def _new_row(self, job: BatchJob, prompt_ids: list[int], lease: object) -> Row:
-        params = job.request.params
-        budget = min(params.max_tokens, self.loaded.info.context_length - len(prompt_ids))
-        generator = None if params.greedy else make_generator(params.seed, "cpu")
-        return Row(job, prompt_ids, lease, budget, generator,  # type: ignore[arg-type]
-                   IncrementalDetokenizer(self.loaded.tokenizer),
-                   StopMatcher(tuple(params.stop) + self.stops))
+        return sibling_reply(job, source, lease, partial(self._emit, job))
 
     # ----- decoding --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -270,7 +227,7 @@ class LlamaBatcher:
         self._decode_step_s = step_s if not self._decode_step_s else \
             0.7 * self._decode_step_s + 0.3 * step_s
 
-    def _step(self, rows: list[Row], chunk: Sequence[int] = (), lease: CacheLease | None = None,
+    def _step(self, rows: list[Reply], chunk: Sequence[int] = (), lease: CacheLease | None = None,
               last: bool = False) -> torch.Tensor | None:
         """One llama_decode: each of rows' next token (logits for each) plus a chunk of a
         joining prompt on lease's sequence (logits for its final token when `last`: returned, a
@@ -300,13 +257,13 @@ class LlamaBatcher:
             self._take_tokens(rows, logits)
         return prompt_logits
 
-    def _take_tokens(self, rows: list[Row], logits: torch.Tensor) -> None:
+    def _take_tokens(self, rows: list[Reply], logits: torch.Tensor) -> None:
         """Each row's token from its logits row; failed and finished rows leave."""
         failed = []
         for i, row in enumerate(rows):
             row.lease.ids.append(row.generated[-1])
             try:
-                self._take_token(row, logits[i])
+                row.take(logits[i])
             except Exception as exc:
                 failed.append((row, exc))
         for row, error in failed:
@@ -315,36 +272,14 @@ class LlamaBatcher:
             self._done(row.job, None, error)
         self._leave([r for r in self.rows if r.finish is not None], None)
 
-    def _take_token(self, row: Row, logits: torch.Tensor) -> None:
-        """Sample and emit one token for row; set row.finish if the reply ends here."""
-        if not row.generated and (row.job.cancel.is_set() or not logits.numel()):
-            row.finish = "cancelled"  # stopped before its prefill ran
-            return
-        params = row.request.params
-        seen = row.prompt_ids + row.generated if params.repetition_penalty != 1.0 else ()
-        token = sample_token(logits, params, row.generator, seen)
-        t = now_ns()
-        if not row.generated or t - row.last_snapshot_ns >= SNAPSHOT_INTERVAL_NS:
-            row.last_snapshot_ns = t
-            self._emit(row.job, sampler_snapshot(self.loaded.tokenizer, row.request, logits,
-                                                 token, len(row.generated), t))
-        row.generated.append(token)
-        text, ends = token_text(token, self.eos_ids, params.ignore_eos, row.detok, row.stopper)
-        self._emit(row.job, token_event(row.request.request_id, row.job.timeline, token, text))
-        row.finish = "stop" if ends else None
-        if row.finish is None and len(row.generated) >= row.budget:
-            row.finish = "length"
-        if row.finish is None and row.job.cancel.is_set():
-            row.finish = "cancelled"
-
     # ----- leaving ---------------------------------------------------------------------------
-    def _leave(self, leaving: list[Row], reason: FinishReason | None) -> None:
+    def _leave(self, leaving: list[Reply], reason: FinishReason | None) -> None:
         for row in leaving:
             self.rows.remove(row)
             row.finish = row.finish or reason
             self._finish(row)
 
-    def _finish(self, row: Row) -> None:
+    def _finish(self, row: Reply) -> None:
         """Hand the row's sequence (prompt + fed tokens) to the prefix cache, report."""
         lease = row.lease
         length = min(row.kv_len, len(lease.ids))
@@ -352,22 +287,4 @@ class LlamaBatcher:
             self.prefix_cache.crop(lease.cache, length)
             del lease.ids[length:]
         self.prefix_cache.release(lease)
-        self._done(row.job, self._result(row), None)
-
-    def _result(self, row: Row) -> GenerationResult:
-        request, timeline = row.request, row.job.timeline
-        finish: FinishReason = row.finish or "length"
-        if finish != "stop":
-            tail = row.stopper.feed(row.detok.flush()) + row.stopper.flush()
-            if tail:
-                self._emit(row.job, TextFlushed(request.request_id, now_ns(), tail))
-        timeline.done_ns = now_ns()
-        info = self.loaded.info
-        metrics = compute_metrics(
-            timeline, prompt_tokens=len(row.prompt_ids), cached_tokens=row.lease.cached_tokens,
-            parameters=info.parameters, weight_bytes_per_step=info.weight_bytes_per_step,
-            cache_miss_reason=row.lease.miss_reason)
-        return GenerationResult(
-            request_id=request.request_id, text=row.stopper.emitted, finish_reason=finish,
-            token_ids=list(row.generated), prompt_token_ids=row.prompt_ids, metrics=metrics,
-            model=info, dropped_messages=row.dropped_messages)
+        self._done(row.job, row.result(), None)

@@ -13,41 +13,21 @@ from typing import Any
 
 import numpy as np
 
+from engine.core.schedule import FIRST_LONE_CHUNK
 from engine.errors import PhasewiseError
 from engine.llamacpp.graph_meter import GraphMeter
 from engine.llamacpp.model import LlamaCppModel
 from engine.llamacpp.prefix_pool import KvFullError, SeqPrefixCache
 from engine.prefill_progress import PrefillReporter
 from engine.prefix_cache import CacheLease
-from engine.side_thread import chunk_for
 
 NO_KV_SLOT = 1
 ABORTED = 2  # a GraphMeter stopped the graph: the batch's positions left the KV memory
-# A prompt prefilled with no other row in its batches goes in whole batches (n_batch), with
-# progress and Stop from inside each (graph_meter.GraphMeter): on the Xeon VM a lone
-# 4,000-token prompt ran at 124-138 tok/s so, against 108-114 in chunks sized by the clock to
-# 0.4 s (benchmarks/prefill_progress.py, the two builds alternating). Until a meter has seen
-# the graph's size (the same for any batch: 515 nodes for the SmolLM2 GGUF from 1 token to
-# 512), a lone chunk is FIRST_LONE_CHUNK, short enough that its end is the first progress (16
-# tokens: ~70 ms at an empty context).
-FIRST_LONE_CHUNK = 16
-# A side prefill's chunks (side_prefill.py) follow the clock instead, so that a change of its
-# thread count (between two chunks) comes soon: as many tokens as the last chunk's rate runs
-# in SIDE_CHUNK_S, never under MIN_SIDE_CHUNK.
-SIDE_CHUNK_S = 0.4
-MIN_SIDE_CHUNK = 64
 
 
 def lone_chunk(loaded: LlamaCppModel) -> int:
     """A lone prefill chunk: the whole batch once a meter can say how far one has gone."""
     return loaded.n_batch if loaded.graph_nodes else min(FIRST_LONE_CHUNK, loaded.n_batch)
-
-
-def next_side_chunk(loaded: LlamaCppModel, tokens: int, seconds: float) -> int:
-    """The next side prefill chunk after one of `tokens` took `seconds`."""
-    if seconds <= 0:
-        return MIN_SIDE_CHUNK
-    return chunk_for(tokens, seconds, SIDE_CHUNK_S, MIN_SIDE_CHUNK, loaded.n_batch)
 
 
 def prefill_meter(loaded: LlamaCppModel, ctx: Any, within: Callable[[int, int, float], None],

@@ -164,9 +164,8 @@ class SeqPrefixCache(PrefixCache):
         self._evict_to_budget()
 
     def discard(self, lease: CacheLease) -> None:
-        """A failed request's lease: its sequence is cleared, its chat's next turn says
-        "evicted" (as PrefixCache does for a lease that never came back)."""
-        self.free_seq(lease.cache)
+        self.free_seq(lease.cache)  # its cells, then the record
+        super().discard(lease)
 
     def drop(self, conversation_id: str) -> None:
         entry = self._entries.pop(conversation_id, None)

@@ -24,21 +24,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.core.schedule import FIRST_SIDE_CHUNK, SIDE_MIN_TOKENS, next_side_chunk
 from engine.errors import PhasewiseError
 from engine.fit import free_memory
-from engine.llamacpp.decode import (
-    ABORTED,
-    MIN_SIDE_CHUNK,
-    BatchWriter,
-    next_side_chunk,
-    prefill_meter,
-)
+from engine.llamacpp.decode import ABORTED, BatchWriter, prefill_meter
 from engine.llamacpp.model import LlamaCppModel
 from engine.llamacpp.prefix_pool import KvFullError, SeqPrefixCache
 from engine.prefix_cache import CacheLease
 from engine.side_thread import SideWorker
 
-SIDE_MIN_TOKENS = 256  # shorter prompts ride in the rows' steps: a context costs ~50 ms to make
 CONTEXT_PAD = 256  # the side context's tokens, rounded up (as llama.cpp pads n_ctx)
 SIDE_SEQ = 0
 WORK_BYTES = 64 << 20  # the side context's compute buffers and logits, roughly
@@ -108,7 +102,7 @@ class SidePrefill(SideWorker):
     def _feed(self, writer: BatchWriter) -> None:
         lib, ids = self.loaded.llama_cpp, self.ids
         # A small first chunk on fewer threads: the first progress comes soon; then the clock.
-        start, step = len(self.lease.ids), MIN_SIDE_CHUNK
+        start, step = len(self.lease.ids), FIRST_SIDE_CHUNK
         while self.done < len(ids) and not self.stopped:
             self.before_chunk()
             begin, end = self.done, min(len(ids), self.done + step)
@@ -128,7 +122,7 @@ class SidePrefill(SideWorker):
                 pointer = lib.llama_get_logits(self._ctx)
                 row = np.ctypeslib.as_array(pointer, shape=(self.loaded.n_vocab,))
                 self._logits = torch.from_numpy(row.copy())
-            step = next_side_chunk(self.loaded, end - begin, time.perf_counter() - began)
+            step = next_side_chunk(end - begin, time.perf_counter() - began, self.loaded.n_batch)
             self.done = end
 
     def _now_reading(self, begin: int, size: int, fraction: float) -> None:

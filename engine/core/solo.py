@@ -1,0 +1,154 @@
+"""The decode loop for a request that runs alone: speculative requests, and models whose cache
+cannot share a batch. Written once for every runtime, over a SoloRunner.
+
+Prefill what the prefix cache lacks, then one timed step per token; with a drafter, each step
+verifies a whole draft in one forward and keeps the longest prefix it agrees with (the rest is
+trimmed from the cache). Runs only on the engine thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+import torch
+
+from engine.core.prompt import ChatModel
+from engine.core.reply import DetachedJob, EmitEvent, Reply, Vocabulary, open_reply
+from engine.errors import InvalidRequestError
+from engine.events import GenerationResult
+from engine.metrics import RequestTimeline, now_ns
+from engine.params import GenerationRequest
+from engine.prefix_cache import CacheLease, PrefixCache
+from engine.speculative import DraftProposer, PromptLookup, TokenProposer
+
+
+class SoloRunner(Protocol):
+    """What a runtime does for a request that runs alone."""
+
+    @property
+    def can_roll_back(self) -> bool:
+        """Whether positions can be cut off the cache again (no recurrent state): drafts
+        need it, as a rejected one is taken back out."""
+        ...
+
+    def prefill(self, reply: Reply, ids: list[int]) -> torch.Tensor | None:
+        """Feed ids (the prompt's uncached part) onto reply.lease, reporting progress and
+        honouring Stop within a chunk; the last position's logits, shape (1, vocab), or None
+        if Stop came first (what was read stays in the lease)."""
+        ...
+
+    def forward(self, lease: CacheLease, ids: list[int], rows: int) -> torch.Tensor:
+        """Feed ids on top of the lease's cache; the logits of the last `rows` positions,
+        shape (rows, vocab), valid until the next forward."""
+        ...
+
+    def trim(self, lease: CacheLease, length: int) -> None:
+        """Drop cached positions from `length` on, keeping lease.ids equal to the cache."""
+        ...
+
+
+class Proposer(Protocol):
+    """One request's drafter (PromptLookup, DraftProposer): fed each emitted token, asked for
+    a draft before each step; draft_probs holds a sampled draft's distributions."""
+
+    @property
+    def draft_probs(self) -> list[torch.Tensor] | None: ...
+
+    def prepare(self, cancel: threading.Event) -> bool:
+        """Ready for the first proposal, during the target's prefill; False if Stop came."""
+        ...
+
+    def append(self, token: int) -> None: ...
+
+    def propose(self, max_tokens: int) -> list[int]: ...
+
+
+def decode_alone(runner: SoloRunner, reply: Reply, drafter: Proposer | None) -> None:
+    """Prefill, then decode until the reply ends; the lease ends holding exactly the prompt
+    and every token fed back."""
+    lease, cancel = reply.lease, reply.job.cancel
+    rows = runner.prefill(reply, reply.prompt_ids[lease.cached_tokens :])
+    if rows is not None and drafter is not None and not drafter.prepare(cancel):
+        rows = None
+    if rows is None:
+        reply.finish = "cancelled"  # Stop before or during the prefill: within one chunk
+    else:
+        reply.job.timeline.first_logits_ns = now_ns()
+        draft: list[int] = []
+        while True:
+            # Row j's token is final; it continues the walk only when it equals draft[j]
+            # (then row j + 1 was computed on the right prefix).
+            accepted, token = 0, None
+            for j in range(rows.shape[0]):
+                probs = drafter.draft_probs if drafter is not None else None
+                token = reply.take(rows[j], (draft[j], probs[j]) if probs and j < len(draft)
+                                   else None)
+                if token is None:
+                    break  # Stop before the first token
+                if drafter is not None:
+                    drafter.append(token)
+                if reply.finish is not None or j >= len(draft) or token != draft[j]:
+                    break
+                accepted += 1
+            reply.spec.accepted += accepted
+            if draft:  # the cache holds the last step's input token plus the whole draft
+                runner.trim(lease, len(lease.ids) - len(draft) + accepted)
+            if reply.finish is not None or token is None:
+                break
+            draft = drafter.propose(reply.budget - len(reply.generated) - 1) if drafter else []
+            if cancel.is_set():  # Stop while the draft model proposed (or just now)
+                reply.finish = "cancelled"
+                break
+            reply.spec.proposed += len(draft)
+            rows = runner.forward(lease, [token, *draft], 1 + len(draft))
+    # Plain decoding never feeds the last emitted token; a draft may have gone further.
+    runner.trim(lease, reply.kv_len)
+
+
+class SoloSession:
+    """Runs one request to completion on the engine thread, on any runtime's SoloRunner."""
+
+    def __init__(self, model: ChatModel, runner: SoloRunner, cache: PrefixCache,
+                 vocab: Vocabulary, draft: TokenProposer | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        self.model = model
+        self.runner = runner
+        self.cache = cache
+        self.vocab = vocab
+        self.draft = draft  # proposes tokens for speculative="draft" requests
+        self.device = device
+
+    @torch.inference_mode()
+    def run(self, request: GenerationRequest, timeline: RequestTimeline,
+            cancel: threading.Event, emit: EmitEvent) -> GenerationResult:
+        if request.speculative == "draft" and self.draft is None:
+            raise InvalidRequestError("speculative decoding with a draft model needs one: "
+                                      "load it first (--draft-model SPEC)")
+        reply = open_reply(self.model, self.cache, DetachedJob(request, timeline, cancel),
+                           self.vocab, emit, self.device)
+        try:
+            drafter = self._drafter(reply)
+            reply.speculative = request.speculative if drafter is not None else None
+            decode_alone(self.runner, reply, drafter)
+            result = reply.result()
+        except BaseException:
+            self.cache.discard(reply.lease)  # its KV is in an unknown state
+            raise
+        self.cache.release(reply.lease)
+        return result
+
+    def _drafter(self, reply: Reply) -> Proposer | None:
+        """Greedy requests: verification keeps the output identical to plain decoding.
+        Sampled requests: a draft model's sampled drafts pass the speculative sampling test,
+        which keeps the output distribution the target's; prompt lookup decodes them plainly.
+        None where the cache cannot take a rejected draft back out."""
+        request = reply.request
+        params = request.params
+        if request.speculative is None or not self.runner.can_roll_back:
+            return None
+        if request.speculative == "ngram":
+            return PromptLookup(reply.prompt_ids) if params.greedy else None
+        assert self.draft is not None  # run() refuses a draft request without one
+        stop_ids = () if params.ignore_eos else self.vocab.eos_ids
+        return DraftProposer(self.draft, reply.prompt_ids, stop_ids, params, reply.generator)

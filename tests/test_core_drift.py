@@ -1,0 +1,161 @@
+"""Behaviours the two runtimes' copies of the loop had drifted apart on, now written once in the
+core (engine/core/): each test is one drift the issue found, on the torch runtime in-process
+(llama.cpp runs the same core code; its own checks are in tests/test_llamacpp_*.py)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine import GenerationRequest, SamplingParams, TokenEmitted
+from engine.batching import Batcher
+from engine.bench import fixed_prompt_ids
+from engine.core.reply import DetachedJob
+from engine.draft import load_draft
+from engine.generate import DecodeSession
+from engine.loader import LoadedModel, load_model
+from engine.metrics import RequestTimeline, now_ns
+from engine.prefix_cache import PrefixCache
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir: Path) -> LoadedModel:
+    return load_model(str(tiny_model_dir))
+
+
+def pool_for(loaded: LoadedModel) -> PrefixCache:
+    return PrefixCache(loaded.model.config, budget_bytes=1 << 30)
+
+
+def request(loaded: LoadedModel, max_tokens: int = 24, conversation: str = "c",
+            **kw: Any) -> GenerationRequest:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return GenerationRequest([], params, conversation_id=conversation,
+                             prompt_token_ids=fixed_prompt_ids(loaded, 12), **kw)
+
+
+def test_stop_while_the_draft_proposes_ends_the_reply_before_verifying(
+        tiny: LoadedModel, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stop pressed while the draft model proposes: no verification forward runs and no token
+    comes after it (it was honoured on llama.cpp only)."""
+    draft = load_draft(str(tiny_model_dir), tiny, kernel="fp32-eager")
+    cancel = threading.Event()
+    events: list[Any] = []
+    proposals: list[int] = []
+    real_propose = draft.propose
+
+    def propose(*args: Any, **kwargs: Any) -> list[int]:
+        drafted = real_propose(*args, **kwargs)
+        proposals.append(sum(isinstance(e, TokenEmitted) for e in events))
+        if len(proposals) == 2:
+            cancel.set()  # the user presses Stop while the draft model runs
+        return drafted
+
+    monkeypatch.setattr(draft, "propose", propose)
+    pool = pool_for(tiny)
+    result = DecodeSession(tiny, pool, draft=draft).run(
+        request(tiny, speculative="draft"), RequestTimeline(now_ns()), cancel, events.append)
+    assert result.finish_reason == "cancelled" and len(proposals) == 2
+    assert len(result.token_ids) == proposals[1]  # nothing verified after the Stop
+    assert pool._entries["c"].ids == result.prompt_token_ids + result.token_ids[:-1]
+
+
+def test_a_failed_reply_discards_its_lease_alone_and_in_a_batch(
+        tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward that fails mid-reply: the lease's cache goes, nothing stays leased, and the
+    chat's next turn says "evicted" (torch left it leased; llama.cpp discarded it)."""
+    boom = RuntimeError("device lost")
+    forward = tiny.model.forward
+    calls = 0
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 3:  # a decode step, after the prefill and one step
+            raise boom
+        return forward(*args, **kwargs)
+
+    pool = pool_for(tiny)
+    monkeypatch.setattr(tiny.model, "forward", failing)
+    with pytest.raises(RuntimeError, match="device lost"):
+        DecodeSession(tiny, pool).run(request(tiny), RequestTimeline(now_ns()),
+                                      threading.Event(), lambda event: None)
+    calls = 0
+    failures: list[BaseException | None] = []
+    batcher = Batcher(tiny, pool, lambda job, event: None,
+                      lambda job, result, error: failures.append(error))
+    batcher.admit([DetachedJob(request(tiny, conversation="b"))])
+    while batcher.rows:
+        batcher.step()
+    monkeypatch.setattr(tiny.model, "forward", forward)
+    assert failures == [boom]
+    assert pool.conversations() == [] and not pool._leased
+    for conversation in ("c", "b"):
+        lease = pool.acquire(conversation, fixed_prompt_ids(tiny, 12))
+        assert (lease.cached_tokens, lease.miss_reason) == (0, "evicted")
+        pool.release(lease)
+
+
+def test_one_failing_alternative_leaves_the_others(
+        tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three alternatives of one prompt; making the second fails: it alone reports the error,
+    the others finish (torch stranded the whole batch)."""
+    from engine import batching
+
+    real_sibling = batching.sibling_reply
+
+    def sibling(job: Any, *args: Any, **kwargs: Any) -> Any:
+        if job.request.request_id == "alt1":
+            raise RuntimeError("no room for this one")
+        return real_sibling(job, *args, **kwargs)
+
+    monkeypatch.setattr(batching, "sibling_reply", sibling)
+    outcomes: dict[str, Any] = {}
+    batcher = Batcher(tiny, pool_for(tiny), lambda job, event: None,
+                      lambda job, result, error: outcomes.update(
+                          {job.request.request_id: result or error}))
+    base = request(tiny, max_tokens=6)
+    alternatives = [GenerationRequest([], SamplingParams(temperature=1.0, seed=i, max_tokens=6,
+                                                         ignore_eos=True),
+                                      conversation_id="c", prompt_token_ids=base.prompt_token_ids,
+                                      request_id=f"alt{i}") for i in range(3)]
+    batcher.admit([DetachedJob(r) for r in alternatives])
+    while batcher.rows:
+        batcher.step()
+    assert isinstance(outcomes["alt1"], RuntimeError)
+    for ok in ("alt0", "alt2"):
+        assert outcomes[ok].finish_reason == "length" and len(outcomes[ok].token_ids) == 6
+
+
+def test_a_draft_reads_the_prompt_during_the_prefill(tiny: LoadedModel,
+                                                     tiny_model_dir: Path) -> None:
+    """The draft model's share of the prompt counts as prefill on both runtimes: when the first
+    token comes, the draft already holds the prompt (torch fed it in its first proposal)."""
+    draft = load_draft(str(tiny_model_dir), tiny, kernel="fp32-eager")
+    held: list[int] = []
+
+    def on_event(event: Any) -> None:
+        if isinstance(event, TokenEmitted) and event.index == 0:
+            held.append(len(draft.ids))
+
+    prompt = request(tiny, max_tokens=4, speculative="draft")
+    DecodeSession(tiny, pool_for(tiny), draft=draft).run(
+        prompt, RequestTimeline(now_ns()), threading.Event(), on_event)
+    assert held == [len(prompt.prompt_token_ids or ())]
+
+
+def test_both_runtimes_size_side_prefill_chunks_by_one_rule() -> None:
+    """The side prefill's chunk rule is the schedule's, the same for both runtimes (they had
+    0.5 s and 0.4 s targets and different first chunks): the last chunk's rate times the
+    target, within the floor and the runtime's largest chunk; an untimed chunk gives the floor."""
+    from engine.core import schedule
+
+    target, floor = schedule.SIDE_CHUNK_S, schedule.MIN_SIDE_CHUNK
+    assert schedule.next_side_chunk(500, 1.0, 4096) == round(500 * target)
+    assert schedule.next_side_chunk(500, 1.0, 100) == 100
+    assert schedule.next_side_chunk(10, 10.0, 4096) == floor
+    assert schedule.next_side_chunk(500, 0.0, 4096) == floor
+    assert floor <= schedule.FIRST_SIDE_CHUNK
