@@ -38,22 +38,18 @@ lint: setup
 	$(VENV)/bin/lint-imports
 
 # Mutation testing of the engine's core (config: [tool.mutmut] in pyproject.toml): the sampler,
-# the metrics, the prefix cache's record and the scheduler's and decode loop's decisions (the
-# functions below; "?" stands for mutmut's "ǁ" between a class and its method). One worker and
-# one torch thread: a shared machine. MUTANTS=... runs other functions, e.g. 'engine.metrics.*'.
+# the metrics, the prefix cache's record, the core's reply and loop (engine/core/) and the
+# scheduler's decisions (the functions below; "?" stands for mutmut's "ǁ" between a class and
+# its method). One worker and one torch thread: a shared machine. MUTANTS=... runs other functions, e.g. 'engine.metrics.*'.
 # Results stay in mutants/ (ignored): the per-module score below, `$(VENV)/bin/mutmut browse`,
 # `mutmut show NAME`. mutmut retests every mutant it is given by name: each run is a full one.
 MUTANTS ?= 'engine.sampling.*' 'engine.metrics.*' \
 	'engine.prefix_cache.x_common_prefix_len__*' 'engine.prefix_cache.x?CacheEntry?*' \
 	'engine.prefix_cache.x?CacheLease?*' 'engine.prefix_cache.x?PrefixCache?*' \
-	'engine.batching.x_batchable__*' 'engine.batching.x?Batcher?_adapt_budget__*' \
-	'engine.batching.x?Batcher?_chunk_tokens__*' 'engine.batching.x?Batcher?_new_row__*' \
-	'engine.batching.x?Batcher?_take_token__*' 'engine.batching.x?Batcher?_prefill__*' \
-	'engine.batching.x?Batcher?_prefill_between__*' \
-	'engine.generate.x?DecodeSession?_decode__*' 'engine.generate.x?DecodeSession?_trim__*' \
-	'engine.generate.x_token_text__*' 'engine.generate.x_token_event__*' \
-	'engine.generate.x?ChunkedPrefill?step__*' 'engine.generate.x?ChunkedPrefill?run__*' \
-	'engine.generate.x_default_prefill_chunk__*'
+	'engine.core.reply.*' 'engine.core.solo.x_decode_alone__*' 'engine.core.solo.x?SoloSession?*' \
+	'engine.core.schedule.*' 'engine.batching.x_batchable__*' \
+	'engine.batching.x?Batcher?_adapt_budget__*' 'engine.batching.x?Batcher?_chunk_tokens__*' \
+	'engine.batching.x?Batcher?_prefill__*' 'engine.batching.x?Batcher?_prefill_between__*'
 mutation: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/mutmut run --max-children 1 $(MUTANTS)
 	$(PY) tests/mutation_summary.py
