@@ -129,3 +129,17 @@ def test_the_chat_and_the_hud_show_one_time_left_while_the_prompt_is_read(
         assert caption.endswith(f", {left}") if left else "left" not in caption
         assert f" · {left} · " in status if left else "left" not in status
     assert seen[-1][1] == "· Reading your prompt: 100%"
+
+
+def test_what_the_chat_view_paints_reaches_the_huds_render_lag(qtbot, make_window) -> None:
+    """The chat view's paint stamps go to the HUD as painted (no relay that drops any)."""
+    window = make_window()
+    greedy(window, 12)
+    painted: dict[int, int] = {}
+    window.chat.sig_tokens_painted.connect(
+        lambda _rid, indexes, ns: painted.update(dict.fromkeys(indexes, ns)))
+    result = send_and_wait(qtbot, window, "Trip plan")
+
+    record = window.hud.model.record(result.request_id)
+    assert painted and record.painted_ns == painted
+    assert len(record.lags_s) == len(painted)
