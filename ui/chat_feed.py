@@ -97,16 +97,16 @@ class ChatFeed(QObject):
         else:
             self._save_timer.stop()
 
-    def show_stats(self, message_id: int, message: Message) -> None:
+    def show_stats(self, message: Message) -> None:
         """A click on a saved reply's stats line: its full breakdown at the pointer, and the
         reply in the HUD (its picker moves to it): the live record when this session wrote
         it, else the saved one."""
         if message.stats is None:
             return
         QToolTip.showText(QCursor.pos(), message.stats.details(), self.chat)
-        request_id = self.session.reply_of_message.get(message_id)
+        request_id = self.session.reply_of_message.get(message.id)
         if request_id is None or self.hud.model.record(request_id) is None:
-            request_id = saved_request_id(message_id)
+            request_id = saved_request_id(message.id)
         self.hud.select_reply(request_id)  # until a new reply starts
 
     # ----- the chat on screen ---------------------------------------------------------------

@@ -343,7 +343,7 @@ class MainWindow(QMainWindow):
         """A click on a saved reply's stats line: its breakdown, and the reply in the HUD."""
         message = self.store.message(message_id)
         if message is not None:
-            self.feed.show_stats(message_id, message)
+            self.feed.show_stats(message)
 
     def _on_message_action(self, action: str, message_id: int) -> None:
         """A link under a message (keep's argument is the alternative's index)."""

@@ -5,8 +5,8 @@
   its time left as the chat session said it).
 - on_tokens_painted(request_id, indexes, painted_ns): the chat view painted those tokens.
 - mark_setting_change(name, value, t_ns): a slider changed (marker on time plots).
-- name_reply(request_id, chat, turn, chat_id=...): which chat and turn a reply answers
-  (picker labels, and the open chat's per-turn panels).
+- name_reply(request_id, chat, turn, chat_id=...): which chat and turn a reply answers, as
+  the chat session numbered it (picker labels, the header, the open chat's per-turn panels).
 - show_chat(saved_chat): the chat on screen; its saved replies show as history.
 - rename_chat(chat_id, title): a chat's new title, in the picker and the history cue.
 
@@ -338,8 +338,9 @@ class HudWidget(QWidget):
                 [(self.model.turn_position(m.t_ns), m.label()) for m in markers])
 
     def name_reply(self, request_id: str, chat: str, turn: int, *, chat_id: str = "") -> None:
-        """The window says which chat and turn a reply answers: the picker shows that, and
-        with chat_id the reply joins that chat's per-turn panels when it is open."""
+        """Which chat and turn a reply answers (the chat session's numbering): the picker and
+        the header show that, and with chat_id the reply joins that chat's per-turn panels
+        when it is open."""
         self._names[request_id] = (chat, turn)
         if chat_id:
             self.model.assign(request_id, chat_id, turn)
