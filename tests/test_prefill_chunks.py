@@ -28,6 +28,7 @@ from engine.generate import ChunkedPrefill, DecodeSession
 from engine.loader import LoadedModel, load_model
 from engine.metrics import RequestTimeline, now_ns
 from engine.prefix_cache import PrefixCache
+from ui.session import PromptReading
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
@@ -367,8 +368,8 @@ def test_an_error_in_the_side_thread_fails_that_request_on_the_engine_thread(
     assert torch.get_num_threads() == beside_on_two_cores
 
 # ----- the reply placeholder -------------------------------------------------------------------
-def progress_event(done: int, total: int, tok_s: float = 500.0) -> PrefillProgress:
-    return PrefillProgress("r1", 0, done, total, tok_s, (total - done) / tok_s)
+def progress_event(done: int, total: int, tok_s: float = 500.0) -> PromptReading:
+    return PromptReading.of(PrefillProgress("r1", 0, done, total, tok_s, (total - done) / tok_s))
 
 
 def test_placeholder_reads_the_prompt_then_writes(qtbot) -> None:
@@ -379,15 +380,15 @@ def test_placeholder_reads_the_prompt_then_writes(qtbot) -> None:
     view.begin_stream("r1")
     assert view.status_text("r1") == WRITING
 
-    view.show_prefill_progress(progress_event(840, 2000, 420.0))
+    view.show_reading("r1", progress_event(840, 2000, 420.0))
     assert view.status_text("r1") == "· Reading your prompt: 42% · 3 s left · 420 tok/s"
     assert "Reading your prompt: 42%" in view.toPlainText()
-    view.show_prefill_progress(progress_event(2000, 2000))
+    view.show_reading("r1", progress_event(2000, 2000))
     assert view.status_text("r1") == "· Reading your prompt: 100%"
 
     view.push_token("r1", 0, "Hello")
     assert view.status_text("r1") == WRITING
-    view.show_prefill_progress(progress_event(2000, 2000))  # late: the reply is writing
+    view.show_reading("r1", progress_event(2000, 2000))  # late: the reply is writing
     assert view.status_text("r1") == WRITING
     view.end_stream()
     assert view.toPlainText().endswith(f"Assistant {WRITING}\nHello")
@@ -401,7 +402,7 @@ def test_the_time_left_reads_the_same_in_the_chat_and_the_hud_without_flicker() 
     from ui.hud.panels import prefill_caption
 
     # A rate that wobbles between two chunks: past a minute, 10 s steps keep one label.
-    wobble = [PrefillProgress("r1", 0, 2_000, 6_000, tok_s, 4_000 / tok_s)
+    wobble = [PromptReading.of(PrefillProgress("r1", 0, 2_000, 6_000, tok_s, 4_000 / tok_s))
               for tok_s in (25.5, 24.5)]  # 157 s and 163 s left
     assert {prefill_status(e).split(" · ")[1] for e in wobble} == {"2 min 40 s left"}
     assert all(prefill_caption(e).endswith(", 2 min 40 s left") for e in wobble)
@@ -417,9 +418,10 @@ def test_hud_draws_the_prefill_while_the_prompt_is_read(qtbot) -> None:
     hud = HudWidget(calibrate=False)
     qtbot.addWidget(hud)
     ms = 1_000_000
-    for event in (RequestQueued("r1", 0), PrefillStarted("r1", 10 * ms, 2000, 0, "first_turn"),
-                  PrefillProgress("r1", 2010 * ms, 840, 2000, 420.0, 1160 / 420)):
+    for event in (RequestQueued("r1", 0), PrefillStarted("r1", 10 * ms, 2000, 0, "first_turn")):
         hud.on_engine_event(event)
+    hud.show_reading("r1", PromptReading.of(
+        PrefillProgress("r1", 2010 * ms, 840, 2000, 420.0, 1160 / 420)))
     hud.flush()
 
     panel = hud.panels["breakdown"]
@@ -452,10 +454,11 @@ def test_a_reply_stopped_while_its_prompt_is_read_shows_that_prefill(qtbot) -> N
                               weight_bytes_per_step=INFO.weight_bytes_per_step,
                               cache_miss_reason="first_turn")
     result = GenerationResult("r1", "", "cancelled", [], list(range(6_000)), metrics, INFO)
-    for event in (RequestQueued("r1", 0), PrefillStarted("r1", 2 * MS, 6_000, 20, "first_turn"),
-                  PrefillProgress("r1", 19_500 * MS, 1_800, 5_980, 92.0, 45.0),
-                  RequestFinished("r1", 20_000 * MS, result)):
+    for event in (RequestQueued("r1", 0), PrefillStarted("r1", 2 * MS, 6_000, 20, "first_turn")):
         hud.on_engine_event(event)
+    hud.show_reading("r1", PromptReading.of(
+        PrefillProgress("r1", 19_500 * MS, 1_800, 5_980, 92.0, 45.0)))
+    hud.on_engine_event(RequestFinished("r1", 20_000 * MS, result))
     hud.flush()
 
     rows = {phase: (detail, seconds) for phase, detail, seconds, _share
@@ -498,9 +501,10 @@ def test_a_new_chats_prefill_shows_no_other_chats_numbers_and_an_unclipped_marke
     hud.mark_setting_change("max_tokens", 64, 20_000 * MS)
     hud.show_chat(SavedChat("chat-b", "B", []))
     for event in (RequestQueued("b1", 21_000 * MS),
-                  PrefillStarted("b1", 21_001 * MS, 6_000, 0, "first_turn"),
-                  PrefillProgress("b1", 24_000 * MS, 2_000, 6_000, 660.0, 4_000 / 660)):
+                  PrefillStarted("b1", 21_001 * MS, 6_000, 0, "first_turn")):
         hud.on_engine_event(event)
+    hud.show_reading("b1", PromptReading.of(
+        PrefillProgress("b1", 24_000 * MS, 2_000, 6_000, 660.0, 4_000 / 660)))
     hud.name_reply("b1", "B", 1, chat_id="chat-b")
     hud.flush()
 
@@ -553,14 +557,15 @@ def test_no_time_left_is_shown_until_the_clock_can_say_it(qtbot) -> None:
     from ui.hud import HudWidget
     from ui.hud.panels import prefill_caption
 
-    early = PrefillProgress("r1", 2010 * 1_000_000, 90, 2000, 420.0, None)
+    early = PromptReading.of(PrefillProgress("r1", 2010 * 1_000_000, 90, 2000, 420.0, None))
     assert prefill_status(early) == "· Reading your prompt: 4% · estimating time left · 420 tok/s"
     assert prefill_caption(early).endswith("at 420 tok/s, estimating time left")
     hud = HudWidget(calibrate=False)
     qtbot.addWidget(hud)
     for event in (RequestQueued("r1", 0), PrefillStarted("r1", 10 * 1_000_000, 2000, 0,
-                                                         "first_turn"), early):
+                                                         "first_turn")):
         hud.on_engine_event(event)
+    hud.show_reading("r1", early)
     hud.flush()
     panel = hud.panels["breakdown"]
     assert panel._prefill_left.opts["width"][0] == 0

@@ -12,13 +12,14 @@ import pytest
 from engine import (
     Engine,
     EngineEvent,
+    PrefillProgress,
     RequestFailed,
     RequestFinished,
     SamplingParams,
     TextFlushed,
     TokenEmitted,
 )
-from ui.session import ActiveReply, ChatSession, ReplyOptions
+from ui.session import ActiveReply, ChatSession, PromptReading, ReplyOptions
 from ui.store import ChatStore
 
 WAIT_S = 60
@@ -114,6 +115,48 @@ def test_alternatives_wait_for_a_pick_then_one_is_kept(session: Any,
     kept = session.store.messages(conv)[-1]
     assert kept.content == results[1].text and kept.role == "assistant"
     assert conv in tiny_engine.prefix_cache.conversations()  # alternative 1's prefix, adopted
+
+
+def test_each_reply_knows_its_chat_turn_and_the_request_that_wrote_it(session: Any) -> None:
+    """What the views name a reply by comes from the session: its chat's title and its turn
+    (user turns, not messages); a regenerated reply answers the same turn, alternatives share
+    it; a saved reply maps back to the request that wrote it this run."""
+    assert session.send("Trip plan", options())
+    pump(session)
+    assert session.send("And the hotels?", options())
+    pump(session)
+    conv = session.conversation_id
+    first, second = session.view.said("reply_started")
+    assert [(r.chat_title, r.turn) for r in (first, second)] == [("Trip plan", 1), ("Trip plan", 2)]
+    saved = [m.id for m in session.store.messages(conv) if m.role == "assistant"]
+    assert [session.reply_of_message[m] for m in saved] == [first.request_id, second.request_id]
+
+    session.regenerate(saved[-1], options(temperature=1.0), alternatives=2)
+    *_, alt_1, alt_2 = session.view.said("reply_started")
+    assert [(r.turn, r.alternative) for r in (alt_1, alt_2)] == [(2, 0), (2, 1)]
+    pump(session)
+    assert session.keep_alternative(1)
+    kept = [m.id for m in session.store.messages(conv) if m.role == "assistant"][-1]
+    assert session.reply_of_message[kept] == alt_2.request_id
+
+
+def test_the_time_left_is_said_once_and_a_late_report_is_ignored(session: Any) -> None:
+    assert session.send("Hello", options(max_tokens=3))
+    reply = session.reply
+    rid = reply.request_id
+    early = PrefillProgress(rid, 1, 90, 2_000, 420.0, None)
+    known = PrefillProgress(rid, 2, 840, 2_000, 420.0, 1_160 / 420)
+    assert session.on_prefill_progress(early) is reply
+    assert reply.reading == PromptReading(early, "estimating time left", None)
+    session.on_prefill_progress(known)
+    assert reply.reading == PromptReading(known, "3 s left", 1_160 / 420)
+    done = PrefillProgress(rid, 3, 2_000, 2_000, 420.0, 0.0)
+    assert PromptReading.of(done).left == "" and PromptReading.of(done).left_s is None
+    session.add_token(TokenEmitted(rid, 4, 0, 7, "Hi"))  # it writes: the reading is over
+    assert reply.reading is None
+    assert session.on_prefill_progress(known) is None and reply.reading is None
+    session.stop(session.conversation_id)
+    pump(session)
 
 
 def test_a_failed_request_gives_the_text_back(session: Any) -> None:

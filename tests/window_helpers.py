@@ -3,11 +3,13 @@ bare HUD widget: set the sampling controls, send and wait for a reply, read the 
 
 from __future__ import annotations
 
-from PySide6.QtCore import QSize
+from PySide6.QtCore import QPoint, QSize, Qt
+from PySide6.QtGui import QTextCursor
 from PySide6.QtWidgets import QWidget
 from pytestqt.qtbot import QtBot
 
 from engine import GenerationResult
+from ui.chat_view import ACTION_SCHEME
 from ui.hud import HudWidget
 from ui.main_window import MainWindow
 
@@ -61,3 +63,37 @@ def squeeze_and_restore(qtbot: QtBot, window: MainWindow, full: QSize, width: in
     qtbot.waitUntil(lambda: dock.width() < width, timeout=WAIT_MS)
     window.resize(full)
     qtbot.waitUntil(lambda: dock.width() == width, timeout=WAIT_MS)
+
+
+def click_chat(qtbot: QtBot, window: MainWindow, conv_id: str) -> None:
+    """Click a chat in the sidebar, as the user opens it."""
+    chats = window.sidebar.list
+    rect = chats.visualItemRect(chats.item(window.sidebar.visible_ids().index(conv_id)))
+    qtbot.mouseClick(chats.viewport(), Qt.MouseButton.LeftButton, pos=rect.center())
+    assert window.conversation_id == conv_id
+
+
+def link_position(window: MainWindow, href: str) -> QPoint:
+    """Where the chat view draws the link to href, in its viewport (scrolled into view)."""
+    chat = window.chat
+    doc = chat.document()
+    cursor = QTextCursor(doc)
+    inside = []  # positions after each of the link's characters
+    for position in range(1, doc.characterCount()):
+        cursor.setPosition(position)  # its format is the character's before it
+        if cursor.charFormat().anchorHref() == href:
+            inside.append(position)
+    assert inside, f"no link to {href}"
+    cursor.setPosition(inside[len(inside) // 2])  # the middle of the link
+    bar = chat.verticalScrollBar()
+    rect = chat.cursorRect(cursor)
+    if not chat.viewport().rect().contains(rect):
+        bar.setValue(bar.value() + rect.top() - chat.viewport().height() // 2)
+        rect = chat.cursorRect(cursor)
+    return rect.center()
+
+
+def click_stats_line(qtbot: QtBot, window: MainWindow, message_id: int) -> None:
+    """Click the quiet stats line under a saved reply, as the user does."""
+    qtbot.mouseClick(window.chat.viewport(), Qt.MouseButton.LeftButton,
+                     pos=link_position(window, f"{ACTION_SCHEME}:stats/{message_id}"))

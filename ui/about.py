@@ -37,12 +37,12 @@ def show_about(parent: QWidget, model: ModelInfo | None) -> None:
     QMessageBox.about(parent, "About Phasewise", about_text(model))
 
 
-def confirm(parent: QWidget, title: str, question: str) -> bool:
-    """Ask before a destructive action; No is the default (Enter or Esc keep things)."""
-    box = QMessageBox.question(parent, title, question,
-                               QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No,
-                               QMessageBox.StandardButton.No)
-    return box == QMessageBox.StandardButton.Yes
+def confirm(parent: QWidget, title: str, question: str, *, default_yes: bool = False) -> bool:
+    """Ask before a destructive action; No is the default (Enter or Esc keep things) unless
+    `default_yes`."""
+    yes, no = QMessageBox.StandardButton.Yes, QMessageBox.StandardButton.No
+    return QMessageBox.question(parent, title, question, yes | no,
+                                yes if default_yes else no) == yes
 
 
 class ShortcutsDialog(QDialog):

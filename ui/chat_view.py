@@ -16,11 +16,13 @@ import contextlib
 import html
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 
-from PySide6.QtCore import QTimer, QUrl, Signal
+from PySide6.QtCore import Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import (
+    QCursor,
     QDesktopServices,
     QGuiApplication,
     QPalette,
@@ -29,11 +31,10 @@ from PySide6.QtGui import (
     QTextCursor,
     QTextDocument,
 )
-from PySide6.QtWidgets import QTextBrowser, QWidget
+from PySide6.QtWidgets import QMenu, QTextBrowser, QWidget
 
-from engine.events import PrefillProgress
-from engine.hud_model import fmt_eta
 from ui.markdown import COPY_SCHEME, Theme, is_safe_link, render_markdown, render_plain
+from ui.session import PromptReading
 from ui.store import DONE, Message
 
 FLUSH_INTERVAL_MS = 50  # at most 20 inserts a second per live reply
@@ -42,18 +43,18 @@ FLUSH_INTERVAL_MS = 50  # at most 20 inserts a second per live reply
 CPU_FLUSH_INTERVAL_MS = 100
 ACTION_SCHEME = "pw-action"  # our own links: pw-action:<action>/<message id>
 LINK_TEXT = {"alternatives": "Alternatives…"}  # it asks how many first
+ALTERNATIVE_CHOICES = (2, 3, 4)  # the Alternatives… link's menu (and × N's count if not here)
 STATUS_LABELS = {"stopped": "stopped", "length": "hit max tokens", "error": "failed"}
 WRITING = "· writing…"  # a live reply's status until its prompt is being read
 
 
-def prefill_status(event: PrefillProgress) -> str:
+def prefill_status(reading: PromptReading) -> str:
     """A live reply's status while its prompt is prefilled:
-    "· Reading your prompt: 42% · 3 s left · 550 tok/s" ("estimating time left" until the clock
-    can say it: engine.prefill_eta)."""
+    "· Reading your prompt: 42% · 3 s left · 550 tok/s" (the time left as the session said it)."""
+    event = reading.progress
     text = f"· Reading your prompt: {event.fraction:.0%}"
-    if event.done_tokens < event.total_tokens and event.tok_s > 0:
-        left = "estimating time left" if event.eta_s is None else f"{fmt_eta(event.eta_s)} left"
-        text += f" · {left} · {event.tok_s:.0f} tok/s"
+    if reading.left:
+        text += f" · {reading.left} · {event.tok_s:.0f} tok/s"
     return text
 
 
@@ -262,11 +263,11 @@ class ChatView(QTextBrowser):
             due_ms = (self._last_flush + self.flush_interval_ms / 1000 - time.monotonic()) * 1000
             self._timer.start(max(0, math.ceil(due_ms)))
 
-    def show_prefill_progress(self, event: PrefillProgress) -> None:
+    def show_reading(self, request_id: str, reading: PromptReading) -> None:
         """While a live reply's prompt is read: "Reading your prompt: 42% · 3 s left"."""
-        stream = self._streams.get(event.request_id)
+        stream = self._streams.get(request_id)
         if stream is not None and not stream.text and not stream.indexes:
-            self._set_status(stream, prefill_status(event))
+            self._set_status(stream, prefill_status(reading))
 
     @staticmethod
     def _set_status(stream: _Stream, text: str) -> None:
@@ -342,6 +343,20 @@ class ChatView(QTextBrowser):
         return self._last_stream_text
 
     # ----- links ---------------------------------------------------------------------------
+    def alternatives_menu(self, offered: int, pick: Callable[[int], object]) -> QMenu:
+        """The Alternatives… link's menu of how many, at the pointer: 2 to 4, and `offered`
+        (the × N box's count) if more, `offered` first in bold; a pick calls pick(count)."""
+        menu = QMenu(self)
+        menu.setObjectName("alternativesMenu")
+        menu.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        for count in sorted({*ALTERNATIVE_CHOICES, offered}):
+            action = menu.addAction(f"{count} alternatives", partial(pick, count))
+            if count == offered:
+                menu.setDefaultAction(action)
+                menu.setActiveAction(action)
+        menu.popup(QCursor.pos())
+        return menu
+
     def _on_anchor(self, url: QUrl) -> None:
         scheme = url.scheme().lower()
         if scheme == ACTION_SCHEME:

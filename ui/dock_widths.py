@@ -1,4 +1,4 @@
-"""The right-hand docks get their width back when the window grows again.
+"""The right-hand column of docks: built, and given its width back when the window grows again.
 
 Qt squeezes the docks once the window shrinks past the central widget's minimum, and gives
 every pixel of a later growth to the central widget: after a trip to the minimum size and
@@ -11,9 +11,29 @@ from __future__ import annotations
 
 from PySide6.QtCore import QEvent, QObject, QSettings, Qt
 from PySide6.QtGui import QResizeEvent
-from PySide6.QtWidgets import QDockWidget, QMainWindow
+from PySide6.QtWidgets import QDockWidget, QMainWindow, QWidget
 
 WIDTH_KEY = "window/dock_width"  # QSettings: the docks' chosen width, in pixels
+TOP_HEIGHT, BOTTOM_HEIGHT = 250, 650  # the column's first split (the bottom dock gets more)
+
+
+def dock_column(window: QMainWindow, width: int, top: tuple[str, str, QWidget],
+                bottom: tuple[str, str, QWidget]) -> tuple[QDockWidget, QDockWidget]:
+    """Two docks stacked on the window's right, `width` wide at first; each is (title, object
+    name for the saved layout, widget)."""
+    upper, lower = (_dock(window, *spec) for spec in (top, bottom))
+    window.splitDockWidget(upper, lower, Qt.Orientation.Vertical)
+    window.resizeDocks([upper, lower], [TOP_HEIGHT, BOTTOM_HEIGHT], Qt.Orientation.Vertical)
+    window.resizeDocks([upper], [width], Qt.Orientation.Horizontal)
+    return upper, lower
+
+
+def _dock(window: QMainWindow, title: str, name: str, widget: QWidget) -> QDockWidget:
+    dock = QDockWidget(title, window)
+    dock.setObjectName(name)
+    dock.setWidget(widget)
+    window.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, dock)
+    return dock
 
 
 class DockWidths(QObject):

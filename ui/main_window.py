@@ -1,8 +1,10 @@
 """The main window: conversations on the left, the chat in the middle, settings and HUD right.
 
-The window builds the widgets, wires them to a ChatSession (ui/session.py: the flow of replies
-between the store and the backend, without Qt) and to the backend's events, and renders what
-the session reports. Several replies may run at once (the engine batches them): one per chat,
+The window builds the widgets and wires them: a ChatSession (ui/session.py: the flow of
+replies between the store and the backend, without Qt) and a ChatFeed (ui/chat_feed.py: each
+reply's stream from the engine, through the session, to the chat view and the HUD). It turns
+what the user does into the session's calls and what the session reports into the composer,
+sidebar and notices. Several replies may run at once (the engine batches them): one per chat,
 or N alternatives in one chat, of which the user keeps one.
 """
 
@@ -14,42 +16,31 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from PySide6.QtCore import QSettings, Qt, QTimer, Signal
-from PySide6.QtGui import QCloseEvent, QCursor, QGuiApplication
+from PySide6.QtCore import QSettings, Signal
+from PySide6.QtGui import QCloseEvent, QGuiApplication
 from PySide6.QtWidgets import (
-    QDockWidget,
     QMainWindow,
     QMenu,
-    QMessageBox,
     QSizePolicy,
     QSplitter,
-    QToolTip,
     QWidget,
 )
 
-from engine import (
-    GenerationResult,
-    ModelInfo,
-    TextFlushed,
-    TokenEmitted,
-)
-from engine.hud_model import saved_request_id
-from engine.params import MAX_ALTERNATIVES
+from engine import GenerationResult, ModelInfo
 from engine.protocol import Backend
 from ui.about import confirm
 from ui.bridge import EngineBridge
 from ui.chat_export import STATUS_MS, ChatExports
+from ui.chat_feed import ChatFeed
 from ui.chat_pane import ChatPane, LoadStatus
-from ui.chat_view import CPU_FLUSH_INTERVAL_MS, FLUSH_INTERVAL_MS, Alternative, ChatView
+from ui.chat_view import ChatView
 from ui.composer import Composer
 from ui.controls import ControlsPanel
-from ui.dock_widths import DockWidths
+from ui.dock_widths import DockWidths, dock_column
 from ui.drafts import Drafts
 from ui.hud import HudWidget
-from ui.hud.history import saved_chat
 from ui.model_loads import ModelLoads
 from ui.session import (
-    FINISH_STATUS,
     ActiveReply,
     ChatSession,
     ReplyOptions,
@@ -59,16 +50,14 @@ from ui.session import (
 )
 from ui.shortcuts import WindowMenus
 from ui.sidebar import Sidebar
-from ui.store import DONE, ChatStore, Conversation, Message
+from ui.store import ChatStore
 from ui.theme import FocusRing
 from ui.window_settings import restore_layout, save_layout
 
-SAVE_INTERVAL_MS = 500  # how often a streaming reply's text is written to the database
 DOCK_WIDTH = 430  # the settings and HUD column's first width
 # The chat column's narrowest: a small window squeezes the docks (down to their own minimum
 # widths) before the chat gets narrower than this.
 CHAT_MIN_WIDTH = 340
-ALTERNATIVE_CHOICES = (2, 3, 4)  # the Alternatives… link's menu (and × N's count if not here)
 
 
 class MainWindow(QMainWindow):
@@ -102,7 +91,6 @@ class MainWindow(QMainWindow):
         self.load_options = dict(load_options or {})
         self.bridge = EngineBridge(engine, self)
         self.session = ChatSession(engine, store, self)
-        self._saved_context = 0  # tokens the chat on screen's last saved reply left
 
         self._build_widgets()
         self._build_docks(hud_calibrate)
@@ -111,12 +99,10 @@ class MainWindow(QMainWindow):
         self._set_focus_chain()
         self.focus_ring = FocusRing(self)
         self._wire()
-        self._save_timer = QTimer(self)
-        self._save_timer.setInterval(SAVE_INTERVAL_MS)
-        self._save_timer.timeout.connect(self.session.save_partial)
         restore_layout(self, self.controls, settings)
         self.dock_widths.load(settings)
-        self._show_model(engine.model_info)
+        self.loads.show_model(engine.model_info)
+        self.feed.show_model(engine.model_info)
         self._open_initial_conversation()
         if store.recovered_from is not None:
             self.notify(f"The chat database was damaged; it was backed up to "
@@ -162,18 +148,9 @@ class MainWindow(QMainWindow):
         # restart after one, leaves the HUD squashed to its headline).
         self.controls.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Maximum)
         self.hud = HudWidget(calibrate=hud_calibrate)  # tests skip the device calibration
-        self.settings_dock = QDockWidget("Generation", self)
-        self.settings_dock.setObjectName("settingsDock")
-        self.settings_dock.setWidget(self.controls)
-        self.hud_dock = QDockWidget("Performance", self)
-        self.hud_dock.setObjectName("hudDock")
-        self.hud_dock.setWidget(self.hud)
-        area = Qt.DockWidgetArea.RightDockWidgetArea
-        self.addDockWidget(area, self.settings_dock)
-        self.addDockWidget(area, self.hud_dock)
-        self.splitDockWidget(self.settings_dock, self.hud_dock, Qt.Orientation.Vertical)
-        self.resizeDocks([self.settings_dock, self.hud_dock], [250, 650], Qt.Orientation.Vertical)
-        self.resizeDocks([self.settings_dock], [DOCK_WIDTH], Qt.Orientation.Horizontal)
+        self.settings_dock, self.hud_dock = dock_column(
+            self, DOCK_WIDTH, ("Generation", "settingsDock", self.controls),
+            ("Performance", "hudDock", self.hud))
         self.dock_widths = DockWidths(self, self.settings_dock, DOCK_WIDTH)
 
     def _build_status_bar(self) -> None:
@@ -199,21 +176,12 @@ class MainWindow(QMainWindow):
             self.store, self.hud, self, self._export_done,
             lambda text: self.notify(text, "export"))
         self.sidebar.sig_export.connect(self.chat_exports.ask)
-        b = self.bridge
-        b.sig_event.connect(self.hud.on_engine_event)
-        b.sig_prefill_progress.connect(self.chat.show_prefill_progress)
-        b.sig_prefill_started.connect(self.session.on_prefill_started)
-        b.sig_prefill_started.connect(lambda _event: self._show_context_fill(None))
-        b.sig_token.connect(self._on_token)
-        b.sig_text_flushed.connect(self._on_text_flushed)
-        b.sig_request_finished.connect(self.session.on_finished)
-        b.sig_request_failed.connect(self.session.on_failed)
-        b.sig_model_loaded.connect(self._show_model)
-        self.controls.speculative.activated.connect(self._draft_notices_end)  # the user's pick
-        self.loads = ModelLoads(self, self.engine, b, self.status, self.controls, self.notify,
-                                self.load_options, self.settings)
-        b.sig_draft_changed.connect(self._draft_notices_end)  # after the controls know it
-        self.chat.sig_tokens_painted.connect(self._on_tokens_painted)
+        # The replies' streams: engine -> session -> chat view and HUD (first: the session
+        # knows a new model before the controls hear of it).
+        self.feed = ChatFeed(self.session, self.bridge, self.chat, self.hud, self.sidebar,
+                             self.status, self)
+        self.loads = ModelLoads(self, self.engine, self.bridge, self.status, self.controls,
+                                self.pane, self.load_options, self.settings)
         self.chat.sig_action.connect(self._on_message_action)
         self.composer.sig_send.connect(self.send)
         self.composer.sig_stop.connect(self.stop)
@@ -247,12 +215,10 @@ class MainWindow(QMainWindow):
         self.drafts.take(None)
         self.pane.set_title("New chat")
         self.controls.set_system_prompt("")
-        self.chat.show_messages([])
+        self.feed.show_chat(None)
         self._update_busy()
         self.sidebar.refresh(select="")
         self.sidebar.clear_selection()
-        self._show_context_fill([])
-        self._show_chat_history(None, [])
         self.composer.focus()
 
     def open_conversation(self, conv_id: str) -> None:
@@ -265,7 +231,7 @@ class MainWindow(QMainWindow):
         self.drafts.take(conv_id)
         self.pane.set_title(conv.title)
         self.controls.set_system_prompt(conv.system_prompt)
-        self._show_conversation(conv)
+        self.feed.show_chat(conv)
         self.sidebar.refresh(select=conv_id)
         self._update_busy()
 
@@ -296,45 +262,6 @@ class MainWindow(QMainWindow):
             self.new_chat()
         else:
             self.sidebar.refresh()
-
-    def _show_conversation(self, conv: Conversation | None) -> None:
-        """The chat on screen in the view and in the HUD's history, from one read of its
-        messages (None: it is not in the store, so nothing saved shows)."""
-        saved = self.store.messages(conv.id) if conv is not None else []
-        self._render_conversation(saved)
-        self._show_chat_history(conv, saved)
-
-    def _render_conversation(self, saved: list[Message]) -> None:
-        """Saved messages, then this chat's alternatives in their order, finished or still
-        streaming (one that ends first never jumps ahead), then its other live replies."""
-        messages = self.session.visible_messages(saved)
-        finished = {i: Alternative(i, f"Alternative {i + 1}", r.text,
-                                   FINISH_STATUS.get(r.finish_reason, DONE))
-                    for i, r in self.session.finished_alternatives(self.conversation_id)}
-        running = self.session.running(self.conversation_id)
-        live = {r.alternative: r for r in running if r.alternative is not None}
-        first_live = min(live, default=MAX_ALTERNATIVES)
-        self.chat.show_messages(messages, [finished[i] for i in sorted(finished)
-                                           if i < first_live])
-        for index in sorted(i for i in finished.keys() | live.keys() if i >= first_live):
-            if index in live:
-                self._show_live(live[index])
-            else:
-                self.chat.add_alternative(finished[index])  # after the live ones before it
-        for reply in running:
-            if reply.alternative is None:
-                self._show_live(reply)
-        self.chat.flush()
-        self._show_context_fill(messages)
-
-    def _show_live(self, reply: ActiveReply) -> None:
-        self.chat.begin_stream(reply.request_id, reply.label)
-        self.chat.push_text(reply.request_id, reply.text)
-
-    def _show_chat_history(self, conv: Conversation | None, saved: list[Message]) -> None:
-        """The HUD's per-turn panels follow the chat on screen: its saved replies as history
-        (a new chat has none yet)."""
-        self.hud.show_chat(None if conv is None else saved_chat(conv.id, conv.title, saved))
 
     def _update_busy(self) -> None:
         """The composer's Stop button follows the chat on screen, and so do notices about it
@@ -386,18 +313,8 @@ class MainWindow(QMainWindow):
         if options.params.greedy:
             self.generate_alternatives(message_id)  # says why there are none
             return None
-        offered = default_alternatives(options)
-        menu = QMenu(self)
-        menu.setObjectName("alternativesMenu")
-        menu.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
-        for count in sorted({*ALTERNATIVE_CHOICES, offered}):
-            action = menu.addAction(f"{count} alternatives",
-                                    partial(self.generate_alternatives, message_id, count))
-            if count == offered:
-                menu.setDefaultAction(action)
-                menu.setActiveAction(action)
-        menu.popup(QCursor.pos())
-        return menu
+        return self.chat.alternatives_menu(default_alternatives(options),
+                                           partial(self.generate_alternatives, message_id))
 
     def keep_alternative(self, index: int) -> bool:
         """Save alternative `index` of the current chat as its reply; discard the others."""
@@ -423,11 +340,10 @@ class MainWindow(QMainWindow):
             self.statusBar().showMessage("Copied to the clipboard", 2000)
 
     def show_reply_stats(self, message_id: int) -> None:
-        """The full breakdown of a saved reply (a click on its stats line)."""
+        """A click on a saved reply's stats line: its breakdown, and the reply in the HUD."""
         message = self.store.message(message_id)
-        if message is not None and message.stats is not None:
-            QToolTip.showText(QCursor.pos(), message.stats.details(), self.chat)
-            self.hud.select_reply(saved_request_id(message_id))  # its panels, until a new one
+        if message is not None:
+            self.feed.show_stats(message)
 
     def _on_message_action(self, action: str, message_id: int) -> None:
         """A link under a message (keep's argument is the alternative's index)."""
@@ -451,8 +367,7 @@ class MainWindow(QMainWindow):
         self.drafts.created(conv_id)
         self.pane.set_title(title)
         self.sidebar.refresh(select=conv_id)
-        conv = self.store.conversation(conv_id)
-        self._show_chat_history(conv, self.store.messages(conv_id) if conv is not None else [])
+        self.feed.chat_created(conv_id, title)
 
     def message_saved(self) -> None:
         self.pane.hide_notice()
@@ -461,25 +376,16 @@ class MainWindow(QMainWindow):
         self._leave_edit_mode()
 
     def reply_started(self, reply: ActiveReply) -> None:
-        conv = self.store.conversation(reply.conversation_id)
-        if conv is not None:  # the HUD's reply picker names it "chat · turn N"
-            turn = sum(m.role == "user" for m in self.store.messages(conv.id))
-            self.hud.name_reply(reply.request_id, conv.title, turn, chat_id=conv.id)
-        self._show_streaming_chats()
+        self.feed.started(reply)
         self.sig_reply_started.emit(reply.request_id)
 
     def reply_ended(self, reply: ActiveReply) -> None:
-        self.chat.end_stream(reply.request_id)
+        self.feed.ended(reply)
         self._update_busy()
-        self._show_streaming_chats()
-
-    def _show_streaming_chats(self) -> None:
-        """The sidebar marks every chat with a reply being written (on screen or not)."""
-        self.sidebar.set_streaming({r.conversation_id for r in self.session.replies.values()})
 
     def conversation_changed(self, conv_id: str) -> None:
         if conv_id == self.conversation_id:
-            self._show_conversation(self.store.conversation(conv_id))
+            self.feed.show_chat(self.store.conversation(conv_id))
         self._update_busy()
         self.sidebar.refresh()
 
@@ -497,10 +403,7 @@ class MainWindow(QMainWindow):
             self.composer.set_text(text)
 
     def saving(self, active: bool) -> None:
-        if active:
-            self._save_timer.start()
-        else:
-            self._save_timer.stop()
+        self.feed.saving(active)
 
     def _export_done(self, text: str) -> None:
         """An export was written: say so, and drop a failed export's banner (it is stale)."""
@@ -512,19 +415,6 @@ class MainWindow(QMainWindow):
         `until`) its cause is over."""
         self.pane.notify(message, until)
 
-    # ----- engine events -----------------------------------------------------------------
-    def _on_token(self, event: TokenEmitted) -> None:
-        if self.session.add_token(event) is not None:
-            self.chat.push_token(event.request_id, event.index, event.text)
-
-    def _on_text_flushed(self, event: TextFlushed) -> None:
-        if self.session.add_text(event.request_id, event.text) is not None:
-            self.chat.push_text(event.request_id, event.text)
-
-    def _on_tokens_painted(self, request_id: str, indexes: list[int], painted_ns: int) -> None:
-        for index in indexes:
-            self.hud.on_token_painted(request_id, index, painted_ns)
-
     # ----- model -------------------------------------------------------------------------
     def choose_model(self) -> None:
         self.loads.choose_model()
@@ -533,57 +423,16 @@ class MainWindow(QMainWindow):
         """Ask the engine to load a model in its thread; progress shows in the status bar."""
         self.loads.load_model(spec, **options)
 
-    def _show_model(self, info: ModelInfo | None) -> None:
-        self.session.model_info = info
-        self.status.show_model(info)
-        if info is None:
-            return
-        self.pane.cause_ended("model")  # before a note about this model
-        if info.template_fallback:
-            self.notify(f"{info.name} has no chat template; using a plain "
-                        "'User: / Assistant:' format, so replies may be weaker.")
-        self.controls.set_context_length(info.context_length)
-        self._show_context_fill(self.session.visible_messages())
-        self._set_text_rate(CPU_FLUSH_INTERVAL_MS if info.device == "cpu" else FLUSH_INTERVAL_MS)
-
-    def _draft_notices_end(self, _cause: object) -> None:
-        """A draft model loaded, or the user chose a mode without one: notices about a
-        missing draft are stale."""
-        if self.controls.draft_name is not None or self.controls.speculative_mode() != "draft":
-            self.pane.cause_ended("draft")
-
-    def _set_text_rate(self, interval_ms: int) -> None:
-        """Streaming text is handed over and painted at one rate; the HUD judges render lag
-        against it."""
-        self.chat.set_flush_interval(interval_ms)
-        self.bridge.min_drain_interval_s = interval_ms / 1000
-        self.hud.set_text_interval(interval_ms / 1000)
-
-    def _show_context_fill(self, messages: list[Message] | None) -> None:
-        """What the chat on screen fills of the context: a running reply's prompt (shown as
-        soon as it is being read, not after the reply) and its tokens so far, else what its
-        last saved reply used (`messages`: the chat's saved messages; None: as last time)."""
-        if messages is not None:
-            last = next((m.metrics for m in reversed(messages) if m.metrics), None)
-            self._saved_context = (last["prompt_tokens"] + last["output_tokens"]) if last else 0
-        running = [r.prompt_tokens + r.output_tokens for r in
-                   self.session.running(self.conversation_id) if r.prompt_tokens is not None]
-        self.status.show_context(max(running, default=self._saved_context),
-                                 self.model_info.context_length if self.model_info else 0)
-
     # ----- closing ----------------------------------------------------------------------------
     def quit(self) -> None:
         """Ctrl+Q / Chat → Quit. While a reply is being written, first say that what it wrote
         is kept, marked stopped (asked only here and only while the window shows: closing it,
         SIGTERM and scripted closes go straight to closeEvent)."""
-        if self.session.replies and self.isVisible():
-            yes, no = QMessageBox.StandardButton.Yes, QMessageBox.StandardButton.No
-            answer = QMessageBox.question(
+        if self.session.replies and self.isVisible() and not confirm(
                 self, "Quit while a reply is written",
                 "A reply is still being written. Quit now? What it has written so far is kept "
-                "in the chat, marked stopped.", yes | no, yes)
-            if answer != yes:
-                return
+                "in the chat, marked stopped.", default_yes=True):
+            return
         self.close()
 
     def closeEvent(self, event: QCloseEvent) -> None:

@@ -10,7 +10,7 @@ about it goes to a SessionView (the window); tests can drive a session with a pl
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal, Protocol, cast
 
 from engine import (
@@ -19,12 +19,14 @@ from engine import (
     GenerationResult,
     InvalidRequestError,
     ModelInfo,
+    PrefillProgress,
     PrefillStarted,
     RequestFailed,
     RequestFinished,
     SamplingParams,
     TokenEmitted,
 )
+from engine.hud_model import fmt_eta
 from engine.params import Overflow, Role, Speculative
 from engine.protocol import Backend
 from ui.store import (
@@ -47,9 +49,28 @@ DEFAULT_ALTERNATIVES = 3  # the Alternatives link when the composer asks for one
 OVERFLOW_SETTING = "Generation → Advanced → Chat too long"  # drops the oldest turns instead
 
 
+@dataclass(frozen=True)
+class PromptReading:
+    """How far a reply's prompt has been read, with its time left said once for every view
+    (the reply's placeholder in the chat and the HUD's live breakdown)."""
+
+    progress: PrefillProgress
+    left: str  # "3 s left", "estimating time left" (engine.prefill_eta), or "" when all read
+    left_s: float | None  # the figure `left` says (None: it says none)
+
+    @classmethod
+    def of(cls, event: PrefillProgress) -> PromptReading:
+        if event.done_tokens >= event.total_tokens or event.tok_s <= 0:
+            return cls(event, "", None)
+        if event.eta_s is None:
+            return cls(event, "estimating time left", None)
+        return cls(event, f"{fmt_eta(event.eta_s)} left", event.eta_s)
+
+
 @dataclass
 class ActiveReply:
-    """A reply being generated. Several run at once: one per chat, or a chat's alternatives."""
+    """A reply being generated, and its stream as every view shows it. Several run at once:
+    one per chat, or a chat's alternatives."""
 
     request_id: str
     conversation_id: str
@@ -62,6 +83,9 @@ class ActiveReply:
     prompt_tokens: int | None = None  # known once its prefill started
     output_tokens: int = 0  # tokens received so far
     overflow: Overflow = "refuse"  # what its request asked for a prompt over the context
+    chat_title: str = ""  # the chat it answers, as titled when it started
+    turn: int = 0  # which of its chat's user turns it answers (1 = the first)
+    reading: PromptReading | None = None  # while its prompt is read (until its first token)
 
     def context_record(self) -> dict[str, Any] | None:
         """What a reply cut short by closing the window records as its metrics: the context
@@ -142,6 +166,8 @@ class ChatSession:
         self.replies: dict[str, ActiveReply] = {}  # running, by request id, oldest first
         self.alternative_sets: dict[str, AlternativeSet] = {}  # by conversation id
         self.editing_message_id: int | None = None
+        # Saved reply -> the request that wrote it this session (the HUD has its live numbers).
+        self.reply_of_message: dict[int, str] = {}
 
     # ----- queries ----------------------------------------------------------------------------
     @property
@@ -252,16 +278,26 @@ class ChatSession:
                                     overflow=options.overflow)
         settings = asdict(options.params) | {"model": self.model_info.name
                                              if self.model_info else ""}
+        template = self._reply_template(conv_id, user_id, user_text, request.overflow)
         if count > 1:
-            self._start_alternatives(request, count, user_id, user_text, settings)
-        elif not self._start_single(request, user_id, user_text, settings):
+            self._start_alternatives(request, count, template, settings)
+        elif not self._start_single(request, template, settings):
             return False
         self.view.conversation_changed(conv_id)
         return True
 
-    def _start_single(self, request: GenerationRequest, user_id: int | None, user_text: str,
+    def _reply_template(self, conv_id: str, user_id: int | None, user_text: str,
+                        overflow: Overflow) -> ActiveReply:
+        """What every reply of this start shares: its chat (title) and turn, the user's
+        message, what to do with a prompt over the context."""
+        conv = self.store.conversation(conv_id)
+        turn = sum(m.role == "user" for m in self.store.messages(conv_id))
+        return ActiveReply("", conv_id, None, user_id, user_text, overflow=overflow,
+                           chat_title=conv.title if conv is not None else "", turn=turn)
+
+    def _start_single(self, request: GenerationRequest, template: ActiveReply,
                       settings: dict[str, Any]) -> bool:
-        conv_id = request.conversation_id or ""
+        conv_id = template.conversation_id
         try:
             reply_id = self.store.add_message(conv_id, "assistant", "", status=STREAMING,
                                               settings=settings)
@@ -269,26 +305,25 @@ class ChatSession:
             self.view.notify(store_message(str(exc)))
             self.view.conversation_changed(conv_id)
             return False
-        reply = ActiveReply(request.request_id, conv_id, reply_id, user_id, user_text,
-                            overflow=request.overflow)
+        reply = replace(template, request_id=request.request_id, message_id=reply_id)
         self.replies[request.request_id] = reply
+        self.reply_of_message[reply_id] = request.request_id
         self.view.saving(True)
         self.backend.submit(request)
         self.view.reply_started(reply)
         return True
 
-    def _start_alternatives(self, request: GenerationRequest, count: int, user_id: int | None,
-                            user_text: str, settings: dict[str, Any]) -> None:
+    def _start_alternatives(self, request: GenerationRequest, count: int,
+                            template: ActiveReply, settings: dict[str, Any]) -> None:
         """N replies to one prompt, streaming at once; nothing is saved until one is kept.
         The local engine prefills once for all; a remote backend sends N requests."""
-        conv_id = request.conversation_id or ""
+        conv_id = template.conversation_id
         ids = [h.request_id for h in self.backend.submit_alternatives(request, count)]
         self.alternative_sets[conv_id] = AlternativeSet(ids, settings)
         for i, request_id in enumerate(ids):
             # each knows the user message: if the whole set fails, the last one takes it back
-            reply = ActiveReply(request_id, conv_id, None, user_id, user_text,
-                                label=f"Alternative {i + 1}", alternative=i,
-                                overflow=request.overflow)
+            reply = replace(template, request_id=request_id, label=f"Alternative {i + 1}",
+                            alternative=i)
             self.replies[request_id] = reply
             self.view.reply_started(reply)
 
@@ -321,6 +356,7 @@ class ChatSession:
         try:
             message_id = self.store.add_message(conv_id, "assistant", result.text,
                                                 status=status, settings=alts.settings)
+            self.reply_of_message[message_id] = alts.request_ids[index]
             self.store.finish_message(message_id, result.text, status, metrics_dict(result))
         except StoreError as exc:
             self.view.notify(store_message(str(exc)))
@@ -375,12 +411,23 @@ class ChatSession:
         reply = self.add_text(event.request_id, event.text)
         if reply is not None:
             reply.output_tokens += 1
+            reply.reading = None  # it writes: its prompt is read
         return reply
 
-    def on_prefill_started(self, event: PrefillStarted) -> None:
+    def on_prefill_started(self, event: PrefillStarted) -> ActiveReply | None:
         reply = self.replies.get(event.request_id)
         if reply is not None:
             reply.prompt_tokens = event.prompt_tokens
+        return reply
+
+    def on_prefill_progress(self, event: PrefillProgress) -> ActiveReply | None:
+        """How far a running reply's prompt is read (None: not ours, or it already writes:
+        a late report changes nothing)."""
+        reply = self.replies.get(event.request_id)
+        if reply is None or reply.output_tokens:
+            return None
+        reply.reading = PromptReading.of(event)
+        return reply
 
     def on_finished(self, event: RequestFinished) -> None:
         reply, result = self.replies.get(event.request_id), event.result

@@ -19,19 +19,19 @@ from PySide6.QtCore import QEvent, QObject, QPointF, Qt, Signal
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QToolButton, QVBoxLayout
 
 from engine.calibrate import DevicePeaks, roof
-from engine.events import PrefillProgress, SamplerSnapshot
+from engine.events import SamplerSnapshot
 from engine.hud_model import (
     THROUGHPUT_WINDOW,
     Breakdown,
     ReplyRecord,
     SessionModel,
-    fmt_eta,
     fmt_ms,
     fmt_seconds,
 )
 from engine.metrics import RequestMetrics, percentiles
 from ui.hud import style
 from ui.hud.live_label import LiveLabel
+from ui.session import PromptReading
 
 MAX_TURNS_SHOWN = 40  # per-turn bar plots show the latest turns only
 MARKER_LABEL_GAP_PX = 8  # a marker label shows only if it clears the next one by this much
@@ -54,16 +54,16 @@ class HudContext:
     reply: ReplyRecord | None  # the selected (or live) reply
     peaks: DevicePeaks | None
     text_interval_s: float = 0.0  # the chat view paints streaming text this often (batches)
-    prefill: PrefillProgress | None = None  # the reply's latest, while its prompt is read
+    prefill: PromptReading | None = None  # the reply's latest, while its prompt is read
 
 
-def prefill_caption(p: PrefillProgress) -> str:
-    """"reading the prompt: 42% (840 / 2,000 tokens) at 420 tok/s, 3 s left"."""
+def prefill_caption(reading: PromptReading) -> str:
+    """"reading the prompt: 42% (840 / 2,000 tokens) at 420 tok/s, 3 s left" (the time left
+    as the session said it)."""
+    p = reading.progress
     text = (f"reading the prompt: {p.fraction:.0%} ({p.done_tokens:,} / {p.total_tokens:,} "
             f"tokens) at {p.tok_s:,.0f} tok/s")
-    if p.done_tokens >= p.total_tokens:
-        return text
-    return text + (", estimating time left" if p.eta_s is None else f", {fmt_eta(p.eta_s)} left")
+    return text + (f", {reading.left}" if reading.left else "")
 
 
 _CONTROL_TOKEN = re.compile(r"^<\|?([A-Za-z0-9_./-]+)\|?>$")  # <|im_end|>, <s>, </s> ...
@@ -653,20 +653,20 @@ class BreakdownPanel(Panel):
                              f"TTFT {ttft}." + (f" {path}." if path else ""))
 
     def _draw_prefill(self, model: SessionModel, reply: ReplyRecord,
-                      p: PrefillProgress) -> None:
+                      reading: PromptReading) -> None:
         """Queue, the prefill so far and (faded) what is left of it, before the first token."""
         queue_s = max(reply.prefill_ns - reply.queued_ns, 0) * 1e-9
-        so_far_s = max(p.t_ns - reply.prefill_ns, 0) * 1e-9
+        so_far_s = max(reading.progress.t_ns - reply.prefill_ns, 0) * 1e-9
         self._bars["queue"].setOpts(x0=[0], width=[queue_s])
         self._bars["prefill"].setOpts(x0=[queue_s], width=[so_far_s])
         self._bars["decode"].setOpts(x0=[0], width=[0])
         self._bars["other"].setOpts(x0=[0], width=[0])
-        left_s = p.eta_s or 0.0  # None: not known yet, no bar rather than a guess
+        left_s = reading.left_s or 0.0  # None: not known yet, no bar rather than a guess
         self._prefill_left.setOpts(x0=[queue_s + so_far_s], width=[left_s])
         self.plot.setXRange(0, nice_ceiling(queue_s + so_far_s + left_s), padding=0.01)
         self.plot.setYRange(-0.5, 0.5, padding=0)
         self.table.setText("")
-        self.caption.setText(f"{model.reply_name(reply)}: {prefill_caption(p)}")
+        self.caption.setText(f"{model.reply_name(reply)}: {prefill_caption(reading)}")
 
     @staticmethod
     def _table_html(b: Breakdown) -> str:

@@ -42,6 +42,7 @@ QLabel#hudTitle {{ font-weight: 600; font-size: 10.5pt; }}
 QLabel#hudKpiName {{ color: {MUTED}; font-size: 8pt; }}
 #hudAdvice {{ font-size: 9.5pt; }}
 QLabel#hudPinned {{ color: {P90}; font-size: 8.5pt; }}
+QLabel#hudSubject {{ font-weight: 600; }}
 QToolButton, QComboBox {{
     color: {TEXT}; background: {CARD}; border: 1px solid {BORDER}; border-radius: 5px;
     padding: 3px 8px;

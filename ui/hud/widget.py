@@ -1,10 +1,12 @@
 """HUD dock content. Interface used by the main window (keep it stable):
 
 - on_engine_event(event): every engine event (engine.events dataclasses), on the GUI thread.
-- on_token_painted(request_id, index, painted_ns): the view painted token `index`.
+- show_reading(request_id, reading): how far a reply's prompt is read (ui.session.PromptReading,
+  its time left as the chat session said it).
+- on_tokens_painted(request_id, indexes, painted_ns): the chat view painted those tokens.
 - mark_setting_change(name, value, t_ns): a slider changed (marker on time plots).
-- name_reply(request_id, chat, turn, chat_id=...): which chat and turn a reply answers
-  (picker labels, and the open chat's per-turn panels).
+- name_reply(request_id, chat, turn, chat_id=...): which chat and turn a reply answers, as
+  the chat session numbered it (picker labels, the header, the open chat's per-turn panels).
 - show_chat(saved_chat): the chat on screen; its saved replies show as history.
 - rename_chat(chat_id, title): a chat's new title, in the picker and the history cue.
 
@@ -43,7 +45,6 @@ from engine.calibrate import DevicePeaks, device_peaks, measure_peaks
 from engine.events import (
     EngineEvent,
     ModelLoaded,
-    PrefillProgress,
     PrefillStarted,
     RequestFailed,
     RequestFinished,
@@ -63,6 +64,7 @@ from engine.threads import start_worker
 from ui.hud import style
 from ui.hud.live_label import LiveLabel
 from ui.hud.panels import PANEL_TYPES, HudContext, Panel, prefill_caption
+from ui.session import PromptReading
 
 # 4 Hz while tokens stream: plots still move live, and pyqtgraph's painting (the HUD's main
 # cost) stays off the decode loop's back on small machines, where every millisecond of GUI
@@ -79,7 +81,6 @@ MAX_REDRAW_INTERVAL_MS = 1000
 _DIRTY_BY_EVENT: dict[type, frozenset[str]] = {
     RequestQueued: frozenset({"header", "ttft", "cache"}),
     PrefillStarted: frozenset({"cache", "context", "breakdown"}),
-    PrefillProgress: frozenset({"breakdown"}),
     TokenEmitted: frozenset({"header", "itl", "throughput", "breakdown", "context"}),
     SamplerSnapshot: frozenset({"sampler"}),
     RequestFinished: frozenset({"all"}),
@@ -89,6 +90,7 @@ _DIRTY_BY_EVENT: dict[type, frozenset[str]] = {
 _TIME_MARKER_PANELS = ("throughput",)
 _TURN_MARKER_PANELS = ("ttft", "cache")
 LIVE_ITEM = "Newest reply of this chat"
+NO_REPLY = "No reply yet"
 # The narrowest the HUD gets (its toolbar and a vertical scroll bar fit): in a small window the
 # docks give way before the chat does.
 MIN_WIDTH = 310
@@ -107,6 +109,17 @@ def _send_of(request_id: str) -> str:
     """The request id of the send a reply belongs to: an alternative's, less its ".N"."""
     send, _, index = request_id.rpartition(".")
     return send if send and index.isdigit() else request_id
+
+
+def _state(reply: ReplyRecord) -> str:
+    """Whether a reply's numbers are still moving (live) or which end they had."""
+    if reply.history:
+        return "saved"
+    if reply.error:
+        return "failed"
+    if not reply.done:
+        return "live"
+    return "stopped" if reply.finish_reason == "cancelled" else "finished"
 
 
 def run_write(write: Callable[[], list[Path]]) -> ExportOutcome:
@@ -141,7 +154,7 @@ class HudWidget(QWidget):
         self.export_dir = Path.home()  # where export dialogs open: home, then the last used
         self._dirty: set[str] = set()
         self._text_interval_s = 0.0
-        self._prefill: dict[str, PrefillProgress] = {}  # replies whose prompt is being read
+        self._prefill: dict[str, PromptReading] = {}  # replies whose prompt is being read
         self._timer = QTimer(self)
         self._timer.setSingleShot(True)
         self._timer.setInterval(REDRAW_INTERVAL_MS)
@@ -160,6 +173,10 @@ class HudWidget(QWidget):
         column.setContentsMargins(8, 8, 8, 8)
         column.setSpacing(8)
         column.addLayout(self._toolbar())
+        self.subject_label = QLabel(NO_REPLY)  # whose numbers: chat, turn, live or saved
+        self.subject_label.setObjectName("hudSubject")
+        self.subject_label.setWordWrap(True)
+        column.addWidget(self.subject_label)
         self.pin_label = QLabel()
         self.pin_label.setObjectName("hudPinned")
         self.pin_label.setWordWrap(True)
@@ -280,9 +297,7 @@ class HudWidget(QWidget):
         self.model.apply(event)
         if isinstance(event, RequestQueued) and not self._pinned and self._selected_id:
             self.select_reply(None)  # a new reply streams: follow it
-        if isinstance(event, PrefillProgress):
-            self._prefill[event.request_id] = event
-        elif isinstance(event, TokenEmitted | RequestFinished | RequestFailed):
+        if isinstance(event, TokenEmitted | RequestFinished | RequestFailed):
             self._prefill.pop(event.request_id, None)
         if isinstance(event, ModelLoaded):
             self._start_calibration(event.info.device)
@@ -292,10 +307,20 @@ class HudWidget(QWidget):
         if isinstance(event, RequestFinished | RequestFailed):
             self._timer.start(FINAL_REDRAW_MS)
 
+    def show_reading(self, request_id: str, reading: PromptReading) -> None:
+        """How far a reply's prompt is read, until its first token (the live breakdown)."""
+        self._prefill[request_id] = reading
+        self._mark_dirty({"breakdown"})
+
     def on_token_painted(self, request_id: str, index: int, painted_ns: int) -> None:
         """The chat view painted token `index` at painted_ns (perf_counter_ns)."""
         if self.model.mark_painted(request_id, index, painted_ns) is not None:
             self._mark_dirty({"render"})
+
+    def on_tokens_painted(self, request_id: str, indexes: list[int], painted_ns: int) -> None:
+        """The chat view painted these tokens at once (its sig_tokens_painted)."""
+        for index in indexes:
+            self.on_token_painted(request_id, index, painted_ns)
 
     def mark_setting_change(self, name: str, value: object, t_ns: int) -> None:
         """A slider changed: record it; the changes between two replies share one marker on
@@ -313,8 +338,9 @@ class HudWidget(QWidget):
                 [(self.model.turn_position(m.t_ns), m.label()) for m in markers])
 
     def name_reply(self, request_id: str, chat: str, turn: int, *, chat_id: str = "") -> None:
-        """The window says which chat and turn a reply answers: the picker shows that, and
-        with chat_id the reply joins that chat's per-turn panels when it is open."""
+        """Which chat and turn a reply answers (the chat session's numbering): the picker and
+        the header show that, and with chat_id the reply joins that chat's per-turn panels
+        when it is open."""
         self._names[request_id] = (chat, turn)
         if chat_id:
             self.model.assign(request_id, chat_id, turn)
@@ -352,6 +378,7 @@ class HudWidget(QWidget):
                 combo.setItemText(index, self.reply_title(reply))
         self._refresh_history_cue()
         self._refresh_pin_cue()
+        self._mark_dirty({"header"})  # the subject line names the chat
 
     def _chat_turns(self) -> list[tuple[str, tuple[str, int]]]:
         return [(rid, chat) for rid in self._names if (chat := self.model.chat_of(rid))]
@@ -359,9 +386,16 @@ class HudWidget(QWidget):
     def reply_title(self, reply: ReplyRecord) -> str:
         """"Trip ideas · turn 3" when the window named it, else "Reply 11 (turn 3)"; a saved
         reply of the open chat is "Trip ideas · turn 3 (saved)"."""
+        chat, which = self._whose(reply)
+        title = f"{chat} · {which}" if chat else which
+        return f"{title} (saved)" if reply.history else title
+
+    def _whose(self, reply: ReplyRecord) -> tuple[str, str]:
+        """(the chat's title, "" if unknown; which of its replies: "turn 3 · attempt 2 ·
+        alternative 1", or "Reply 11" for one nobody named)."""
         if reply.history:
             chat = self.model.chat.title if self.model.chat is not None else "Saved"
-            return f"{chat} · turn {reply.number} (saved)"
+            return chat, f"turn {reply.number}"
         alternative = reply.request_id.rpartition(".")[2] if "." in reply.request_id else ""
         suffix = f" · alternative {int(alternative) + 1}" if alternative.isdigit() else ""
         named = self._names.get(reply.request_id)
@@ -369,8 +403,19 @@ class HudWidget(QWidget):
             chat, turn = named
             attempt = self._attempt(reply.request_id)
             again = f" · attempt {attempt}" if attempt > 1 else ""
-            return f"{chat} · turn {turn}{again}{suffix}"
-        return f"Reply {reply.number}{suffix}"
+            return chat, f"turn {turn}{again}{suffix}"
+        return "", f"Reply {reply.number}{suffix}"
+
+    def subject_text(self) -> str:
+        """Whose numbers the HUD shows, in its header: "Chat “Trip plan” · turn 3 · live"
+        (live while it streams; finished, stopped or failed this session; saved: read back
+        from the chat, as measured when it ran)."""
+        reply = self.selected_reply()
+        if reply is None:
+            chat = self._chat_title()
+            return f"Chat “{chat}” · no reply yet" if chat else NO_REPLY
+        chat, which = self._whose(reply)
+        return " · ".join([*([f"Chat “{chat}”"] if chat else []), which, _state(reply)])
 
     def _attempt(self, request_id: str) -> int:
         """Which try at its chat's turn a named reply is: 1, then 2, 3 ... for each regenerate
@@ -476,6 +521,7 @@ class HudWidget(QWidget):
         if everything or "header" in dirty:
             self._refresh_combo()
             self._refresh_pin_cue()
+        self.subject_label.setText(self.subject_text())
         self._refresh_summary(ctx.reply)
         for key, panel in self.panels.items():
             if panel.isHidden() or not (everything or key in dirty):
