@@ -14,18 +14,16 @@ Runs only on the engine thread.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-from engine.core.batch import Done, Emit, alternative_cache_key
+from engine.core.batch import BatchCore, Done, Emit, alternative_cache_key
 from engine.core.reply import Reply, ReplyJob, open_reply, sibling_reply
 from engine.core.schedule import (
     CHUNK_STALL,
-    MAX_BATCH,
     MIN_INTERLEAVED_CHUNK,
     STEP_TOKEN_BUDGET,
 )
@@ -58,16 +56,15 @@ def cache_supports_batching(loaded: LoadedModel) -> bool:
     return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 
 
-class Batcher:
-    """The decode batch: admit (prefill + join), step (one forward for all rows), leave."""
+class Batcher(BatchCore):
+    """The core's decode batch on torch: a joining prompt prefilled in chunks between the rows'
+    steps (or beside them), the rows' KV one left-padded cache re-packed on join and leave."""
 
     def __init__(self, loaded: LoadedModel, prefix_cache: PrefixCache, emit: Emit,
                  done: Done, *, prefill_chunk: int | None = None, interleave: bool = True,
                  step_token_budget: int | None = None, beside: bool = True) -> None:
+        super().__init__(prefix_cache, emit, done)
         self.loaded = loaded
-        self.prefix_cache = prefix_cache
-        self._emit = emit
-        self._done = done
         self.prefill_chunk = prefill_chunk or default_prefill_chunk(loaded.device)
         # While rows stream, a joining prompt is prefilled in chunks of the step's token budget
         # minus one per streaming row, with a decode step between chunks (interleave=False:
@@ -79,53 +76,12 @@ class Batcher:
         # A long prompt joining streaming rows on a CPU is prefilled beside them in a thread on
         # half the cores (engine/side_prefill.py); beside=False keeps it between the steps.
         self.beside = beside
-        self.side_prefills = 0
-        self._decode_step_s = 0.0  # moving average of a decode step's time
         self.vocab = torch_vocabulary(loaded)
-        self.rows: list[Reply] = []
         self._cache: DynamicCache | None = None
         self._pads: list[int] = []  # left padding of each row in the batched KV
-        self.steps = 0
         self.repacks = 0
 
-    @property
-    def room(self) -> int:
-        return MAX_BATCH - len(self.rows)
-
     # ----- joining ---------------------------------------------------------------------------
-    @torch.inference_mode()
-    def admit(self, jobs: Sequence[ReplyJob]) -> None:
-        """Prefill one request (or one prompt shared by N alternatives) and join the batch.
-        A request that ends at its first token (or fails) never joins."""
-        first = jobs[0]
-        try:
-            row, logits = self._prefill(first)
-        except Exception as exc:
-            for job in jobs:
-                self._done(job, None, exc)
-            return
-        rows = [row]
-        for i, job in enumerate(jobs[1:], 1):
-            try:
-                rows.append(self._sibling(job, row, i))
-            except Exception as exc:  # one alternative failing leaves the others
-                self._done(job, None, exc)
-        kv = _layer_kv(row.lease.cache) if row.lease.cache.get_seq_length() else []
-        joining: list[tuple[Reply, LayerKV]] = []
-        for r in rows:
-            try:
-                r.take(logits)
-            except Exception as exc:
-                self.prefix_cache.discard(r.lease)
-                self._done(r.job, None, exc)
-                continue
-            if r.finish is None:
-                joining.append((r, kv))
-            else:
-                self._finish(r, None if r is row else kv)
-        if joining:
-            self._repack(joining)
-
     def _prefill(self, job: ReplyJob) -> tuple[Reply, torch.Tensor]:
         row = open_reply(self.loaded, self.prefix_cache, job, self.vocab,
                          partial(self._emit, job), self.loaded.device)
@@ -210,40 +166,16 @@ class Batcher:
         lease = CacheLease(conversation, ids, None, len(ids), "none")
         return sibling_reply(job, source, lease, partial(self._emit, job), self.loaded.device)
 
-    # ----- decoding --------------------------------------------------------------------------
-    @torch.inference_mode()
-    def step(self) -> None:
-        """Rows cancelled since the last step leave; then one forward over all rows, one
-        token each. A forward error fails every row (their leases are discarded)."""
-        self._leave([r for r in self.rows if r.job.cancel.is_set()], "cancelled")
-        if not self.rows:
-            return
-        start = now_ns()
-        try:
-            logits = self._forward()
-        except Exception as exc:
-            rows, self.rows, self._cache, self._pads = self.rows, [], None, []
-            for row in rows:
-                self.prefix_cache.discard(row.lease)
-                self._done(row.job, None, exc)
-            return
-        self.steps += 1
-        failed: list[tuple[Reply, BaseException]] = []
-        for i, row in enumerate(self.rows):
-            try:
-                row.take(logits[i])
-            except Exception as exc:
-                failed.append((row, exc))
-        step_s = (now_ns() - start) * 1e-9
-        self._decode_step_s = step_s if not self._decode_step_s else \
-            0.7 * self._decode_step_s + 0.3 * step_s
-        for row, error in failed:
-            self._drop(row)
-            self.prefix_cache.discard(row.lease)
-            self._done(row.job, None, error)
-        self._leave([r for r in self.rows if r.finish is not None], None)
+    def _join(self, joining: list[Reply], ended: list[Reply], source: Reply) -> None:
+        """Alternatives share source's prefill KV: each joins (or ends) with a view of it."""
+        kv = _layer_kv(source.lease.cache) if source.lease.cache.get_seq_length() else []
+        for reply in ended:
+            self._finish(reply, None if reply is source else kv)
+        if joining:
+            self._repack([(reply, kv) for reply in joining])
 
-    def _forward(self) -> torch.Tensor:
+    # ----- decoding --------------------------------------------------------------------------
+    def _forward_rows(self) -> torch.Tensor:
         """One decode step for every row: each feeds its last token at its own position."""
         device = self.loaded.device
         input_ids = torch.tensor([[r.generated[-1]] for r in self.rows], device=device)
@@ -278,6 +210,9 @@ class Batcher:
         if kept:
             self._repack(kept)
 
+    def _clear_batch(self) -> None:
+        self._cache, self._pads = None, []
+
     def _drop(self, row: Reply) -> None:
         """Remove a failed row without returning its KV to the prefix cache."""
         i = self.rows.index(row)
@@ -300,7 +235,7 @@ class Batcher:
             crop_to(row.lease.cache, length)
             row.lease.ids = (row.prompt_ids + row.generated)[: row.lease.cache.get_seq_length()]
             self.prefix_cache.release(row.lease)
-        self._done(row.job, row.result(), None)
+        self._report(row)
 
     # ----- the batched KV ----------------------------------------------------------------------
     def _row_kv(self, i: int) -> LayerKV:

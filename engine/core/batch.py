@@ -1,12 +1,18 @@
-"""The decode batch's shared terms: how many rows, how a batch reports, where alternatives keep
-their cache."""
+"""The decode batch, written once: its loop (BatchCore), how it reports, where alternatives
+keep their cache. Runs only on the engine thread."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 
-from engine.core.reply import ReplyJob
-from engine.events import EngineEvent, GenerationResult
+import torch
+
+from engine.core.reply import Reply, ReplyJob
+from engine.core.schedule import MAX_BATCH
+from engine.events import EngineEvent, FinishReason, GenerationResult
+from engine.metrics import now_ns
+from engine.prefix_cache import PrefixCache
 
 ALT_CACHE_SUFFIX = "~alt"  # prefix-cache key of alternative i >= 1: f"{conversation}~alt{i}"
 
@@ -18,3 +24,134 @@ def alternative_cache_key(conversation_id: str | None, index: int) -> str:
     """Where alternative `index` (>= 1) of a conversation's reply keeps its cached prefix;
     alternative 0 uses the conversation's own entry."""
     return f"{conversation_id}{ALT_CACHE_SUFFIX}{index}"
+
+
+class BatchCore(ABC):
+    """The decode batch, written once for every runtime: admit a request (or N alternatives
+    of one prompt), step all rows (one token each), settle what failed or finished. A runtime
+    supplies how a prompt is read (_prefill), how an alternative forks its source's cache
+    (_sibling), how rows' KV joins and leaves the batch, and the forward over the rows."""
+
+    def __init__(self, prefix_cache: PrefixCache, emit: Emit, done: Done) -> None:
+        self.prefix_cache = prefix_cache
+        self._emit = emit
+        self._done = done
+        self.rows: list[Reply] = []
+        self.steps = 0
+        self.side_prefills = 0
+        self._decode_step_s = 0.0  # moving average of a plain decode step's time
+
+    @property
+    def room(self) -> int:
+        return MAX_BATCH - len(self.rows)
+
+    # ----- what a runtime supplies ---------------------------------------------------------------
+    @abstractmethod
+    def _prefill(self, job: ReplyJob) -> tuple[Reply, torch.Tensor]:
+        """Open the reply and read its prompt: the reply and the last position's logits
+        (empty if Stop came first). On an error the reply's lease is discarded."""
+
+    @abstractmethod
+    def _sibling(self, job: ReplyJob, source: Reply, index: int) -> Reply:
+        """Alternative `index` of source's prompt, on a fork of source's prefilled cache."""
+
+    @abstractmethod
+    def _join(self, joining: list[Reply], ended: list[Reply], source: Reply) -> None:
+        """After the first token: `joining` rows enter the batch, `ended` ones are finished
+        (_finish); `source` prefilled the prompt they share."""
+
+    @abstractmethod
+    def _forward_rows(self) -> torch.Tensor:
+        """One forward over every row (its last token at its own position): logits per row."""
+
+    @abstractmethod
+    def _leave(self, leaving: list[Reply], reason: FinishReason | None) -> None:
+        """Rows leave the batch; each is finished (_finish) with `reason` if it has none."""
+
+    @abstractmethod
+    def _drop(self, row: Reply) -> None:
+        """A failed row leaves the batch; its KV is not kept."""
+
+    @abstractmethod
+    def _clear_batch(self) -> None:
+        """Every row is gone (a failed forward): forget the batch's KV."""
+
+    # ----- the loop ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def admit(self, jobs: Sequence[ReplyJob]) -> None:
+        """Prefill one request (or one prompt shared by N alternatives) and join the batch.
+        A request that ends at its first token (or fails) never joins; one failing alternative
+        leaves the others."""
+        try:
+            first, logits = self._prefill(jobs[0])
+        except Exception as exc:
+            for job in jobs:
+                self._done(job, None, exc)
+            return
+        replies = [first]
+        for i, job in enumerate(jobs[1:], 1):
+            try:
+                replies.append(self._sibling(job, first, i))
+            except Exception as exc:
+                self._done(job, None, exc)
+        taken = []
+        for reply in replies:
+            try:
+                reply.take(logits)
+            except Exception as exc:
+                self._fail(reply, exc)
+                continue
+            taken.append(reply)
+        self._join([r for r in taken if r.finish is None],
+                   [r for r in taken if r.finish is not None], first)
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """Rows cancelled since the last step leave; then one forward over all rows, one
+        token each. A forward error fails every row (their leases are discarded)."""
+        self._leave([r for r in self.rows if r.job.cancel.is_set()], "cancelled")
+        if not self.rows:
+            return
+        start = now_ns()
+        try:
+            logits = self._forward_rows()
+        except Exception as exc:
+            self._fail_all(exc)
+            return
+        self.steps += 1
+        failed = self._take_tokens(logits)
+        step_s = (now_ns() - start) * 1e-9
+        self._decode_step_s = step_s if not self._decode_step_s else \
+            0.7 * self._decode_step_s + 0.3 * step_s
+        self._settle(failed)
+
+    def _take_tokens(self, logits: torch.Tensor) -> list[tuple[Reply, BaseException]]:
+        """Each row's next token from its logits row; the rows that failed."""
+        failed: list[tuple[Reply, BaseException]] = []
+        for i, row in enumerate(self.rows):
+            try:
+                row.take(logits[i])
+            except Exception as exc:
+                failed.append((row, exc))
+        return failed
+
+    def _settle(self, failed: list[tuple[Reply, BaseException]]) -> None:
+        """Failed rows leave without their KV; finished ones leave with it."""
+        for row, error in failed:
+            self._drop(row)
+            self._fail(row, error)
+        self._leave([r for r in self.rows if r.finish is not None], None)
+
+    def _fail(self, row: Reply, error: BaseException) -> None:
+        self.prefix_cache.discard(row.lease)  # its KV is in an unknown state
+        self._done(row.job, None, error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        rows, self.rows = self.rows, []
+        self._clear_batch()
+        for row in rows:
+            self._fail(row, error)
+
+    def _report(self, row: Reply) -> None:
+        """The row's KV is back in the prefix cache: its result goes out."""
+        self._done(row.job, row.result(), None)

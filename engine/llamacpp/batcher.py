@@ -20,9 +20,9 @@ from functools import partial
 
 import torch
 
-from engine.core.batch import Done, Emit, alternative_cache_key
+from engine.core.batch import BatchCore, Done, Emit, alternative_cache_key
 from engine.core.reply import Reply, ReplyJob, open_reply, sibling_reply
-from engine.core.schedule import FIRST_MIXED_CHUNK, MAX_BATCH, STEP_STALL
+from engine.core.schedule import FIRST_MIXED_CHUNK, STEP_STALL
 from engine.events import FinishReason
 from engine.llamacpp.decode import decode, lone_chunk, prefill_meter
 from engine.llamacpp.graph_meter import GraphMeter
@@ -40,65 +40,29 @@ def _clamp(value: int, lowest: int, highest: int) -> int:
     return max(lowest, min(highest, value))
 
 
-class LlamaBatcher:
-    """admit (prefill + join, a prompt's chunks riding in the rows' steps), step (one
-    llama_decode for all rows), leave."""
+class LlamaBatcher(BatchCore):
+    """The core's decode batch on llama.cpp: each row a KV sequence, one llama_decode per step
+    (a joining prompt's chunks riding in it, or beside it), nothing re-packed."""
+
+    prefix_cache: SeqPrefixCache
 
     def __init__(self, loaded: LlamaCppModel, prefix_cache: SeqPrefixCache, emit: Emit,
                  done: Done, *, interleave: bool = True, beside: bool = True,
                  lone_chunk: int | None = None, mixed_chunk: int | None = None) -> None:
+        super().__init__(prefix_cache, emit, done)
         self.loaded = loaded
-        self.prefix_cache = prefix_cache
-        self._emit = emit
-        self._done = done
         self.vocab = llama_vocabulary(loaded)
-        self.rows: list[Reply] = []
-        self.steps = 0
         self.mixed_steps = 0
         # interleave=False: a joining prompt is prefilled whole while the rows wait (the
         # baseline of bench --interference). Chunk sizes given here stay fixed (tests); else
         # a mixed chunk follows the clock and a lone one is decode.lone_chunk.
         self.interleave = interleave
         self.beside = beside  # False: long prompts ride in the rows' steps too (bench, tests)
-        self.side_prefills = 0
         self._fixed_lone = None if lone_chunk is None else min(lone_chunk, loaded.n_batch)
         self._fixed_mixed = mixed_chunk is not None
         self._mixed_chunk = float(mixed_chunk or FIRST_MIXED_CHUNK)  # fractional: grows smoothly
-        self._decode_step_s = 0.0  # moving average of a plain decode step (rows only)
-
-    @property
-    def room(self) -> int:
-        return MAX_BATCH - len(self.rows)
 
     # ----- joining ---------------------------------------------------------------------------
-    @torch.inference_mode()
-    def admit(self, jobs: Sequence[ReplyJob]) -> None:
-        """Prefill one request (or one prompt shared by N alternatives) and join the batch.
-        A request that ends at its first token (or fails) never joins."""
-        try:
-            row, logits = self._prefill(jobs[0])
-        except Exception as exc:
-            for job in jobs:
-                self._done(job, None, exc)
-            return
-        rows = [row]
-        for i, job in enumerate(jobs[1:], 1):
-            try:
-                rows.append(self._sibling(job, row, i))
-            except Exception as exc:
-                self._done(job, None, exc)
-        for r in rows:
-            try:
-                r.take(logits)
-            except Exception as exc:
-                self.prefix_cache.discard(r.lease)
-                self._done(r.job, None, exc)
-                continue
-            if r.finish is None:
-                self.rows.append(r)
-            else:
-                self._finish(r)
-
     def _prefill(self, job: ReplyJob) -> tuple[Reply, torch.Tensor]:
         row = open_reply(self.loaded, self.prefix_cache, job, self.vocab, partial(self._emit, job))
         lease = row.lease
@@ -145,7 +109,7 @@ class LlamaBatcher:
                 logits = self.loaded.logits(1)[0].clone() if last else None
             else:
                 start = now_ns()
-                logits = self._step(self.rows, chunk, lease, last)
+                logits = self._mixed_step(chunk, lease, last)
                 if not last:  # a final, shorter chunk says little about the next prompt's
                     self._size_mixed_chunk(len(chunk), (now_ns() - start) * 1e-9)
             done += len(chunk)
@@ -213,66 +177,56 @@ class LlamaBatcher:
                                                   lease.cache, -1, -1)
         return sibling_reply(job, source, lease, partial(self._emit, job))
 
-    # ----- decoding --------------------------------------------------------------------------
-    @torch.inference_mode()
-    def step(self) -> None:
-        """Rows cancelled since the last step leave; then one llama_decode over all rows, one
-        token each. A decode error fails every row (their sequences are cleared)."""
-        self._leave([r for r in self.rows if r.job.cancel.is_set()], "cancelled")
-        if not self.rows:
-            return
-        start = now_ns()
-        self._step(self.rows)
-        step_s = (now_ns() - start) * 1e-9
-        self._decode_step_s = step_s if not self._decode_step_s else \
-            0.7 * self._decode_step_s + 0.3 * step_s
+    def _join(self, joining: list[Reply], ended: list[Reply], source: Reply) -> None:
+        self.rows.extend(joining)
+        for reply in ended:
+            self._finish(reply)
 
-    def _step(self, rows: list[Reply], chunk: Sequence[int] = (), lease: CacheLease | None = None,
-              last: bool = False) -> torch.Tensor | None:
-        """One llama_decode: each of rows' next token (logits for each) plus a chunk of a
-        joining prompt on lease's sequence (logits for its final token when `last`: returned, a
-        copy). A decode error fails every row, and is raised for the joining prompt."""
-        start = len(lease.ids) if lease is not None else 0
+    # ----- decoding --------------------------------------------------------------------------
+    def _forward_rows(self) -> torch.Tensor:
+        self._decode()
+        return self.loaded.logits(len(self.rows))
+
+    def _mixed_step(self, chunk: Sequence[int], lease: CacheLease, last: bool
+                    ) -> torch.Tensor | None:
+        """One llama_decode of the rows' tokens and a chunk of a joining prompt: the rows take
+        their tokens; the prompt's final logits (a copy) when `last`. A decode error fails
+        every row and is raised for the prompt."""
         try:
-            decode(self.loaded, self.prefix_cache, [r.generated[-1] for r in rows] + list(chunk),
-                   [r.kv_len for r in rows] + list(range(start, start + len(chunk))),
-                   [r.lease.cache for r in rows] + [lease.cache if lease else 0] * len(chunk),
-                   [True] * len(rows) + [last and i == len(chunk) - 1 for i in range(len(chunk))])
+            self._decode(chunk, lease, last)
         except Exception as exc:
-            if rows:  # they are self.rows: every row fails
-                self.rows = []
-            for row in rows:
-                self.prefix_cache.discard(row.lease)
-                self._done(row.job, None, exc)
-            if chunk:
-                raise
-            return None
-        logits = self.loaded.logits(len(rows) + (1 if chunk and last else 0))
-        prompt_logits = logits[len(rows)].clone() if chunk and last else None
-        if lease is not None:
-            lease.ids.extend(chunk)
-        if rows:
-            self.steps += 1
-            self.mixed_steps += bool(chunk)
-            self._take_tokens(rows, logits)
+            self._fail_all(exc)
+            raise
+        logits = self.loaded.logits(len(self.rows) + (1 if last else 0))
+        prompt_logits = logits[len(self.rows)].clone() if last else None
+        self.steps += 1
+        self.mixed_steps += 1
+        self._settle(self._take_tokens(logits))
         return prompt_logits
 
-    def _take_tokens(self, rows: list[Reply], logits: torch.Tensor) -> None:
-        """Each row's token from its logits row; failed and finished rows leave."""
-        failed = []
-        for i, row in enumerate(rows):
+    def _decode(self, chunk: Sequence[int] = (), lease: CacheLease | None = None,
+                last: bool = False) -> None:
+        """One llama_decode: each row's last token at its own position on its own sequence
+        (logits for each), plus a chunk of a joining prompt on lease's sequence (logits for its
+        final token when `last`)."""
+        rows = self.rows
+        start = len(lease.ids) if lease is not None else 0
+        decode(self.loaded, self.prefix_cache, [r.generated[-1] for r in rows] + list(chunk),
+               [r.kv_len for r in rows] + list(range(start, start + len(chunk))),
+               [r.lease.cache for r in rows] + [lease.cache if lease else 0] * len(chunk),
+               [True] * len(rows) + [last and i == len(chunk) - 1 for i in range(len(chunk))])
+        for row in rows:
             row.lease.ids.append(row.generated[-1])
-            try:
-                row.take(logits[i])
-            except Exception as exc:
-                failed.append((row, exc))
-        for row, error in failed:
-            self.rows.remove(row)
-            self.prefix_cache.discard(row.lease)
-            self._done(row.job, None, error)
-        self._leave([r for r in self.rows if r.finish is not None], None)
+        if lease is not None:
+            lease.ids.extend(chunk)
 
     # ----- leaving ---------------------------------------------------------------------------
+    def _drop(self, row: Reply) -> None:
+        self.rows.remove(row)
+
+    def _clear_batch(self) -> None:
+        """Nothing to forget: each row's KV is its own sequence, discarded with its lease."""
+
     def _leave(self, leaving: list[Reply], reason: FinishReason | None) -> None:
         for row in leaving:
             self.rows.remove(row)
@@ -287,4 +241,4 @@ class LlamaBatcher:
             self.prefix_cache.crop(lease.cache, length)
             del lease.ids[length:]
         self.prefix_cache.release(lease)
-        self._done(row.job, row.result(), None)
+        self._report(row)
