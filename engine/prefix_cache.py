@@ -45,6 +45,11 @@ MISS_REASONS = (
 _anonymous = itertools.count(1)
 
 
+def _conversation(conversation_id: str | None) -> str:
+    """The cache key of a request's chat; a request outside any chat gets one of its own."""
+    return conversation_id or f"anon-{next(_anonymous)}"
+
+
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     if a[:n] == b[:n]:  # the usual case (a cache that holds all it shares), at C speed
@@ -322,12 +327,8 @@ class PrefixCache:
     ) -> CacheLease:
         """A cache holding the longest reusable prefix of prompt_ids (at most len - 1 tokens,
         so the model always runs at least one token for fresh logits)."""
-        conv = conversation_id or f"anon-{next(_anonymous)}"
-        if conv in self._leased:  # the last request of this chat failed and lost its cache
-            self._evicted.add(conv)
-        self._leased.add(conv)
+        conv, own = self._take_turn(conversation_id)
         limit = len(prompt_ids) - 1
-        own = self._entries.pop(conv, None)
         shared = min(common_prefix_len(own.ids, prompt_ids), limit) if own else 0
         own_len = own.reach(shared) if own else 0
         donor_id, donor_len = self._best_donor(prompt_ids, limit)
@@ -343,14 +344,9 @@ class PrefixCache:
             ids = list(prompt_ids[:donor_len])
         else:
             cache, ids = new_cache(self._config), []
-        if own is None:
-            reason = self._fresh_reason(conv)
-        else:
-            reason = self._own_reason(own.ids, prompt_ids, shared, limit, layout)
-            if len(ids) < shared:  # what the prompt shares, the cache could not go back to
-                reason = rollback_blocker(own.cache) or reason
-        if layout is not None and layout.dropped_messages and reason != "first_turn":
-            reason = "dropped_old_turns"
+        # what the prompt shares, the cache could not go back to
+        blocked = rollback_blocker(own.cache) if own is not None and len(ids) < shared else None
+        reason = self._miss_reason(conv, own, prompt_ids, shared, limit, layout, blocked)
         if checkpoint is not None and checkpoint.length > len(ids):
             checkpoint = None
         due = limit if self._checkpoints and limit > len(ids) else None
@@ -358,9 +354,7 @@ class PrefixCache:
 
     def cold_lease(self, conversation_id: str | None) -> CacheLease:
         """An empty cache for a request that must not reuse anything."""
-        conv = conversation_id or f"anon-{next(_anonymous)}"
-        self._entries.pop(conv, None)
-        self._leased.add(conv)
+        conv, _ = self._take_turn(conversation_id)
         return CacheLease(conv, [], new_cache(self._config), 0, "disabled")
 
     def release(self, lease: CacheLease) -> None:
@@ -399,6 +393,28 @@ class PrefixCache:
             if n > best_len:
                 best_id, best_len = conv, n
         return best_id, best_len
+
+    def _take_turn(self, conversation_id: str | None) -> tuple[str, CacheEntry | None]:
+        """A lease starts: the chat's key (a fresh anonymous one if none), marked leased, and
+        its own entry, taken out of the pool (it comes back with the lease)."""
+        conv = _conversation(conversation_id)
+        if conv in self._leased:  # the last request of this chat failed and lost its cache
+            self._evicted.add(conv)
+        self._leased.add(conv)
+        return conv, self._entries.pop(conv, None)
+
+    def _miss_reason(self, conv: str, own: CacheEntry | None, prompt_ids: Sequence[int],
+                     matched: int, limit: int, layout: PromptLayout | None,
+                     blocked: str | None = None) -> str:
+        """Why the lease holds less than the prompt: the ledger's one answer. `blocked`: the
+        cache could not be cut back to what the prompt shares (recurrent state)."""
+        if own is None:
+            reason = self._fresh_reason(conv)
+        else:
+            reason = blocked or self._own_reason(own.ids, prompt_ids, matched, limit, layout)
+        if layout is not None and layout.dropped_messages and reason != "first_turn":
+            reason = "dropped_old_turns"
+        return reason
 
     def _fresh_reason(self, conv: str) -> str:
         if conv in self._model_changed:

@@ -11,7 +11,6 @@ used entry. Only the engine thread touches this object.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 from engine.errors import PhasewiseError
@@ -23,8 +22,6 @@ from engine.prefix_cache import (
     PromptLayout,
     common_prefix_len,
 )
-
-_anonymous = itertools.count(1)
 
 
 class KvFullError(PhasewiseError):
@@ -89,12 +86,8 @@ class SeqPrefixCache(PrefixCache):
     # ----- PrefixCache's interface ----------------------------------------------------------
     def acquire(self, conversation_id: str | None, prompt_ids: Sequence[int],
                 layout: PromptLayout | None = None) -> CacheLease:
-        conv = conversation_id or f"anon-{next(_anonymous)}"
-        if conv in self._leased:  # the last request of this chat failed and lost its cache
-            self._evicted.add(conv)
-        self._leased.add(conv)
+        conv, own = self._take_turn(conversation_id)
         limit = len(prompt_ids) - 1
-        own = self._entries.pop(conv, None)
         own_len = min(common_prefix_len(own.ids, prompt_ids), limit) if own else 0
         donor_id, donor_len = self._best_donor(prompt_ids, limit)
         blocked = None
@@ -116,13 +109,8 @@ class SeqPrefixCache(PrefixCache):
                 self._entries.move_to_end(donor_id)
                 self._lib.llama_memory_seq_cp(self._memory, donor.cache, seq, 0, donor_len)
                 ids = list(prompt_ids[:donor_len])
-        if own is None:
-            reason = self._fresh_reason(conv)
-        else:
-            reason = self._own_reason(own.ids, prompt_ids, own_len, limit, layout)
-        if layout is not None and layout.dropped_messages and reason != "first_turn":
-            reason = "dropped_old_turns"
-        return CacheLease(conv, ids, seq, len(ids), blocked or reason)
+        reason = self._miss_reason(conv, own, prompt_ids, own_len, limit, layout, blocked)
+        return CacheLease(conv, ids, seq, len(ids), reason)
 
     def _best_donor(self, prompt_ids: Sequence[int], limit: int) -> tuple[str | None, int]:
         """The entry sharing the longest prefix with prompt_ids (any sequence can be cut)."""
@@ -134,11 +122,9 @@ class SeqPrefixCache(PrefixCache):
         return best_id, best_len
 
     def cold_lease(self, conversation_id: str | None) -> CacheLease:
-        conv = conversation_id or f"anon-{next(_anonymous)}"
-        old = self._entries.pop(conv, None)
+        conv, old = self._take_turn(conversation_id)
         if old is not None:
             self._clear(old.cache)
-        self._leased.add(conv)
         return CacheLease(conv, [], self.take_seq(), 0, "disabled")
 
     def lease_for(self, conversation_id: str, ids: list[int]) -> CacheLease:
