@@ -662,3 +662,14 @@ def test_inheriting_a_ledger_keeps_the_pool_own() -> None:
     reasons = {conv: new.acquire(conv, [1, 2]).miss_reason for conv in "menghf"}
     assert reasons == {"m": "model_changed", "n": "model_changed", "e": "evicted",
                        "g": "evicted", "h": "edited_history", "f": "first_turn"}
+
+
+def test_a_cold_lease_that_never_comes_back_makes_the_next_turn_evicted() -> None:
+    """A request that must not reuse the cache (a cold lease) and then fails: its chat's old
+    entry is gone, and the next turn says "evicted", as for any lost lease."""
+    from engine.prefix_cache import PrefixCache
+
+    pool = PrefixCache(None, 1 << 20)
+    pool.cold_lease("chat")  # never released: the request failed
+    lease = pool.acquire("chat", [1, 2, 3])
+    assert (lease.cached_tokens, lease.miss_reason) == (0, "evicted")

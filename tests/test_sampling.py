@@ -297,3 +297,13 @@ def test_sampler_view_counts_only_top_candidates_that_survive() -> None:
     assert kept == 3  # four survive, three of them shown
     _, kept = sampler_view(logits, SamplingParams(temperature=1.0, top_k=2), k=3)
     assert kept == 2
+
+
+def test_min_p_keeps_a_token_exactly_at_the_floor() -> None:
+    """min-p keeps every token with p >= min_p * p_max: one exactly at the floor stays (a `<=`
+    cut would drop it). Logits ln 2, 0, 0 give probabilities 0.5, 0.25, 0.25 exactly."""
+    logits = torch.tensor([math.log(2.0), 0.0, 0.0])
+    probs = filtered_probs(logits, SamplingParams(temperature=1.0, min_p=0.5))
+    assert probs.tolist() == [0.5, 0.25, 0.25]
+    assert filtered_probs(logits, SamplingParams(temperature=1.0, min_p=0.51)).tolist() == \
+        [1.0, 0.0, 0.0]
