@@ -680,11 +680,11 @@ def test_a_folder_always_runs_on_torch(tmp_path: Path) -> None:
 
 @needs_llama_cpp
 def test_auto_runs_a_gguf_on_llama_cpp_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    import engine.runtimes as runtimes
+    import engine.runtime_choice as runtime_choice
 
-    monkeypatch.setattr(runtimes, "cuda_present", lambda: False)
+    monkeypatch.setattr(runtime_choice, "cuda_present", lambda: False)
     assert resolve_engine("model.gguf", "auto") == LLAMA_CPP
     assert resolve_engine("default", "auto") == LLAMA_CPP
     assert resolve_engine("model.gguf", "auto", device="cuda") == TORCH
-    monkeypatch.setattr(runtimes, "cuda_present", lambda: True)
+    monkeypatch.setattr(runtime_choice, "cuda_present", lambda: True)
     assert resolve_engine("model.gguf", "auto") == TORCH
