@@ -41,7 +41,7 @@ from engine.loader import LoadedModel, load_model
 from engine.metrics import RequestTimeline
 from engine.prefix_cache import PrefixCache
 from engine.speculative import accept_or_resample
-from tests.tiny_model import build_tiny_tokenizer
+from tests.support.tiny_model import build_tiny_tokenizer
 
 CHAT = [ChatMessage("user", "Hello, how are you today? The capital of France is Paris.")]
 
