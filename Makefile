@@ -36,6 +36,8 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
+	# No import cycle in app, ui and engine; tests share code only through tests/support/.
+	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q -p no:cacheprovider tests/test_layout.py
 
 # Mutation testing of the engine's core (config: [tool.mutmut] in pyproject.toml): the sampler,
 # the metrics, the prefix cache's record, the core's reply and loop (engine/core/) and the
@@ -52,7 +54,7 @@ MUTANTS ?= 'engine.sampling.*' 'engine.metrics.*' \
 	'engine.batching.x?Batcher?_prefill__*' 'engine.batching.x?Batcher?_prefill_between__*'
 mutation: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/mutmut run --max-children 1 $(MUTANTS)
-	$(PY) tests/mutation_summary.py
+	$(PY) tests/support/mutation_summary.py
 
 bench: setup
 	$(VENV)/bin/phasewise bench --vs hf

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from app import __version__
+from app.cli_error import CliError
 from app.remote_cli import (
     add_backend_options,
     add_serve_parser,
@@ -28,10 +29,6 @@ if TYPE_CHECKING:
 
 EXIT_ERROR = 1
 EXIT_CANCELLED = 130
-
-
-class CliError(Exception):
-    """A one-line message for stderr."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:

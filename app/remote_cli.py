@@ -11,6 +11,8 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
+from app.cli_error import CliError
+
 if TYPE_CHECKING:
     from engine.protocol import Backend
 
@@ -47,7 +49,6 @@ def _raise_stopped(*_: object) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve until Ctrl+C or SIGTERM, either of which is the normal end of a server (exit 0):
     uvicorn drains, the engine thread is joined, the model freed."""
-    from app.cli import CliError
     from app.serve import check_bind
     from engine import PhasewiseError
 
@@ -67,7 +68,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from app.cli import CliError
     from app.serve import create_app, uvicorn_server
     from engine import Engine, ModelLoadError
 
@@ -87,7 +87,6 @@ def _serve(args: argparse.Namespace) -> None:
 
 def open_engine(args: argparse.Namespace) -> Backend:
     """A started-on-enter Engine, or a RemoteEngine when --backend is given."""
-    from app.cli import CliError
     from engine import Engine, PhasewiseError
 
     if not args.backend:
@@ -117,7 +116,6 @@ def bench_remote(args: argparse.Namespace) -> int:
     import json
     import statistics
 
-    from app.cli import CliError
     from engine import (
         ChatMessage,
         GenerationRequest,

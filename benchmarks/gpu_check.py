@@ -427,7 +427,7 @@ def resolve_model(ctx: Context) -> tuple[str, str, str, str]:
         if joined is not None:
             return str(joined), half, f"bundled SmolLM2-135M-Instruct ({why})", ""
         why = f"bundled model not here: {why}"
-    from tests.tiny_model import build_tiny_model
+    from tests.support.tiny_model import build_tiny_model
 
     folder = build_tiny_model(ctx.workdir / "tiny-llama")
     # Random tiny weights give near-uniform logits: fp32 keeps greedy ties meaningful.
@@ -586,7 +586,7 @@ def step_out_of_memory(ctx: Context) -> tuple[str, str, dict[str, Any]]:
 
     from engine import PhasewiseError
     from engine.worker import OUT_OF_MEMORY_MESSAGE
-    from tests.fault_injection import ForwardFault
+    from tests.support.fault_injection import ForwardFault
 
     assert ctx.engine is not None
     error_type = torch.cuda.OutOfMemoryError if ctx.cuda else torch.OutOfMemoryError

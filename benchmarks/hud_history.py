@@ -1,6 +1,6 @@
 """Does the HUD stay responsive with 10,000 tokens of history?
 
-Replays a long synthetic session (tests/hud_events.history_events: replies of 250 tokens,
+Replays a long synthetic session (tests/support/hud_events.history_events: replies of 250 tokens,
 metrics from the engine's own code) through the real HUD widget, offscreen at dock size, on
 the event loop: a 1 ms timer delivers one token's events per tick, the HUD redraws on its own
 throttle timer (and every 40 tokens, since tokens come far faster than from a real decode), and
@@ -33,7 +33,7 @@ from PySide6.QtWidgets import QApplication
 from engine.calibrate import DevicePeaks
 from engine.events import EngineEvent, TokenEmitted
 from engine.metrics import percentile
-from tests.hud_events import MS, history_events, loaded_event
+from tests.support.hud_events import MS, history_events, loaded_event
 from ui.hud import HudWidget
 
 PEAKS = DevicePeaks("cpu: benchmark", 28.0, 0.16, "fixed for the benchmark")

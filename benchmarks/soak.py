@@ -95,7 +95,7 @@ class Soak:
 
 
 def tiny_model_folder(root: Path) -> Path:
-    from tests.tiny_model import build_tiny_model
+    from tests.support.tiny_model import build_tiny_model
 
     return build_tiny_model(root / "tiny-model")
 

@@ -29,7 +29,8 @@ from engine.events import (
 )
 from engine.metrics import RequestMetrics, percentile
 from engine.params import ChatMessage, GenerationRequest, SamplingParams
-from engine.worker import Engine, RequestHandle
+from engine.protocol import RequestHandle
+from engine.worker import Engine
 
 __all__ = [
     "ChatMessage",

@@ -16,9 +16,9 @@ from typing import Any
 from engine.events import TERMINAL_EVENTS, EngineEvent, ModelInfo, ModelLoaded
 from engine.listeners import EventSource
 from engine.params import GenerationRequest
-from engine.protocol import Backend, Capabilities
+from engine.protocol import Backend, Capabilities, RequestHandle
 from engine.remote import REMOTE_SPEC, RemoteConfig, RemoteEngine, resolve_api_key
-from engine.worker import Engine, RequestHandle
+from engine.worker import Engine
 
 
 class BackendRouter(EventSource, Backend):

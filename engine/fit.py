@@ -28,7 +28,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from engine.gguf_header import read_gguf
+from engine.gguf_header import Shape, read_gguf
 
 MIN_CONTEXT = 512  # a smaller context is not worth offering
 TORCH_OVERHEAD = 0.05  # of the weights: allocator slack, embeddings' copies, small buffers
@@ -36,17 +36,6 @@ CONVERSION_PEAK = 1.3  # a GGUF converting for torch peaks at this x the convert
 _SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2,
                       "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 _TORCH_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-@dataclass(frozen=True)
-class Shape:
-    """What the KV cache and the working buffers depend on."""
-
-    kv_values_per_token: int  # sum over layers with KV of kv_heads x (key + value dims)
-    heads: int
-    hidden: int
-    vocab: int
-    context_length: int  # what the model was trained for
 
 
 @dataclass(frozen=True)
@@ -127,11 +116,10 @@ def estimate(spec: str, engine: str = "auto", *, device: str = "auto", dtype: st
              context_length: int | None = None) -> Estimate | None:
     """The memory `spec` needs on the engine and device it would load on; None where the
     files do not tell (a hub model not downloaded yet, a folder without safetensors)."""
-    from engine import runtimes
+    from engine.runtime_choice import LLAMA_CPP, gguf_path, resolve_engine
 
-    chosen = runtimes.resolve_engine(spec, engine, device)
-    if chosen == runtimes.LLAMA_CPP:
-        path, _name, _source = runtimes.gguf_path(spec)
+    if resolve_engine(spec, engine, device) == LLAMA_CPP:
+        path, _name, _source = gguf_path(spec)
         return llama_cpp_estimate(path, context_length)
     return torch_estimate(spec, device=device, dtype=dtype, context_length=context_length)
 

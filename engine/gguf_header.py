@@ -12,12 +12,9 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine.events import SamplingDefaults
-
-if TYPE_CHECKING:
-    from engine.fit import Shape
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
             11: "<q", 12: "<d"}
@@ -32,6 +29,18 @@ FILE_TYPES = {
     29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0", 37: "TQ2_0",
     38: "MXFP4_MOE",
 }
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the KV cache and the working buffers depend on (engine/fit.py's estimate; here,
+    below fit, because a GGUF's header is one of the two places it is read from)."""
+
+    kv_values_per_token: int  # sum over layers with KV of kv_heads x (key + value dims)
+    heads: int
+    hidden: int
+    vocab: int
+    context_length: int  # what the model was trained for
 
 
 @dataclass(frozen=True)
@@ -70,8 +79,6 @@ class GGUFHeader:
                                 repetition_penalty=number("penalty_repeat") or None)
 
     def shape(self) -> Shape:
-        from engine.fit import Shape
-
         layers = int(self.field("block_count", 0))
         heads = _per_layer(self.field("attention.head_count", 1), layers)
         kv_heads = _per_layer(self.field("attention.head_count_kv", heads), layers)

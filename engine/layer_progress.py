@@ -1,12 +1,12 @@
 """How far one forward has gone through a transformers model: a hook on each decoder layer.
 
 transformers' decoder layers all derive from GradientCheckpointingLayer (each architecture the
-tests build, tests/tiny_model.py, has exactly num_hidden_layers of them), so they are found by
-type, whatever the model calls its layer list. On a CPU a layer's hook runs once its ops have
-run (they run eagerly); on a GPU it would run when its kernels were queued, so there it says
-nothing true and is not used. The hooks are on the model, which the engine thread may be
-running at the same time (a prompt prefilled beside streaming rows), so they only count calls
-from the thread that installed them.
+tests build, tests/support/tiny_model.py, has exactly num_hidden_layers of them), so they are
+found by type, whatever the model calls its layer list. On a CPU a layer's hook runs once its
+ops have run (they run eagerly); on a GPU it would run when its kernels were queued, so there
+it says nothing true and is not used. The hooks are on the model, which the engine thread may
+be running at the same time (a prompt prefilled beside streaming rows), so they only count
+calls from the thread that installed them.
 """
 
 from __future__ import annotations

@@ -8,21 +8,28 @@ and ask `capabilities`; they never probe a backend with getattr/hasattr. Each im
 subclasses `Backend` explicitly, so the type checker reports a missing or mismatched method
 where the class is defined.
 
-Nothing here imports torch: a backend need not run one.
+A request's handle (RequestHandle: its events, result and cancel) is part of the contract, so
+it lives here, not with one backend. Nothing here imports torch: a backend need not run one.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-from engine.events import ModelInfo
+from engine.errors import PhasewiseError
+from engine.events import (
+    EngineEvent,
+    GenerationResult,
+    ModelInfo,
+    RequestFailed,
+    RequestFinished,
+)
 from engine.listeners import Listener
 from engine.params import GenerationRequest, Speculative
-
-if TYPE_CHECKING:
-    from engine.worker import RequestHandle
 
 SPECULATIVE_METHODS: tuple[Speculative, ...] = ("ngram", "draft")
 
@@ -50,6 +57,48 @@ class Capabilities:
     def runs(self, speculative: str | None) -> bool:
         """True if a request with this speculative method (None: plain) can run here."""
         return speculative is None or speculative in self.speculative
+
+
+class RequestHandle:
+    """The caller's side of one request: its events, its result, and a cancel button."""
+
+    def __init__(self, request: GenerationRequest, cancel: threading.Event) -> None:
+        self.request = request
+        self.request_id = request.request_id
+        self._cancel = cancel
+        self._events: queue.Queue[EngineEvent] = queue.Queue()
+        self._done = threading.Event()
+        self.result: GenerationResult | None = None
+        self.error: str | None = None
+
+    def cancel(self) -> None:
+        """Ask the engine to stop this request; it stops within one decode step."""
+        self._cancel.set()
+
+    def events(self, timeout: float | None = None) -> Iterator[EngineEvent]:
+        """Yield this request's events until it finishes or fails."""
+        while True:
+            event = self._events.get(timeout=timeout)
+            yield event
+            if isinstance(event, (RequestFinished, RequestFailed)):
+                return
+
+    def wait(self, timeout: float | None = None) -> GenerationResult:
+        """Block until done; raise PhasewiseError with the engine's message if it failed."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} still running")
+        if self.result is None:
+            raise PhasewiseError(self.error or "request failed")
+        return self.result
+
+    def _deliver(self, event: EngineEvent) -> None:
+        if isinstance(event, RequestFinished):
+            self.result = event.result
+        elif isinstance(event, RequestFailed):
+            self.error = event.message
+        self._events.put(event)
+        if isinstance(event, (RequestFinished, RequestFailed)):
+            self._done.set()
 
 
 class Backend(Protocol):

@@ -48,8 +48,7 @@ from engine.events import (
 from engine.listeners import EventSource
 from engine.metrics import RequestMetrics, RequestTimeline, compute_metrics
 from engine.params import GenerationRequest, SamplingParams
-from engine.protocol import Backend, Capabilities
-from engine.worker import RequestHandle
+from engine.protocol import Backend, Capabilities, RequestHandle
 
 log = logging.getLogger(__name__)
 now_ns = time.perf_counter_ns  # the clock every engine event is stamped on

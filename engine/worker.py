@@ -12,7 +12,6 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +39,7 @@ from engine.listeners import EventSource
 from engine.metrics import RequestTimeline, now_ns
 from engine.params import GenerationRequest
 from engine.prefix_cache import PrefixCache
-from engine.protocol import SPECULATIVE_METHODS, Backend, Capabilities
+from engine.protocol import SPECULATIVE_METHODS, Backend, Capabilities, RequestHandle
 
 if TYPE_CHECKING:
     from engine.llamacpp.draft import LlamaDraftModel
@@ -78,48 +77,6 @@ def default_cache_budget(device_type: str) -> int:
         free, _total = torch.cuda.mem_get_info()
         return int(free * 0.25)
     return 1 << 30
-
-
-class RequestHandle:
-    """The caller's side of one request: its events, its result, and a cancel button."""
-
-    def __init__(self, request: GenerationRequest, cancel: threading.Event) -> None:
-        self.request = request
-        self.request_id = request.request_id
-        self._cancel = cancel
-        self._events: queue.Queue[EngineEvent] = queue.Queue()
-        self._done = threading.Event()
-        self.result: GenerationResult | None = None
-        self.error: str | None = None
-
-    def cancel(self) -> None:
-        """Ask the engine to stop this request; it stops within one decode step."""
-        self._cancel.set()
-
-    def events(self, timeout: float | None = None) -> Iterator[EngineEvent]:
-        """Yield this request's events until it finishes or fails."""
-        while True:
-            event = self._events.get(timeout=timeout)
-            yield event
-            if isinstance(event, (RequestFinished, RequestFailed)):
-                return
-
-    def wait(self, timeout: float | None = None) -> GenerationResult:
-        """Block until done; raise PhasewiseError with the engine's message if it failed."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"request {self.request_id} still running")
-        if self.result is None:
-            raise PhasewiseError(self.error or "request failed")
-        return self.result
-
-    def _deliver(self, event: EngineEvent) -> None:
-        if isinstance(event, RequestFinished):
-            self.result = event.result
-        elif isinstance(event, RequestFailed):
-            self.error = event.message
-        self._events.put(event)
-        if isinstance(event, (RequestFinished, RequestFailed)):
-            self._done.set()
 
 
 @dataclass

@@ -10,17 +10,17 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 
-from tests import isolation
+from tests.support import isolation
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Before anything computes a path: the run's caches, data, config and keyring live in one
-# temporary folder (tests/isolation.py), also for the child processes tests spawn.
+# temporary folder (tests/support/isolation.py), also for the child processes tests spawn.
 ISOLATED_ROOT = isolation.isolate()
 
 from engine import Engine  # noqa: E402  (after the isolation above)
-from tests.serving import TOKEN  # noqa: E402
-from tests.tiny_model import build_tiny_model  # noqa: E402
+from tests.support.serving import TOKEN  # noqa: E402
+from tests.support.tiny_model import build_tiny_model  # noqa: E402
 
 REMOTE_WAIT_MS = 30_000
 
@@ -96,10 +96,10 @@ def make_window(qtbot, tiny_engine: Engine, tmp_path: Path) -> Iterator[Callable
 
 @pytest.fixture
 def hud(qtbot) -> Any:
-    """A HUD widget on its own (tests.window_helpers.new_hud) that has seen a model load;
+    """A HUD widget on its own (tests.support.window_helpers.new_hud) that has seen a model load;
     test_hud_widget.py overrides it with one that has device peaks instead."""
-    from tests.hud_events import loaded_event
-    from tests.window_helpers import new_hud
+    from tests.support.hud_events import loaded_event
+    from tests.support.window_helpers import new_hud
 
     widget = new_hud(qtbot)
     widget.on_engine_event(loaded_event())
@@ -155,7 +155,8 @@ def phasewise_server(served_engine: Engine) -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def token_server(served_engine: Engine) -> Iterator[Any]:
-    """The same engine served again, this time requiring a bearer token (tests.serving.TOKEN)."""
+    """The same engine served again, this time requiring a bearer token
+    (tests.support.serving.TOKEN)."""
     from app.serve import ServerThread, create_app
 
     with ServerThread(create_app(served_engine, token=TOKEN)) as server:

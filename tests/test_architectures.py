@@ -1,5 +1,6 @@
 """Every architecture a user may bring: tiny random models built from real transformers config
-classes (tests/tiny_model.py), each run through the engine exactly as a downloaded folder is.
+classes (tests/support/tiny_model.py), each run through the engine exactly as a downloaded
+folder is.
 
 Sliding-window models (Mistral, Qwen2/3 with sliding layers, Gemma 2/3, Phi-3) get chats far
 longer than their 16-token window, so every rollback (regenerate, edit, a rejected draft, the
@@ -28,7 +29,7 @@ from engine.prefix_cache import (
     model_rollback_blocker,
     new_cache,
 )
-from tests.tiny_model import ARCHITECTURES, TINY_WINDOW, build_tiny_architecture
+from tests.support.tiny_model import ARCHITECTURES, TINY_WINDOW, build_tiny_architecture
 
 SYSTEM = ChatMessage("system", "You are a helpful assistant. The capital of France is Paris.")
 QUESTION = ChatMessage("user", "Hello, how are you today? Tell me about the capital of Germany.")

@@ -26,7 +26,7 @@ from engine import (
     TokenEmitted,
 )
 from engine.core.schedule import MAX_BATCH
-from tests.fault_injection import ForwardFault
+from tests.support.fault_injection import ForwardFault
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 PROMPTS = [
@@ -456,9 +456,9 @@ def test_the_batcher_knows_its_stop_tokens_and_room() -> None:
 def test_batched_rows_apply_the_repetition_penalty_to_their_own_tokens(
         engine: Engine, sharp_model_dir: Path) -> None:
     """Each row's penalty covers its own prompt and reply: checked against a plain forward over
-    the whole sequence per token (tests/test_decode_loop.py's reference), not the engine."""
+    the whole sequence per token (tests/support/reference.py), not the engine."""
     from engine.loader import load_model
-    from tests.test_decode_loop import reference_greedy
+    from tests.support.reference import reference_greedy
 
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
                             repetition_penalty=5.0)
@@ -476,7 +476,7 @@ def test_a_long_prompt_is_read_beside_streaming_rows_only(monkeypatch: pytest.Mo
     both beside and interleave are on, and its uncached part is long enough; else between."""
     from engine import batching
     from engine.core.reply import DetachedJob
-    from tests.test_prefix_cache import feed
+    from tests.support.prefix_cache import feed
 
     asked: list[int] = []
     monkeypatch.setattr(batching, "can_prefill_beside",

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import engine.loader as loader
+import engine.runtime_choice as runtime_choice
 import engine.runtimes as runtimes
 from engine import ModelLoadError
 from engine.loader import (
@@ -56,10 +57,10 @@ def test_auto_runs_the_bundled_default_on_llama_cpp_without_a_gpu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(BUNDLED_MODEL_ENV, str(_bundle(tmp_path / "bundled")))
-    monkeypatch.setattr(runtimes, "cuda_present", lambda: False)
-    monkeypatch.setattr(runtimes, "llama_cpp_installed", lambda: True)
+    monkeypatch.setattr(runtime_choice, "cuda_present", lambda: False)
+    monkeypatch.setattr(runtime_choice, "llama_cpp_installed", lambda: True)
     assert resolve_engine("default", "auto") == LLAMA_CPP
-    monkeypatch.setattr(runtimes, "cuda_present", lambda: True)
+    monkeypatch.setattr(runtime_choice, "cuda_present", lambda: True)
     assert resolve_engine("default", "auto") == runtimes.TORCH
 
 
@@ -67,10 +68,10 @@ def test_the_picker_gives_auto_s_reason_for_the_bundled_default(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(BUNDLED_MODEL_ENV, str(_bundle(tmp_path / "bundled")))
-    monkeypatch.setattr(runtimes, "llama_cpp_installed", lambda: True)
-    monkeypatch.setattr(runtimes, "cuda_present", lambda: False)
+    monkeypatch.setattr(runtime_choice, "llama_cpp_installed", lambda: True)
+    monkeypatch.setattr(runtime_choice, "cuda_present", lambda: False)
     assert runtimes.engine_reason("default")[0] == LLAMA_CPP
-    monkeypatch.setattr(runtimes, "cuda_present", lambda: True)
+    monkeypatch.setattr(runtime_choice, "cuda_present", lambda: True)
     assert runtimes.engine_reason("default") == (runtimes.TORCH,
                                                  "a CUDA GPU is present: torch runs it there")
 

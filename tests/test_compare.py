@@ -16,7 +16,7 @@ from app.serve import ServerThread
 from engine import ChatMessage, Engine, GenerationRequest, SamplingParams
 from engine.backends import BackendRouter
 from engine.remote import RemoteConfig, RemoteEngine
-from tests.fake_servers import PARTIAL, fake_app
+from tests.support.fake_servers import PARTIAL, fake_app
 from ui.compare import MISSING, TABLE_ROWS, UNKNOWN, CompareDialog, format_value
 
 WAIT_MS = 30_000

@@ -26,27 +26,12 @@ from engine.generate import ChunkedPrefill, DecodeSession
 from engine.loader import LoadedModel, load_model
 from engine.metrics import RequestTimeline, now_ns
 from engine.prefix_cache import PrefixCache
+from tests.support.reference import reference_greedy
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir: Path) -> LoadedModel:
     return load_model(str(tiny_model_dir))
-
-
-def reference_greedy(loaded: LoadedModel, prompt: list[int], n: int,
-                     penalty: float = 1.0) -> list[int]:
-    """Greedy decoding the long way: the whole sequence through the model for each token, the
-    CTRL repetition penalty applied by hand to every token seen so far."""
-    ids, out = list(prompt), []
-    with torch.inference_mode():
-        for _ in range(n):
-            logits = loaded.model(input_ids=torch.tensor([ids])).logits[0, -1].clone()
-            for t in set(ids):
-                value = float(logits[t])
-                logits[t] = value / penalty if value > 0 else value * penalty
-            out.append(int(torch.argmax(logits)))
-            ids.append(out[-1])
-    return out
 
 
 def decode(loaded: LoadedModel, request: GenerationRequest, pool: PrefixCache | None = None,

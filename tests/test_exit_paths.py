@@ -4,7 +4,7 @@ Each test runs the real program (`python -m app`, i.e. app.cli.entry) in a child
 an empty HOME, as a first start is: the HUD's device calibration is not cached yet and runs
 in its thread while the user quits. That was the installed app's abort ("terminate called
 without an active exception", SIGABRT): Python finalized under a thread inside torch. The GUI
-paths run through tests/exit_driver.py, which ends the window the way a user does.
+paths run through tests/support/exit_driver.py, which ends the window the way a user does.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def _wait_for_line(proc: subprocess.Popen[str], stream: str, marker: str) -> str
 
 
 def _driver(mode: str, home: Path) -> subprocess.Popen[str]:
-    return _start(["-m", "tests.exit_driver", mode], home)
+    return _start(["-m", "tests.support.exit_driver", mode], home)
 
 
 def _acted(out: str) -> dict[str, object]:

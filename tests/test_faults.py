@@ -20,7 +20,7 @@ from engine import (
 )
 from engine.errors import PhasewiseError
 from engine.worker import OUT_OF_MEMORY_MESSAGE
-from tests.fault_injection import ForwardFault, ScriptedTokens
+from tests.support.fault_injection import ForwardFault, ScriptedTokens
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 HISTORY = [ChatMessage("system", "You are terse."), ChatMessage("user", "Hello there")]

@@ -18,8 +18,8 @@ from PySide6.QtWidgets import QApplication, QDockWidget, QFileDialog, QLabel, QM
 from engine import Engine, GenerationRequest, InvalidRequestError, SamplingParams
 from engine.events import RequestFinished, TokenEmitted
 from engine.hud_model import SessionModel, advise
-from tests.hud_events import MS, ReplySpec, reply_events
-from tests.window_helpers import show_and_wait
+from tests.support.hud_events import MS, ReplySpec, reply_events
+from tests.support.window_helpers import show_and_wait
 from ui.compare import LOCAL, CompareDialog
 from ui.hud import HudWidget, style
 from ui.hud.panels import NO_HOVER, Panel, short_token

@@ -12,7 +12,7 @@ from typing import Any
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QFileDialog, QToolButton
 
-from tests.window_helpers import (
+from tests.support.window_helpers import (
     WAIT_MS,
     banner,
     greedy,

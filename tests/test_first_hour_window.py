@@ -9,7 +9,7 @@ from typing import Any
 from PySide6.QtCore import QPoint, Qt
 from PySide6.QtWidgets import QMessageBox, QScrollArea
 
-from tests.window_helpers import (
+from tests.support.window_helpers import (
     WAIT_MS,
     banner,
     greedy,

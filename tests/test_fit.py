@@ -15,31 +15,11 @@ from engine import fit, runtimes
 from engine.errors import ModelLoadError
 from engine.loader import load_model
 from engine.prefix_cache import cache_nbytes, new_cache
-from tests.test_llamacpp_engine import needs_llama_cpp, run_in_child
-from tests.tiny_model import TINY_WINDOW, build_tiny_architecture
+from tests.support.child import needs_llama_cpp, run_in_child
+from tests.support.gguf import write_gguf
+from tests.support.tiny_model import TINY_WINDOW, build_tiny_architecture
 
 MIB = 1 << 20
-
-
-def write_gguf(path: Path, *, layers: int, kv_heads: int, heads: int = 8, head_dim: int = 64,
-               context: int = 8192) -> Path:
-    """A llama GGUF header with the shape the estimate reads (its weights: one small table)."""
-    from gguf import GGUFWriter
-
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_block_count(layers)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_embedding_length(heads * head_dim)
-    writer.add_context_length(context)
-    writer.add_tensor("token_embd.weight", np.zeros((32, heads * head_dim), dtype=np.float16))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 # ----- the estimate against what the engines really allocate --------------------------------

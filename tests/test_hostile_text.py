@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from engine.chat_template import encode_chat
 from engine.params import ChatMessage
-from tests.tiny_model import CHATML, build_tiny_tokenizer
+from tests.support.tiny_model import CHATML, build_tiny_tokenizer
 
 LLAMA3 = (
     "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"

@@ -18,8 +18,8 @@ from PySide6.QtWidgets import QApplication, QFileDialog, QToolTip, QWidget
 
 from engine.events import RequestFinished
 from engine.hud_model import SavedChat, SessionModel, fmt_ms, saved_metrics, saved_reply
-from tests.hud_events import MS, ReplySpec, reply_events
-from tests.window_helpers import banner, greedy, send_and_wait, show_and_wait
+from tests.support.hud_events import MS, ReplySpec, reply_events
+from tests.support.window_helpers import banner, greedy, send_and_wait, show_and_wait
 from ui.hud import HudWidget
 from ui.hud.panels import HISTORY_ALPHA
 from ui.store import ChatStore, metrics_record

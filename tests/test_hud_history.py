@@ -14,7 +14,7 @@ from engine.calibrate import DevicePeaks
 from engine.events import EngineEvent, RequestFinished, TokenEmitted
 from engine.hud_model import THROUGHPUT_WINDOW, SeriesRing, SessionModel
 from engine.metrics import NS
-from tests.hud_events import MS, ReplySpec, history_events, loaded_event, reply_events
+from tests.support.hud_events import MS, ReplySpec, history_events, loaded_event, reply_events
 from ui.hud import HudWidget
 from ui.hud.panels import nice_ceiling
 from ui.hud.widget import FINAL_REDRAW_MS, REDRAW_INTERVAL_MS

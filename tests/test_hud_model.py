@@ -19,7 +19,7 @@ from engine.calibrate import (
 from engine.events import RequestFinished, TokenEmitted
 from engine.hud_model import Breakdown, SessionModel, advise, fmt_seconds, nice_cap
 from engine.metrics import percentile
-from tests.hud_events import (
+from tests.support.hud_events import (
     MS,
     ReplySpec,
     conversation_specs,

@@ -11,7 +11,7 @@ import pytest
 from engine import ChatMessage, Engine, GenerationRequest, SamplingParams
 from engine.calibrate import CACHE_FILE, DevicePeaks, calibration_method, device_name
 from engine.events import EngineEvent, RequestFinished, SamplerSnapshot, TokenEmitted
-from tests.hud_events import (
+from tests.support.hud_events import (
     MS,
     ReplySpec,
     conversation_specs,
@@ -19,7 +19,7 @@ from tests.hud_events import (
     loaded_event,
     reply_events,
 )
-from tests.window_helpers import new_hud
+from tests.support.window_helpers import new_hud
 from ui.hud import HudWidget
 
 PEAKS = DevicePeaks("cpu: test", 28.0, 0.16, "calibrated (cached)")

@@ -1,5 +1,5 @@
 """Tests never touch the user's home: every per-user directory the app resolves (its caches,
-chats, settings, keyring) is inside the run's temporary folder (tests/isolation.py), in this
+chats, settings, keyring) is inside the run's temporary folder (tests/support/isolation.py), in this
 process and in the child processes tests spawn."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.isolation import KEYRING_BACKEND, ROOT_ENV
+from tests.support.isolation import KEYRING_BACKEND, ROOT_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = "import json; from tests.test_isolation import resolve; print(json.dumps(resolve()))"

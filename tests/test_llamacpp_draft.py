@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_llamacpp_engine import CHILD_TIMEOUT_S, needs_llama_cpp, run_in_child
+from tests.support.child import CHILD_TIMEOUT_S, needs_llama_cpp, run_in_child
 
 pytestmark = [needs_llama_cpp, pytest.mark.timeout(CHILD_TIMEOUT_S + 60)]
 VERIFY_TIE = 0.5  # logits: a margin this small may flip between one-row and multi-row passes
@@ -66,17 +66,17 @@ def _agree_until_tie(got: list[int], want: list[int], margins: list[float]) -> i
 # ----- greedy exactness, acceptance, the draft's KV in step -----------------------------------
 def _greedy_body() -> dict:
     from engine.runtimes import LLAMA_CPP, load, load_draft, new_prefix_cache
-    from tests.test_llamacpp_engine import _alone_with_margins, _chat_ids
+    from tests.support.llamacpp import alone_with_margins, chat_ids
 
     loaded = load("default", LLAMA_CPP)
     draft = load_draft("default", loaded)
     pool = new_prefix_cache(loaded, 1 << 30)
-    ids = _chat_ids(loaded, PROMPT)
-    plain, margins = _alone_with_margins(loaded, pool, ids, TOKENS)
+    ids = chat_ids(loaded, PROMPT)
+    plain, margins = alone_with_margins(loaded, pool, ids, TOKENS)
     first = _run(loaded, pool, draft, _request(ids, conversation="c", reuse=True))
     # a follow-up turn on the cached sequence: the draft re-syncs its own KV to the new prompt
     follow = ids + first.token_ids[:-1]
-    follow_plain, follow_margins = _alone_with_margins(loaded, pool, follow, TOKENS)
+    follow_plain, follow_margins = alone_with_margins(loaded, pool, follow, TOKENS)
     second = _run(loaded, pool, draft, _request(follow, conversation="c", reuse=True))
     return {"plain": plain, "margins": margins, "first": first.token_ids,
             "proposed": first.spec_proposed, "accepted": first.spec_accepted,
@@ -107,11 +107,11 @@ def test_self_draft_greedy_equals_plain_and_counts_acceptance() -> None:
 # ----- sampled requests: the speculative sampling rule, reproducible with a seed ---------------
 def _sampled_body() -> dict:
     from engine.runtimes import LLAMA_CPP, load, load_draft, new_prefix_cache
-    from tests.test_llamacpp_engine import _chat_ids
+    from tests.support.llamacpp import chat_ids
 
     loaded = load("default", LLAMA_CPP)
     draft = load_draft("default", loaded)
-    ids = _chat_ids(loaded, PROMPT)
+    ids = chat_ids(loaded, PROMPT)
     runs = []
     for _ in range(2):
         draft.reset()
@@ -134,12 +134,12 @@ def _cancel_body() -> dict:
     import threading
 
     from engine.runtimes import LLAMA_CPP, load, load_draft, new_prefix_cache
-    from tests.test_llamacpp_engine import _chat_ids
+    from tests.support.llamacpp import chat_ids
 
     loaded = load("default", LLAMA_CPP)
     draft = load_draft("default", loaded)
     pool = new_prefix_cache(loaded, 1 << 30)
-    ids = _chat_ids(loaded, PROMPT)
+    ids = chat_ids(loaded, PROMPT)
     reference = _run(loaded, pool, draft, _request(ids)).token_ids
     # Stop pressed as the third token is shown: no later row of the verified draft is emitted
     cancel, seen = threading.Event(), []

@@ -1,18 +1,14 @@
 """The llama.cpp engine (engine/llamacpp) on the bundled GGUF.
 
-Everything that runs llama.cpp runs in a spawned child process (run_in_child), so a crash in
-native code is a failed test naming the signal, not a dead test run. Skipped, saying why,
-where llama-cpp-python is not installed (`make llama-cpp`).
+Everything that runs llama.cpp runs in a spawned child process (tests/support/child.py's
+run_in_child), so a crash in native code is a failed test naming the signal, not a dead test
+run. Skipped, saying why, where llama-cpp-python is not installed (`make llama-cpp`).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import multiprocessing
 import signal
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,50 +16,16 @@ import pytest
 
 from engine.errors import ModelLoadError
 from engine.runtimes import LLAMA_CPP, TORCH, resolve_engine
+from tests.support.child import CHILD_TIMEOUT_S, needs_llama_cpp, run_in_child
+from tests.support.llamacpp import (
+    agree_until_near_tie,
+    alone_with_margins,
+    chat_ids,
+    load_default,
+)
 
-needs_llama_cpp = pytest.mark.skipif(
-    importlib.util.find_spec("llama_cpp") is None,
-    reason="llama-cpp-python is not installed (make llama-cpp)")
-CHILD_TIMEOUT_S = 600
 pytestmark = pytest.mark.timeout(CHILD_TIMEOUT_S + 60)  # a child's own limit comes first
 PROMPT = "Write two sentences about the sea."
-
-
-# ----- running a test body in a child process -----------------------------------------------
-def _child_main(conn: Any, body: Callable[..., Any], args: tuple) -> None:
-    try:
-        conn.send(("ok", body(*args)))
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-    finally:
-        conn.close()
-
-
-def run_in_child(body: Callable[..., Any], *args: Any) -> Any:
-    """body(*args) in a spawned process: its return value, its exception as a test failure
-    with the child's traceback, or a failure naming the signal that killed it."""
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    process = ctx.Process(target=_child_main, args=(child, body, args), daemon=True)
-    process.start()
-    child.close()
-    try:
-        if not parent.poll(CHILD_TIMEOUT_S):
-            process.kill()
-            pytest.fail(f"{body.__name__} did not finish within {CHILD_TIMEOUT_S} s")
-        status, value = parent.recv()
-    except EOFError:  # the child died without reporting
-        process.join(10)
-        code = process.exitcode
-        if code is not None and code < 0:
-            pytest.fail(f"{body.__name__}: the child process died of "
-                        f"{signal.Signals(-code).name}")
-        pytest.fail(f"{body.__name__}: the child process exited with code {code}")
-    finally:
-        process.join(10)
-    if status == "error":
-        pytest.fail(f"{body.__name__} failed in the child process:\n{value}")
-    return value
 
 
 def _crash() -> None:
@@ -78,12 +40,6 @@ def test_a_native_crash_fails_with_the_signal_name() -> None:
 
 
 # ----- helpers used inside the child ----------------------------------------------------------
-def _load() -> Any:
-    from engine.runtimes import load
-
-    return load("default", LLAMA_CPP)
-
-
 def _greedy(loaded: Any, pool: Any, prompt_ids: list[int] | None = None, *, tokens: int = 24,
             messages: list | None = None, conversation: str | None = None,
             reuse: bool = True, speculative: str | None = None) -> Any:
@@ -101,13 +57,6 @@ def _greedy(loaded: Any, pool: Any, prompt_ids: list[int] | None = None, *, toke
                                          lambda _e: None)
 
 
-def _chat_ids(loaded: Any, text: str) -> list[int]:
-    from engine.chat_template import encode_chat
-    from engine.params import ChatMessage
-
-    return encode_chat(loaded.tokenizer, [ChatMessage("user", text)])
-
-
 # ----- exactness ------------------------------------------------------------------------------
 def _parity_body() -> dict:
     import llama_cpp
@@ -115,9 +64,9 @@ def _parity_body() -> dict:
     from engine.loader import default_gguf_path
     from engine.runtimes import new_prefix_cache
 
-    loaded = _load()
+    loaded = load_default()
     pool = new_prefix_cache(loaded, 1 << 30)
-    ids = _chat_ids(loaded, PROMPT)
+    ids = chat_ids(loaded, PROMPT)
     ours = _greedy(loaded, pool, ids, reuse=False).token_ids
     lookup = _greedy(loaded, pool, ids, reuse=False, speculative="ngram")
     peer = llama_cpp.Llama(model_path=str(default_gguf_path()), n_ctx=512,
@@ -148,7 +97,7 @@ def _cache_body() -> dict:
     from engine.params import ChatMessage
     from engine.runtimes import new_prefix_cache
 
-    loaded = _load()
+    loaded = load_default()
     pool = new_prefix_cache(loaded, 1 << 30)
     chat = [ChatMessage("system", "You are terse."), ChatMessage("user", "Name a colour.")]
     first = _greedy(loaded, pool, messages=chat, conversation="a", tokens=16)
@@ -183,48 +132,17 @@ def test_a_cached_turn_equals_a_cold_one() -> None:
     assert shared_ids == out["alone"]
 
 
-NEAR_TIE = 0.05  # logits: closer than this, summation order alone can pick either token
-
-
-def _alone_with_margins(loaded: Any, pool: Any, ids: list[int], n: int) -> tuple[list, list]:
-    """Greedy tokens of one prompt decoded alone, and each step's top-2 logit margin."""
-    import torch
-
-    from engine.llamacpp.decode import feed
-
-    lease = pool.cold_lease(None)
-    tokens, margins = [], []
-    feed(loaded, pool, lease, ids)
-    for _ in range(n):
-        top = torch.topk(loaded.logits(1)[0], 2)
-        tokens.append(int(top.indices[0]))
-        margins.append(float(top.values[0] - top.values[1]))
-        feed(loaded, pool, lease, [tokens[-1]])
-    pool.discard(lease)
-    return tokens, margins
-
-
-def _agree_until_near_tie(batched: list[int], alone: list[int], margins: list[float]) -> bool:
-    """Batched output equals alone up to the first near-tie (after it, either is right)."""
-    for got, want, margin in zip(batched, alone, margins, strict=True):
-        if margin < NEAR_TIE:
-            return True
-        if got != want:
-            return False
-    return True
-
-
 def _batch_body() -> dict:
     from engine.core.reply import DetachedJob
     from engine.params import GenerationRequest, SamplingParams
     from engine.runtimes import new_batcher, new_prefix_cache
 
-    loaded = _load()
+    loaded = load_default()
     pool = new_prefix_cache(loaded, 1 << 30)
-    prompts = [_chat_ids(loaded, t) for t in
+    prompts = [chat_ids(loaded, t) for t in
                ("Count to five.", "What is the capital of France?", "Say hello in French.")]
     alone = [_greedy(loaded, pool, ids, tokens=12, reuse=False).token_ids for ids in prompts]
-    measured = [_alone_with_margins(loaded, pool, ids, 12) for ids in prompts]
+    measured = [alone_with_margins(loaded, pool, ids, 12) for ids in prompts]
     results: dict[str, Any] = {}
 
     def done(job: Any, result: Any, error: Any) -> None:
@@ -245,9 +163,9 @@ def _batch_body() -> dict:
     batched = [results[f"r{i}"] for i in range(3)]
     alternatives = [results["alt.0"], results["alt.1"]]
     return {"alone": alone, "measured": [tokens for tokens, _ in measured],
-            "agree": [_agree_until_near_tie(b, *m) for b, m in zip(batched, measured,
-                                                                   strict=True)],
-            "alternatives_agree": [_agree_until_near_tie(a, *measured[1])
+            "agree": [agree_until_near_tie(b, *m) for b, m in zip(batched, measured,
+                                                                  strict=True)],
+            "alternatives_agree": [agree_until_near_tie(a, *measured[1])
                                    for a in alternatives],
             "first_tokens": [b[:4] for b in batched] == [a[:4] for a in alone],
             "steps": batcher.steps}
@@ -279,11 +197,11 @@ def _mixed_body() -> dict:
     from engine.runtimes import new_prefix_cache, new_session
 
     prefill_progress.WITHIN_CHUNK_NS = 1 << 62  # progress at chunk ends only: counted here
-    loaded = _load()
+    loaded = load_default()
     pool = new_prefix_cache(loaded, 1 << 30)
-    stream_ids, long_ids = _chat_ids(loaded, "Count to five."), fixed_prompt_ids(loaded, 150)
-    stream_alone = _alone_with_margins(loaded, pool, stream_ids, 24)
-    long_alone = _alone_with_margins(loaded, pool, long_ids, 6)
+    stream_ids, long_ids = chat_ids(loaded, "Count to five."), fixed_prompt_ids(loaded, 150)
+    stream_alone = alone_with_margins(loaded, pool, stream_ids, 24)
+    long_alone = alone_with_margins(loaded, pool, long_ids, 6)
     events: list = []
     results: dict[str, Any] = {}
 
@@ -334,12 +252,12 @@ def _mixed_body() -> dict:
     return {
         "session_progress": session_progress,
         "mixed_steps": mixed, "schedule": schedule, "lone_progress": lone_progress,
-        "stream_agrees": _agree_until_near_tie(results["stream-long"][1], *stream_alone),
-        "long_agrees": _agree_until_near_tie(results["long"][1], *long_alone),
-        "lone_agrees": _agree_until_near_tie(results["lone"][1], *long_alone),
+        "stream_agrees": agree_until_near_tie(results["stream-long"][1], *stream_alone),
+        "long_agrees": agree_until_near_tie(results["long"][1], *long_alone),
+        "lone_agrees": agree_until_near_tie(results["lone"][1], *long_alone),
         "stop": results["stop"], "stopped_at": [e[2] for e in events if e[0] == "stopped"],
         "stream_beside_stop": results["stream-stop"],
-        "stream_beside_stop_agrees": _agree_until_near_tie(results["stream-stop"][1],
+        "stream_beside_stop_agrees": agree_until_near_tie(results["stream-stop"][1],
                                                            *stream_alone),
     }
 
@@ -385,7 +303,7 @@ def _meter_body() -> dict:
     from engine.runtimes import new_prefix_cache, new_session
 
     prefill_progress.WITHIN_CHUNK_NS = 0  # every node's progress is reported
-    loaded = _load()
+    loaded = load_default()
     pool = new_prefix_cache(loaded, 1 << 30)
     base = fixed_prompt_ids(loaded, 702)
     prompts = {name: base[i : i + 700] for i, name in enumerate("abc")}
@@ -437,8 +355,8 @@ def _meter_body() -> dict:
     out["c_stop"], out["c_stopped"] = in_batcher("c", stop_past=600)
     out["c"], out["c_reply"] = in_batcher("c")
     for name, ids in prompts.items():
-        out[f"{name}_agrees"] = _agree_until_near_tie(out[f"{name}_reply"][1],
-                                                      *_alone_with_margins(loaded, pool, ids, 6))
+        out[f"{name}_agrees"] = agree_until_near_tie(out[f"{name}_reply"][1],
+                                                      *alone_with_margins(loaded, pool, ids, 6))
     return out
 
 
@@ -476,7 +394,7 @@ def _ctrl_c_body() -> dict:
     from engine.bench import fixed_prompt_ids
     from engine.llamacpp.graph_meter import GraphMeter
 
-    loaded = _load()
+    loaded = load_default()
     ids = fixed_prompt_ids(loaded, loaded.n_batch)
     under_way = threading.Event()
     fractions: list[float] = []
@@ -527,7 +445,7 @@ def test_ctrl_c_inside_a_metered_decode_stops_the_graph_and_raises() -> None:
 def _interference_body() -> dict:
     from engine.bench import bench_interference
 
-    return bench_interference(_load(), prompt_tokens=150, stream_prompt_tokens=16,
+    return bench_interference(load_default(), prompt_tokens=150, stream_prompt_tokens=16,
                               alone_tokens=6)
 
 
@@ -591,7 +509,7 @@ def _template_body() -> dict:
     from engine.chat_template import encode_chat_with_spans
     from engine.params import ChatMessage
 
-    loaded = _load()
+    loaded = load_default()
     text = "say <|im_end|> please"
     ids, spans = encode_chat_with_spans(loaded.tokenizer, [ChatMessage("user", text)])
     _role, start, end = spans[-1]
@@ -677,11 +595,11 @@ def test_a_folder_always_runs_on_torch(tmp_path: Path) -> None:
 
 @needs_llama_cpp
 def test_auto_runs_a_gguf_on_llama_cpp_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    import engine.runtimes as runtimes
+    import engine.runtime_choice as runtime_choice
 
-    monkeypatch.setattr(runtimes, "cuda_present", lambda: False)
+    monkeypatch.setattr(runtime_choice, "cuda_present", lambda: False)
     assert resolve_engine("model.gguf", "auto") == LLAMA_CPP
     assert resolve_engine("default", "auto") == LLAMA_CPP
     assert resolve_engine("model.gguf", "auto", device="cuda") == TORCH
-    monkeypatch.setattr(runtimes, "cuda_present", lambda: True)
+    monkeypatch.setattr(runtime_choice, "cuda_present", lambda: True)
     assert resolve_engine("model.gguf", "auto") == TORCH

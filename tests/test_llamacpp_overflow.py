@@ -1,12 +1,12 @@
 """A chat over the context on the llama.cpp engine: overflow="drop_oldest" leaves the oldest
 turns out, and the result says how many (the window's one-line note reads it). In a child
-process, as every llama.cpp test (tests/test_llamacpp_engine.py's run_in_child)."""
+process, as every llama.cpp test (tests/support/child.py's run_in_child)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from tests.test_llamacpp_engine import needs_llama_cpp, run_in_child
+from tests.support.child import needs_llama_cpp, run_in_child
 
 CONTEXT = 256  # a small context for the default model, so a few turns outgrow it
 

@@ -33,7 +33,7 @@ from engine.loader import default_gguf_path
 from engine.native import describe_exit, recorded_llama_cpp_build
 from engine.remote import NO_USAGE_NOTICE, RemoteConfig, RemoteEngine
 from engine.remote import now_ns as remote_now_ns
-from tests.test_ui_remote import WAIT_MS, send_and_wait
+from tests.support.window_helpers import WAIT_MS, send_and_wait
 
 # llama_cpp itself and the modules its [server] extra brings (checked without importing them).
 SERVER_MODULES = ("llama_cpp", "fastapi", "sse_starlette", "pydantic_settings")

@@ -13,14 +13,12 @@ from typing import Any
 import pytest
 
 from engine.llamacpp import side_prefill
-from tests.test_llamacpp_engine import (
-    CHILD_TIMEOUT_S,
-    _agree_until_near_tie,
-    _alone_with_margins,
-    _chat_ids,
-    _load,
-    needs_llama_cpp,
-    run_in_child,
+from tests.support.child import CHILD_TIMEOUT_S, needs_llama_cpp, run_in_child
+from tests.support.llamacpp import (
+    agree_until_near_tie,
+    alone_with_margins,
+    chat_ids,
+    load_default,
 )
 
 pytestmark = pytest.mark.timeout(CHILD_TIMEOUT_S + 60)
@@ -42,14 +40,14 @@ def _side_body(memory_bytes: int | None = None, long_tokens: int = LONG_TOKENS) 
         side_prefill.free_memory = lambda _device: memory_bytes  # type: ignore[assignment]
     import torch
 
-    loaded = _load()
+    loaded = load_default()
     torch_threads = torch.get_num_threads()
     pool = new_prefix_cache(loaded, 1 << 30)
-    stream_ids = _chat_ids(loaded, "Count to twenty.")
+    stream_ids = chat_ids(loaded, "Count to twenty.")
     source = fixed_prompt_ids(loaded, 2 * LONG_TOKENS)
     long_ids, turn1_ids = source[:long_tokens], source[LONG_TOKENS : LONG_TOKENS + 300]
-    stream_alone = _alone_with_margins(loaded, pool, stream_ids, 32)
-    long_alone = _alone_with_margins(loaded, pool, long_ids, 6)
+    stream_alone = alone_with_margins(loaded, pool, stream_ids, 32)
+    long_alone = alone_with_margins(loaded, pool, long_ids, 6)
     events: list[tuple[str, str, int]] = []
     results: dict[str, Any] = {}
 
@@ -85,7 +83,7 @@ def _side_body(memory_bytes: int | None = None, long_tokens: int = LONG_TOKENS) 
     while batcher.rows:
         batcher.step()
     turn2_ids = turn1_ids + results["turn1"][1] + long_ids[:side_prefill.SIDE_MIN_TOKENS + 44]
-    turn2_alone = _alone_with_margins(loaded, pool, turn2_ids, 6)
+    turn2_alone = alone_with_margins(loaded, pool, turn2_ids, 6)
     beside_a_stream("stream-turn2", job("turn2", turn2_ids, 6, chat="chat"))
     beside_a_stream("stream-stop", job("stop", long_ids, 6))
     lib = loaded.llama_cpp
@@ -94,9 +92,9 @@ def _side_body(memory_bytes: int | None = None, long_tokens: int = LONG_TOKENS) 
         "threads": (int(lib.llama_n_threads(loaded.ctx)), loaded.n_threads),
         "torch_threads": (torch.get_num_threads(), torch_threads),
         "events": events, "results": results,
-        "cold_agrees": _agree_until_near_tie(results["cold"][1], *long_alone),
-        "turn2_agrees": _agree_until_near_tie(results["turn2"][1], *turn2_alone),
-        "streams_agree": [_agree_until_near_tie(results[f"stream-{name}"][1], *stream_alone)
+        "cold_agrees": agree_until_near_tie(results["cold"][1], *long_alone),
+        "turn2_agrees": agree_until_near_tie(results["turn2"][1], *turn2_alone),
+        "streams_agree": [agree_until_near_tie(results[f"stream-{name}"][1], *stream_alone)
                           for name in ("cold", "turn2", "stop")],
     }
 
@@ -148,7 +146,7 @@ def _stop_inside_body() -> dict:
     from engine.core.schedule import FIRST_SIDE_CHUNK
     from engine.runtimes import new_prefix_cache
 
-    loaded = _load()
+    loaded = load_default()
     pool = new_prefix_cache(loaded, 1 << 30)
     cancel = threading.Event()
     side = side_prefill.SidePrefill(loaded, pool.cold_lease(None), fixed_prompt_ids(

@@ -13,7 +13,7 @@ import contextlib
 import io
 import sys
 
-from tests.test_llamacpp_engine import needs_llama_cpp, run_in_child
+from tests.support.child import needs_llama_cpp, run_in_child
 
 # What the llama.cpp engine runs on: the engine package, the runtime switch, the llama.cpp
 # session, batcher and prefix pool, and the CLI that starts them.

@@ -10,7 +10,7 @@ import pytest
 from PySide6.QtCore import QSettings
 
 from engine import fit
-from tests.test_fit import write_gguf
+from tests.support.gguf import write_gguf
 from ui.model_picker import ModelPickerDialog
 
 WAIT_MS = 30_000
@@ -216,7 +216,7 @@ def test_model_defaults_apply_unless_the_user_set_them_for_that_model(
 
     from app.gui import build_backend, build_window
     from engine import Engine
-    from tests.tiny_model import build_tiny_model
+    from tests.support.tiny_model import build_tiny_model
     from ui.store import ChatStore
 
     suggests = build_tiny_model(tmp_path / "suggests")

@@ -442,7 +442,7 @@ def test_a_reply_stopped_while_its_prompt_is_read_shows_that_prefill(qtbot) -> N
     read as "other: first sample + finish" and the advisor saw no dominant phase)."""
     from engine.events import GenerationResult, PrefillStarted, RequestFinished, RequestQueued
     from engine.metrics import compute_metrics
-    from tests.hud_events import INFO, MS
+    from tests.support.hud_events import INFO, MS
     from ui.hud import HudWidget
 
     hud = HudWidget(calibrate=False)
@@ -478,7 +478,7 @@ def test_a_new_chats_prefill_shows_no_other_chats_numbers_and_an_unclipped_marke
     is labelled inside the plot (it was drawn off the left edge, clipped)."""
     from engine.events import PrefillStarted, RequestQueued
     from engine.hud_model import SavedChat
-    from tests.hud_events import MS, ReplySpec, loaded_event, reply_events
+    from tests.support.hud_events import MS, ReplySpec, loaded_event, reply_events
     from ui.hud import HudWidget, style
 
     hud = HudWidget(calibrate=False)

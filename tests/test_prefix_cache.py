@@ -8,6 +8,7 @@ import torch
 from engine import ChatMessage, Engine, GenerationRequest, SamplingParams, TokenEmitted
 from engine.loader import load_model
 from engine.prefix_cache import PrefixCache, cache_nbytes, common_prefix_len
+from tests.support.prefix_cache import assert_cached_matches_cold, feed
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 SYSTEM = ChatMessage("system", "You are terse.")
@@ -138,39 +139,6 @@ def test_cancelled_reply_leaves_cache_consistent(tiny_engine: Engine, tiny_model
     assert warm.token_ids == cold.token_ids
 
 
-def cold_logits(model, ids: list[int]) -> torch.Tensor:
-    return model(input_ids=torch.tensor([ids]), logits_to_keep=1).logits[0, -1]
-
-
-def cached_logits(model, pool: PrefixCache, conv: str, ids: list[int]) -> tuple[torch.Tensor, int]:
-    """Logits of ids computed on top of whatever prefix the pool can lend; returns them and
-    how many tokens came from cache. The computed cache goes back to the pool."""
-    lease = pool.acquire(conv, ids)
-    rest = ids[lease.cached_tokens :]
-    out = model(input_ids=torch.tensor([rest]), cache=lease.cache, use_cache=True,
-                logits_to_keep=1)
-    lease.ids.extend(rest)
-    pool.release(lease)
-    return out.logits[0, -1], lease.cached_tokens
-
-
-def assert_cached_matches_cold(loaded, prompt: list[int], cut: int) -> None:
-    model = loaded.model
-    pool = PrefixCache(model.config, budget_bytes=1 << 34)
-    other = prompt[:cut] + prompt[cut + 1 :][::-1]
-    with torch.inference_mode():
-        _, cached = cached_logits(model, pool, "a", prompt)
-        assert cached == 0
-        # regenerate: everything but the last token comes from cache
-        warm, cached = cached_logits(model, pool, "a", prompt)
-        assert cached == len(prompt) - 1
-        assert torch.allclose(warm, cold_logits(model, prompt), atol=1e-4)
-        # another chat sharing `cut` tokens: a cropped copy of chat a's cache
-        warm, cached = cached_logits(model, pool, "b", other)
-        assert cached == cut
-        assert torch.allclose(warm, cold_logits(model, other), atol=1e-4)
-
-
 def test_cached_and_cold_logits_agree_tiny(tiny_model_dir) -> None:
     loaded = load_model(str(tiny_model_dir))
     prompt = loaded.tokenizer("The capital of France is Paris. Hello there!")["input_ids"]
@@ -230,13 +198,6 @@ def _fits(loaded, messages) -> bool:
 # A stand-in for a model: a one-layer KV cache whose position i holds the token id fed there, so
 # a test can read back which tokens a cache holds. 8 bytes a position (K + V, one float32 each).
 POSITION_BYTES = 8
-
-
-def feed(lease, ids: list[int]) -> None:
-    """What a prefill does to a lease: the tokens go into its cache and its ids."""
-    values = torch.tensor(ids, dtype=torch.float32).reshape(1, 1, len(ids), 1)
-    lease.cache.update(values, values.clone(), 0)
-    lease.ids.extend(ids)
 
 
 def held(cache) -> list[int]:

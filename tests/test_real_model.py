@@ -3,7 +3,7 @@
 import pytest
 
 from engine import ChatMessage, Engine, GenerationRequest, SamplingParams
-from tests.test_prefix_cache import assert_cached_matches_cold
+from tests.support.prefix_cache import assert_cached_matches_cold
 
 pytestmark = pytest.mark.real_model
 QUESTION = "What is the capital of France? Answer in one sentence."

@@ -33,8 +33,8 @@ from engine.remote import (
     normalize_base_url,
     request_body,
 )
-from tests.fake_servers import PARTIAL, fake_app
-from tests.serving import TOKEN
+from tests.support.fake_servers import PARTIAL, fake_app
+from tests.support.serving import TOKEN
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 

@@ -8,7 +8,7 @@ import pytest
 
 from app.cli import main
 from app.serve import ServerThread
-from tests.fake_servers import PARTIAL, fake_app
+from tests.support.fake_servers import PARTIAL, fake_app
 
 
 @pytest.fixture(autouse=True)

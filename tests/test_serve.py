@@ -12,7 +12,7 @@ import pytest
 from app.cli import main
 from app.serve import ServerThread, check_bind, conversation_key, is_loopback
 from engine import ChatMessage, Engine, PhasewiseError, RequestFinished, TokenEmitted
-from tests.serving import TOKEN
+from tests.support.serving import TOKEN
 
 MESSAGES = [{"role": "system", "content": "You are terse."},
             {"role": "user", "content": "Hello, how are you today?"}]

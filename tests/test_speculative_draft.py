@@ -36,7 +36,7 @@ from engine.loader import LoadedModel, load_model
 from engine.metrics import RequestTimeline, now_ns
 from engine.prefix_cache import PrefixCache
 from engine.speculative import MAX_DRAFT, START_DRAFT, DraftProposer, accept_or_resample
-from tests.tiny_model import build_tiny_tokenizer
+from tests.support.tiny_model import build_tiny_tokenizer
 
 CHAT = [ChatMessage("user", "Hello, how are you today? The capital of France is Paris.")]
 

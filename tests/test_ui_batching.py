@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from engine import Engine, TokenEmitted
-from tests.window_helpers import WAIT_MS, settings
+from tests.support.window_helpers import WAIT_MS, settings
 from ui.store import DONE
 
 LONG = 200  # the tiny model (context 256) runs to max tokens without an EOS

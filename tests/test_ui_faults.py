@@ -10,8 +10,8 @@ from PySide6.QtWidgets import QMessageBox
 
 from app.gui import build_backend, build_window
 from engine import Engine, TokenEmitted
-from tests.fault_injection import ForwardFault
-from tests.window_helpers import LONG, WAIT_MS, greedy, send_and_wait
+from tests.support.fault_injection import ForwardFault
+from tests.support.window_helpers import LONG, WAIT_MS, greedy, send_and_wait
 from ui.main_window import MainWindow
 from ui.store import STOPPED, ChatStore
 
@@ -191,7 +191,7 @@ def test_ctrl_q_during_a_reply_says_it_is_kept_as_stopped(qtbot, make_window,
                                                           monkeypatch) -> None:
     """Issue 31 item 10: Ctrl+Q quit mid-reply without a word. It now asks, saying the reply
     is kept as stopped; No keeps the window and the reply running, Yes quits and keeps it."""
-    from tests.window_helpers import show_and_wait
+    from tests.support.window_helpers import show_and_wait
 
     window = make_window()
     show_and_wait(qtbot, window)

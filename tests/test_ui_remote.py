@@ -12,8 +12,8 @@ from app.serve import ServerThread
 from engine.backends import BackendRouter
 from engine.events import TokenEmitted
 from engine.remote import REMOTE_SPEC
-from tests.fake_servers import PARTIAL, fake_app
-from tests.window_helpers import WAIT_MS, greedy, send_and_wait
+from tests.support.fake_servers import PARTIAL, fake_app
+from tests.support.window_helpers import WAIT_MS, greedy, send_and_wait
 from ui.model_picker import ModelPickerDialog
 
 

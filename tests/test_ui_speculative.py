@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine import GenerationResult
-from tests.window_helpers import WAIT_MS, greedy, send_and_wait
+from tests.support.window_helpers import WAIT_MS, greedy, send_and_wait
 from ui.main_window import MainWindow
 from ui.model_picker import ModelChoice
 

@@ -20,7 +20,7 @@ from pytestqt.qtbot import QtBot
 from transformers import AutoTokenizer
 
 from engine import Engine, GenerationResult, PrefillStarted, RequestFinished
-from tests.window_helpers import WAIT_MS, banner, greedy, send_and_wait, show_and_wait
+from tests.support.window_helpers import WAIT_MS, banner, greedy, send_and_wait, show_and_wait
 from ui.compare import LOCAL, TABLE_ROWS, CompareDialog
 from ui.main_window import MainWindow
 

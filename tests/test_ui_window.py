@@ -9,7 +9,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QMessageBox
 
 from engine import Engine, GenerationRequest, PrefillStarted, SamplingParams, TokenEmitted
-from tests.window_helpers import LONG, WAIT_MS, greedy, send_and_wait
+from tests.support.window_helpers import LONG, WAIT_MS, greedy, send_and_wait
 from ui.store import STOPPED, ChatStore
 
 

@@ -1,7 +1,7 @@
 """The chat window on both engines, as users get them: torch (a GPU, or a Hugging Face folder)
 and llama.cpp (what a user without a GPU runs, on the bundled GGUF).
 
-The scenarios (tests/window_scenarios.py) drive a window built by the app's own factory and
+The scenarios (tests/support/window_scenarios.py) drive a window built by the app's own factory and
 return what they saw; the assertions here are the same for both engines. On torch the window
 runs in this process on the tiny random model (conftest's make_window). On llama.cpp every
 scenario runs in one spawned child (run_in_child: a native crash is a failed test naming the
@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from tests.test_llamacpp_engine import CHILD_TIMEOUT_S, needs_llama_cpp, run_in_child
-from tests.window_scenarios import SCENARIOS, Rig
+from tests.support.child import CHILD_TIMEOUT_S, needs_llama_cpp, run_in_child
+from tests.support.window_scenarios import SCENARIOS, Rig
 from ui.store import DONE, STOPPED
 
 pytestmark = pytest.mark.timeout(CHILD_TIMEOUT_S + 60)

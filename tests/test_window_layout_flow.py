@@ -14,7 +14,7 @@ from PySide6.QtTest import QTest
 from PySide6.QtWidgets import QMenu, QScrollArea, QWidget
 
 from engine import RequestFinished, TokenEmitted
-from tests.window_helpers import (
+from tests.support.window_helpers import (
     WAIT_MS,
     banner,
     greedy,
@@ -22,7 +22,7 @@ from tests.window_helpers import (
     settings,
     show_and_wait,
 )
-from tests.window_scenarios import Gate
+from tests.support.window_scenarios import Gate
 from ui.main_window import CHAT_MIN_WIDTH, DOCK_WIDTH
 
 

@@ -13,7 +13,7 @@ import pytest
 from PySide6.QtWidgets import QToolTip
 
 from engine import PrefillProgress
-from tests.window_helpers import (
+from tests.support.window_helpers import (
     click_chat,
     click_stats_line,
     greedy,

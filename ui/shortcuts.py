@@ -7,16 +7,19 @@ the actions' keys, then the keys the widgets handle themselves.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QAction, QKeySequence, QShortcut
-from PySide6.QtWidgets import QDialog
+from PySide6.QtWidgets import QDialog, QDockWidget, QMenuBar, QWidget
 
+from engine.events import ModelInfo
+from engine.protocol import Backend
 from ui.about import ShortcutsDialog, show_about
-
-if TYPE_CHECKING:
-    from ui.main_window import MainWindow
+from ui.chat_export import ChatExports
+from ui.composer import Composer
+from ui.controls import ControlsPanel
+from ui.sidebar import Sidebar
 
 # Keys the widgets handle themselves, listed in Help → Keyboard shortcuts with the menus' own.
 WIDGET_KEYS = (("Enter", "Send the message"), ("Shift+Enter", "New line in the message"),
@@ -24,11 +27,47 @@ WIDGET_KEYS = (("Enter", "Send the message"), ("Shift+Enter", "New line in the m
                ("Tab", "Next field"))
 
 
-class WindowMenus:
-    """The Chat, View and Help menus of a MainWindow and their shortcuts."""
+class MenuHost(Protocol):
+    """What the menus act on: the main window (ui/main_window.py), named here so that this
+    module does not import the window that imports it."""
 
-    def __init__(self, window: MainWindow) -> None:
+    @property
+    def engine(self) -> Backend: ...
+    @property
+    def sidebar(self) -> Sidebar: ...
+    @property
+    def composer(self) -> Composer: ...
+    @property
+    def controls(self) -> ControlsPanel: ...
+    @property
+    def chat_exports(self) -> ChatExports: ...
+    @property
+    def settings_dock(self) -> QDockWidget: ...
+    @property
+    def hud_dock(self) -> QDockWidget: ...
+    @property
+    def conversation_id(self) -> str | None: ...
+    @property
+    def model_info(self) -> ModelInfo | None: ...
+
+    def window(self) -> QWidget:
+        """The top-level widget (QWidget.window(): the main window itself)."""
+        ...
+
+    def menuBar(self) -> QMenuBar: ...
+    def new_chat(self) -> None: ...
+    def switch_chat(self, step: int) -> None: ...
+    def delete_current_chat(self) -> None: ...
+    def choose_model(self) -> None: ...
+    def quit(self) -> None: ...
+
+
+class WindowMenus:
+    """The Chat, View and Help menus of a main window and their shortcuts."""
+
+    def __init__(self, window: MenuHost) -> None:
         self.window = w = window
+        self._widget = window.window()  # the QWidget the actions and dialogs belong to
         self.new_action = self._action("New chat", w.new_chat, QKeySequence.StandardKey.New)
         self.search_action = self._action("Search chats", w.sidebar.focus_search,
                                           QKeySequence.StandardKey.Find)
@@ -60,17 +99,17 @@ class WindowMenus:
         help_menu = w.menuBar().addMenu("&Help")
         self.shortcuts_action = self._action("Keyboard shortcuts", self.show_shortcuts)
         help_menu.addAction(self.shortcuts_action)
-        help_menu.addAction("About Phasewise", lambda: show_about(w, w.model_info))
-        QShortcut(QKeySequence(Qt.Key.Key_Escape), w, w.composer.escape)
+        help_menu.addAction("About Phasewise", lambda: show_about(self._widget, w.model_info))
+        QShortcut(QKeySequence(Qt.Key.Key_Escape), self._widget, w.composer.escape)
 
     def _action(self, text: str, slot: Callable[[], object],
                 *keys: QKeySequence | QKeySequence.StandardKey | str) -> QAction:
         """A window-wide action (its keys work wherever the focus is)."""
-        action = QAction(text, self.window)
+        action = QAction(text, self._widget)
         action.setShortcuts([QKeySequence(k) for k in keys])
         action.setShortcutContext(Qt.ShortcutContext.WindowShortcut)
         action.triggered.connect(slot)
-        self.window.addAction(action)
+        self._widget.addAction(action)
         return action
 
     def compare_backends(self) -> QDialog:
@@ -79,7 +118,8 @@ class WindowMenus:
         from ui.compare import CompareDialog
 
         w = self.window
-        dialog = CompareDialog.for_engine(w.engine, w.controls.params(), w.composer.text(), w)
+        dialog = CompareDialog.for_engine(w.engine, w.controls.params(), w.composer.text(),
+                                          self._widget)
         dialog.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
         dialog.show()
         return dialog
@@ -88,11 +128,11 @@ class WindowMenus:
         """(keys, action) for every shortcut: the window's actions, then the widgets' keys."""
         fmt = QKeySequence.SequenceFormat.NativeText
         rows = [(", ".join(k.toString(fmt) for k in a.shortcuts() if not k.isEmpty()),
-                 a.text().rstrip("…")) for a in self.window.actions()]
+                 a.text().rstrip("…")) for a in self._widget.actions()]
         return [row for row in rows if row[0]] + list(WIDGET_KEYS)
 
     def show_shortcuts(self) -> ShortcutsDialog:
-        dialog = ShortcutsDialog(self.shortcut_rows(), self.window)
+        dialog = ShortcutsDialog(self.shortcut_rows(), self._widget)
         dialog.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
         dialog.show()
         return dialog

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -16,17 +15,10 @@ from app.serve import ServerThread, create_app
 from engine import Engine
 from engine.backends import BackendRouter
 from engine.protocol import Backend
-from engine.remote import REMOTE_SPEC, RemoteConfig, RemoteEngine
+from engine.remote import RemoteConfig, RemoteEngine
+from tests.support.backend_checks import TINY
 
 CACHE_BYTES = 64 << 20
-TINY = {"kernel": "fp32-eager"}  # the same decode path every run, no timing probe
-
-# Backend ids -> (spec, options) of a load that must fail on it.
-BAD_LOADS: dict[str, tuple[str, dict[str, Any]]] = {
-    "engine": ("/no/such/model-folder", {}),
-    "router": (REMOTE_SPEC, {"base_url": "http://127.0.0.1:9/v1"}),  # nothing listens there
-    "remote": (REMOTE_SPEC, {"model": "no-such-model"}),  # the server does not have it
-}
 # The llama.cpp engine runs native code, which tests run in a child process: it keeps the same
 # contract in test_llamacpp_contract.py, one spawned child per check, not through `backend`.
 BACKENDS = ["engine", "router", "remote"]

@@ -1,12 +1,13 @@
-"""Every Backend keeps the same promises (tests/contract/checks.py), whatever runs the model."""
+"""Every Backend keeps the same promises (tests/support/backend_checks.py), whatever runs the
+model."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from engine.protocol import Backend
-from tests.contract import checks
-from tests.contract.conftest import BAD_LOADS, TINY
+from tests.support import backend_checks as checks
+from tests.support.backend_checks import BAD_LOADS, TINY
 
 
 def test_is_a_backend(backend: Backend, backend_kind: str) -> None:

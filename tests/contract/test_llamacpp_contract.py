@@ -1,7 +1,8 @@
-"""The same contract (checks.py) against the llama.cpp engine on the bundled GGUF.
+"""The same contract (tests/support/backend_checks.py) against the llama.cpp engine on the
+bundled GGUF.
 
 Native code in tests runs in a child process, so each check runs in its own spawned child
-(tests/test_llamacpp_engine.py's run_in_child): a crash fails that check with the signal's
+(tests/support/child.py's run_in_child): a crash fails that check with the signal's
 name and the rest of the suite goes on. Skipped, saying why, without llama-cpp-python.
 """
 
@@ -12,8 +13,8 @@ from collections.abc import Callable
 import pytest
 
 from engine.protocol import Backend
-from tests.contract import checks
-from tests.test_llamacpp_engine import CHILD_TIMEOUT_S, needs_llama_cpp, run_in_child
+from tests.support import backend_checks as checks
+from tests.support.child import CHILD_TIMEOUT_S, needs_llama_cpp, run_in_child
 
 pytestmark = [needs_llama_cpp, pytest.mark.timeout(CHILD_TIMEOUT_S + 60)]
 CACHE_BYTES = 64 << 20

@@ -1,6 +1,6 @@
 """What every Backend promises its callers, as plain functions of a started, loaded backend.
 
-The pytest tests beside this file run each check against every in-process backend. They are
+tests/contract/test_backend_contract.py runs each check against every in-process backend. They are
 plain functions (no fixtures) so a backend that must live in a child process (llama.cpp: native
 code) can run the same checks there and report the outcome.
 """
@@ -11,6 +11,7 @@ import dataclasses
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from engine import (
     ChatMessage,
@@ -31,10 +32,18 @@ from engine import (
 )
 from engine.events import TERMINAL_EVENTS
 from engine.params import Speculative
-from engine.protocol import Backend
-from engine.worker import RequestHandle
+from engine.protocol import Backend, RequestHandle
+from engine.remote import REMOTE_SPEC
 
 WAIT_S = 120.0
+TINY = {"kernel": "fp32-eager"}  # the same decode path every run, no timing probe
+
+# Backend ids -> (spec, options) of a load that must fail on it.
+BAD_LOADS: dict[str, tuple[str, dict[str, Any]]] = {
+    "engine": ("/no/such/model-folder", {}),
+    "router": (REMOTE_SPEC, {"base_url": "http://127.0.0.1:9/v1"}),  # nothing listens there
+    "remote": (REMOTE_SPEC, {"model": "no-such-model"}),  # the server does not have it
+}
 PROMPT = "Tell me a short story about a lighthouse keeper and a storm."
 # A reply that copies from its prompt: prompt lookup ("ngram") finds drafts in it.
 COPY_PROMPT = ("Copy this list exactly, then stop: apples, pears, plums, apples, pears, plums, "

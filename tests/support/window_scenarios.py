@@ -25,7 +25,7 @@ from pytestqt.qtbot import QtBot
 from engine import Engine, GenerationResult, PrefillProgress, PrefillStarted, TokenEmitted
 from engine.events import EngineEvent
 from engine.hud_model import fmt_seconds
-from tests.window_helpers import WAIT_MS, greedy, settings
+from tests.support.window_helpers import WAIT_MS, greedy, settings
 from ui.main_window import MainWindow
 
 GATE_S = 60.0  # the engine thread waits at most this long for the window (no hang, ever)

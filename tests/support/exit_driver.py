@@ -1,7 +1,7 @@
 """A child process that runs the real app (app.cli.entry, the `phasewise` program) and ends it
 the way a user does, at a chosen moment: tests/test_exit_paths.py runs it and checks the exit.
 
-    python -m tests.exit_driver MODE [phasewise arguments...]
+    python -m tests.support.exit_driver MODE [phasewise arguments...]
 
 The driver makes the QApplication first (run_gui takes the one that exists), finds the main
 window once it is shown, and acts on what the window emits:

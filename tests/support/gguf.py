@@ -1,0 +1,28 @@
+"""A small GGUF written for a test: the header the fit estimate and the model picker read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def write_gguf(path: Path, *, layers: int, kv_heads: int, heads: int = 8, head_dim: int = 64,
+               context: int = 8192) -> Path:
+    """A llama GGUF header with the shape the estimate reads (its weights: one small table)."""
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(layers)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_embedding_length(heads * head_dim)
+    writer.add_context_length(context)
+    writer.add_tensor("token_embd.weight", np.zeros((32, heads * head_dim), dtype=np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
