@@ -49,7 +49,7 @@ MUTANTS ?= 'engine.sampling.*' 'engine.metrics.*' \
 	'engine.prefix_cache.x_common_prefix_len__*' 'engine.prefix_cache.x?CacheEntry?*' \
 	'engine.prefix_cache.x?CacheLease?*' 'engine.prefix_cache.x?PrefixCache?*' \
 	'engine.core.reply.*' 'engine.core.solo.x_decode_alone__*' 'engine.core.solo.x?SoloSession?*' \
-	'engine.core.schedule.*' 'engine.batching.x_batchable__*' \
+	'engine.core.schedule.*' 'engine.core.batch.*' 'engine.batching.x_batchable__*' \
 	'engine.batching.x?Batcher?_adapt_budget__*' 'engine.batching.x?Batcher?_chunk_tokens__*' \
 	'engine.batching.x?Batcher?_prefill__*' 'engine.batching.x?Batcher?_prefill_between__*'
 mutation: $(STAMP)
