@@ -82,24 +82,18 @@ class Batcher(BatchCore):
         self.repacks = 0
 
     # ----- joining ---------------------------------------------------------------------------
-    def _prefill(self, job: ReplyJob) -> tuple[Reply, torch.Tensor]:
-        row = open_reply(self.loaded, self.prefix_cache, job, self.vocab,
-                         partial(self._emit, job), self.loaded.device)
-        lease = row.lease
-        ids = row.prompt_ids[lease.cached_tokens :]
-        try:
-            if (self.beside and self.interleave and self.rows
-                    and can_prefill_beside(self.loaded, len(ids))):
-                logits = self._prefill_beside(job, lease, ids)
-            else:
-                logits = self._prefill_between(job, lease, ids)
-        except BaseException:
-            self.prefix_cache.discard(lease)
-            raise
-        if logits is None:
-            return row, torch.empty(0)
-        job.timeline.first_logits_ns = now_ns()
-        return row, logits[0]
+    def _open(self, job: ReplyJob) -> Reply:
+        return open_reply(self.loaded, self.prefix_cache, job, self.vocab,
+                          partial(self._emit, job), self.loaded.device)
+
+    def _read_prompt(self, reply: Reply, ids: list[int]) -> torch.Tensor | None:
+        job, lease = reply.job, reply.lease
+        if (self.beside and self.interleave and self.rows
+                and can_prefill_beside(self.loaded, len(ids))):
+            logits = self._prefill_beside(job, lease, ids)
+        else:
+            logits = self._prefill_between(job, lease, ids)
+        return None if logits is None else logits[0]
 
     def _prefill_between(self, job: ReplyJob, lease: CacheLease,
                          ids: list[int]) -> torch.Tensor | None:

@@ -72,12 +72,9 @@ class DraftModel(TokenProposer):
     """
 
     def __init__(self, loaded: LoadedModel, vocab_limit: int) -> None:
+        super().__init__(vocab_limit, loaded.info.context_length)
         self.loaded = loaded
-        self.vocab_limit = vocab_limit  # ids the target can embed: never propose beyond them
-        self.context = loaded.info.context_length
-        self.ids: list[int] = []
         self.cache: Any = None
-        self.last_probs: list[torch.Tensor] = []  # what each sampled draft token was drawn from
         self.reset()
 
     @property

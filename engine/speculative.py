@@ -138,9 +138,11 @@ class TokenProposer(ABC):
     _logits_after (re-sync to history, feed the rest) and _feed (append, return the last
     position's logits)."""
 
-    vocab_limit: int  # ids the target can embed: never propose beyond them
-    context: int  # positions the draft model takes
-    last_probs: list[torch.Tensor]  # what each sampled draft token was drawn from
+    def __init__(self, vocab_limit: int, context: int) -> None:
+        self.vocab_limit = vocab_limit  # ids the target can embed: never propose beyond them
+        self.context = context  # positions the draft model takes
+        self.ids: list[int] = []  # mirrors the draft's KV position by position
+        self.last_probs: list[torch.Tensor] = []  # what each sampled draft token was drawn from
 
     @abstractmethod
     def reset(self) -> None: ...

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from engine import GenerationRequest, SamplingParams, TokenEmitted
+from engine import GenerationRequest, PrefillStarted, SamplingParams, TokenEmitted
 from engine.batching import Batcher
 from engine.bench import fixed_prompt_ids
 from engine.core.reply import DetachedJob
@@ -84,14 +84,15 @@ def test_a_failed_reply_discards_its_lease_alone_and_in_a_batch(
         DecodeSession(tiny, pool).run(request(tiny), RequestTimeline(now_ns()),
                                       threading.Event(), lambda event: None)
     calls = 0
-    failures: list[BaseException | None] = []
+    failures: list[tuple[Any, BaseException | None]] = []
     batcher = Batcher(tiny, pool, lambda job, event: None,
-                      lambda job, result, error: failures.append(error))
-    batcher.admit([DetachedJob(request(tiny, conversation="b"))])
+                      lambda job, result, error: failures.append((job, error)))
+    job = DetachedJob(request(tiny, conversation="b"))
+    batcher.admit([job])
     while batcher.rows:
         batcher.step()
     monkeypatch.setattr(tiny.model, "forward", forward)
-    assert failures == [boom]
+    assert failures == [(job, boom)]
     assert pool.conversations() == [] and not pool._leased
     for conversation in ("c", "b"):
         lease = pool.acquire(conversation, fixed_prompt_ids(tiny, 12))
@@ -114,7 +115,10 @@ def test_one_failing_alternative_leaves_the_others(
 
     monkeypatch.setattr(batching, "sibling_reply", sibling)
     outcomes: dict[str, Any] = {}
-    batcher = Batcher(tiny, pool_for(tiny), lambda job, event: None,
+    started: list[Any] = []
+    batcher = Batcher(tiny, pool_for(tiny),
+                      lambda job, event: started.append((job.request.request_id, event))
+                      if isinstance(event, PrefillStarted) else None,
                       lambda job, result, error: outcomes.update(
                           {job.request.request_id: result or error}))
     base = request(tiny, max_tokens=6)
@@ -128,6 +132,11 @@ def test_one_failing_alternative_leaves_the_others(
     assert isinstance(outcomes["alt1"], RuntimeError)
     for ok in ("alt0", "alt2"):
         assert outcomes[ok].finish_reason == "length" and len(outcomes[ok].token_ids) == 6
+    prompt = len(base.prompt_token_ids or ())
+    # the first reads the prompt; the other's prefill is the first's: every token cached
+    assert [(rid, e.request_id, e.prompt_tokens, e.cached_tokens) for rid, e in started] == \
+        [("alt0", "alt0", prompt, 0), ("alt2", "alt2", prompt, prompt)]
+    assert outcomes["alt2"].metrics.cached_tokens == prompt
 
 
 def test_a_draft_reads_the_prompt_during_the_prefill(tiny: LoadedModel,
@@ -155,6 +164,7 @@ def test_both_runtimes_size_side_prefill_chunks_by_one_rule() -> None:
 
     target, floor = schedule.SIDE_CHUNK_S, schedule.MIN_SIDE_CHUNK
     assert schedule.next_side_chunk(500, 1.0, 4096) == round(500 * target)
+    assert schedule.next_side_chunk(500, 2.0, 4096) == round(250 * target)  # the rate: 250/s
     assert schedule.next_side_chunk(500, 1.0, 100) == 100
     assert schedule.next_side_chunk(10, 10.0, 4096) == floor
     assert schedule.next_side_chunk(500, 0.0, 4096) == floor

@@ -47,9 +47,14 @@ class BatchCore(ABC):
 
     # ----- what a runtime supplies ---------------------------------------------------------------
     @abstractmethod
-    def _prefill(self, job: ReplyJob) -> tuple[Reply, torch.Tensor]:
-        """Open the reply and read its prompt: the reply and the last position's logits
-        (empty if Stop came first). On an error the reply's lease is discarded."""
+    def _open(self, job: ReplyJob) -> Reply:
+        """The job's reply (core.reply.open_reply with this runtime's model and vocabulary)."""
+
+    @abstractmethod
+    def _read_prompt(self, reply: Reply, ids: list[int]) -> torch.Tensor | None:
+        """Feed ids (the prompt's uncached part) onto reply.lease, on this runtime's schedule
+        (alone, between or inside the rows' steps, or beside them); the last position's
+        logits, shape (vocab,), or None if Stop came first."""
 
     @abstractmethod
     def _sibling(self, job: ReplyJob, source: Reply, index: int) -> Reply:
@@ -77,6 +82,21 @@ class BatchCore(ABC):
         """Every row is gone (a failed forward): forget the batch's KV."""
 
     # ----- the loop ------------------------------------------------------------------------------
+    def _prefill(self, job: ReplyJob) -> tuple[Reply, torch.Tensor]:
+        """Open the reply and read its prompt: the reply and the last position's logits
+        (empty if Stop came first). On an error the reply's lease is discarded."""
+        reply = self._open(job)
+        lease = reply.lease
+        try:
+            logits = self._read_prompt(reply, reply.prompt_ids[lease.cached_tokens :])
+        except BaseException:
+            self.prefix_cache.discard(lease)
+            raise
+        if logits is None:
+            return reply, torch.empty(0)
+        job.timeline.first_logits_ns = now_ns()
+        return reply, logits
+
     @torch.inference_mode()
     def admit(self, jobs: Sequence[ReplyJob]) -> None:
         """Prefill one request (or one prompt shared by N alternatives) and join the batch.

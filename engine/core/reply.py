@@ -190,7 +190,7 @@ def open_reply(model: ChatModel, cache: PrefixCache, job: ReplyJob, vocab: Vocab
 
 
 def sibling_reply(job: ReplyJob, source: Reply, lease: CacheLease, emit: EmitEvent,
-                  device: torch.device | str = "cpu") -> Reply:
+                  device: torch.device | str) -> Reply:
     """Alternative `job` of source's prompt, on `lease` (a fork of source's prefilled cache):
     its prefill is source's, every prompt token cached."""
     timeline, src = job.timeline, source.job.timeline

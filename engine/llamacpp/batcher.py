@@ -63,20 +63,12 @@ class LlamaBatcher(BatchCore):
         self._mixed_chunk = float(mixed_chunk or FIRST_MIXED_CHUNK)  # fractional: grows smoothly
 
     # ----- joining ---------------------------------------------------------------------------
-    def _prefill(self, job: ReplyJob) -> tuple[Reply, torch.Tensor]:
-        row = open_reply(self.loaded, self.prefix_cache, job, self.vocab, partial(self._emit, job))
-        lease = row.lease
-        uncached = row.prompt_ids[lease.cached_tokens :]
-        report = PrefillReporter(job.request.request_id, len(uncached), row.emit)
-        try:
-            logits = self._feed_prompt(job, lease, uncached, report)
-        except BaseException:
-            self.prefix_cache.discard(lease)
-            raise
-        if logits is None:
-            return row, torch.empty(0)
-        job.timeline.first_logits_ns = now_ns()
-        return row, logits
+    def _open(self, job: ReplyJob) -> Reply:
+        return open_reply(self.loaded, self.prefix_cache, job, self.vocab, partial(self._emit, job))
+
+    def _read_prompt(self, reply: Reply, ids: list[int]) -> torch.Tensor | None:
+        report = PrefillReporter(reply.request.request_id, len(ids), reply.emit)
+        return self._feed_prompt(reply.job, reply.lease, ids, report)
 
     def _feed_prompt(self, job: ReplyJob, lease: CacheLease, ids: list[int],
                      report: PrefillReporter) -> torch.Tensor | None:
@@ -175,7 +167,7 @@ class LlamaBatcher(BatchCore):
         lease = self.prefix_cache.lease_for(key, list(source.lease.ids))
         self.loaded.llama_cpp.llama_memory_seq_cp(self.loaded.memory, source.lease.cache,
                                                   lease.cache, -1, -1)
-        return sibling_reply(job, source, lease, partial(self._emit, job))
+        return sibling_reply(job, source, lease, partial(self._emit, job), "cpu")
 
     def _join(self, joining: list[Reply], ended: list[Reply], source: Reply) -> None:
         self.rows.extend(joining)

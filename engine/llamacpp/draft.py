@@ -33,11 +33,8 @@ class LlamaDraftModel(TokenProposer):
     position. Only the engine thread may use it (engine/draft.py's Drafter)."""
 
     def __init__(self, loaded: LlamaCppModel, vocab_limit: int) -> None:
+        super().__init__(vocab_limit, loaded.info.context_length)
         self.loaded = loaded
-        self.vocab_limit = vocab_limit  # ids the target can embed: never propose beyond them
-        self.context = loaded.info.context_length
-        self.ids: list[int] = []
-        self.last_probs: list[torch.Tensor] = []  # what each sampled draft token was drawn from
         self._lib = loaded.llama_cpp
         self._writer = _Writer(loaded)
 
