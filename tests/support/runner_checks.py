@@ -9,15 +9,16 @@ how many positions a lease's KV holds, and how close two logits of the same prom
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from engine import prefill_progress
 from engine.core.batch import BatchCore, Done, Emit
 from engine.core.prompt import ChatModel
-from engine import prefill_progress
 from engine.core.reply import DetachedJob, Reply, ReplyJob, Vocabulary, open_reply
 from engine.core.solo import SoloRunner
 from engine.events import EngineEvent, GenerationResult, PrefillProgress
@@ -38,6 +39,8 @@ class RunnerKit:
     vocab: Vocabulary
     runner: SoloRunner
     # A batch on this runtime; `lone_chunk` fixes the size of a lone prompt's prefill chunks.
+    # A joining prompt is read whole between steps (interleave=False): how a prompt rides in
+    # the rows' steps follows the clock, and the checks compare runs token for token.
     batcher: Callable[[Emit, Done, int | None], BatchCore]
     cache_length: Callable[[CacheLease], int]  # positions the lease's KV really holds
     # Asserts two logits vectors of the same context agree as far as this runtime promises.
@@ -93,7 +96,7 @@ def _assert_progress(events: list[EngineEvent], total: int, chunk: int | None = 
     progress = _progress(events)
     done = [p.done_tokens for p in progress]
     assert done, "a prefill reported no progress"
-    assert all(a < b for a, b in zip(done, done[1:], strict=False)), done
+    assert all(a < b for a, b in itertools.pairwise(done)), done
     assert {p.total_tokens for p in progress} == {total}, progress
     assert done[-1] == total, done
     if chunk is not None:
@@ -161,12 +164,12 @@ def check_forward_rows_and_trim(kit: RunnerKit) -> None:
     other = kit.prompt[50]
     assert other != draft[2]
     after = kit.runner.forward(together.lease, [other], 1)[-1].clone()
-    _assert_holds(kit, together.lease, prompt + draft[:2] + [other])
-    kit.assert_close(after, cold_logits(kit, prompt + draft[:2] + [other]),
+    _assert_holds(kit, together.lease, [*prompt, *draft[:2], other])
+    kit.assert_close(after, cold_logits(kit, [*prompt, *draft[:2], other]),
                      "trim then forward vs never fed")
     kit.pool.discard(together.lease)
-    gone = kit.pool.acquire("together", prompt + [other])
-    assert (gone.miss_reason, gone.cached_tokens) == ("evicted", 0)
+    gone = kit.pool.acquire("together", [*prompt, other])
+    assert gone.miss_reason == "evicted", (gone.miss_reason, gone.cached_tokens)
     kit.pool.discard(gone)
 
 
@@ -231,7 +234,8 @@ def _run_batch(kit: RunnerKit, tag: str, poison: int | None
 
     def done(job: ReplyJob, result: GenerationResult | None,
              error: BaseException | None) -> None:
-        results[job.request.request_id.removeprefix(tag)] = result if result is not None else repr(error)
+        name = job.request.request_id.removeprefix(tag)
+        results[name] = result if result is not None else repr(error)
 
     batcher = kit.batcher(lambda _j, _e: None, done, None)
     forward = batcher._forward_rows
@@ -291,16 +295,16 @@ CHECKS: dict[str, Callable[[RunnerKit], None]] = {
 }
 
 
-def run_checks(kit: RunnerKit, names: list[str]) -> dict[str, str | None]:
-    """Each named check on the kit (in the llama.cpp child): None where it passed, else its
-    traceback, so one child reports every check."""
+def run_checks(new_kit: Callable[[], RunnerKit], names: list[str]) -> dict[str, str | None]:
+    """Each named check on a fresh kit (in the llama.cpp child: the model loads once): None
+    where it passed, else its traceback, so one child reports every check."""
     import traceback
 
     outcome: dict[str, str | None] = {}
     for name in names:
         try:
             with torch.inference_mode():
-                CHECKS[name](kit)
+                CHECKS[name](new_kit())
             outcome[name] = None
         except Exception:
             outcome[name] = traceback.format_exc()
@@ -328,8 +332,27 @@ def torch_kit(loaded: Any) -> RunnerKit:
     pool = PrefixCache(loaded.model.config, budget_bytes=1 << 30)
 
     def batcher(emit: Emit, done: Done, lone_chunk: int | None) -> BatchCore:
-        return Batcher(loaded, pool, emit, done, prefill_chunk=lone_chunk)
+        return Batcher(loaded, pool, emit, done, prefill_chunk=lone_chunk, interleave=False)
 
     return RunnerKit("torch", loaded, pool, torch_vocabulary(loaded), TorchRunner(loaded),
                      batcher, lambda lease: int(lease.cache.get_seq_length()), assert_fp_close,
                      fixed_prompt_ids(loaded, 64), loaded.device)
+
+
+def llama_kit(loaded: Any, assert_close: Callable[[torch.Tensor, torch.Tensor, str], None]
+              = assert_fp_close) -> RunnerKit:
+    """The llama.cpp runtime's runners on a loaded GGUF (in the child: tests/support/child.py),
+    on a fresh prefix cache (a new pool clears the context's KV memory)."""
+    from engine.bench import fixed_prompt_ids
+    from engine.llamacpp.batcher import LlamaBatcher
+    from engine.llamacpp.prefix_pool import SeqPrefixCache
+    from engine.llamacpp.session import LlamaRunner, llama_vocabulary
+
+    pool = SeqPrefixCache(loaded, 1 << 30)
+
+    def batcher(emit: Emit, done: Done, lone_chunk: int | None) -> BatchCore:
+        return LlamaBatcher(loaded, pool, emit, done, interleave=False, lone_chunk=lone_chunk)
+
+    return RunnerKit("llama.cpp", loaded, pool, llama_vocabulary(loaded),
+                     LlamaRunner(loaded, pool), batcher, lambda lease: pool.seq_length(lease.cache),
+                     assert_close, fixed_prompt_ids(loaded, 64))
