@@ -208,9 +208,11 @@ def check_cancel_mid_prefill_keeps_what_was_read(kit: RunnerKit) -> None:
     kit.assert_close(warm, cold_logits(kit, ids), "retry after a stopped prefill vs cold")
 
 
-def check_solo_progress(kit: RunnerKit) -> None:
-    """The solo runner's prefill progress rises and ends at the prompt's length; Stop before
-    the prefill reads nothing."""
+def check_solo_progress_and_stop(kit: RunnerKit) -> None:
+    """The solo runner's prefill progress rises and ends at the prompt's length. Stop before
+    the prefill reads nothing; Stop during it ends it (with or without logits: the core's
+    loop ends the reply either way) with the lease holding exactly what was read, which a
+    retry reuses."""
     ids = kit.prompt[:60]
     events: list[EngineEvent] = []
     reply = _open(kit, _job(ids, "progress", reuse=False), events)
@@ -223,12 +225,29 @@ def check_solo_progress(kit: RunnerKit) -> None:
     assert kit.runner.prefill(reply, ids) is None
     _assert_holds(kit, reply.lease, [])
     kit.pool.discard(reply.lease)
+    job = _job(ids, "stopped")
+    reply = open_reply(kit.model, kit.pool, job, kit.vocab,
+                       lambda e: job.cancel.set() if isinstance(e, PrefillProgress) else None,
+                       kit.device)
+    every_ns = prefill_progress.WITHIN_CHUNK_NS
+    prefill_progress.WITHIN_CHUNK_NS = 0  # progress from inside the chunk too
+    try:
+        kit.runner.prefill(reply, ids)
+    finally:
+        prefill_progress.WITHIN_CHUNK_NS = every_ns
+    assert job.cancel.is_set()
+    read = len(reply.lease.ids)
+    _assert_holds(kit, reply.lease, ids[:read])
+    kit.pool.release(reply.lease)
+    retry = _open(kit, _job(ids, "stopped"))
+    assert retry.lease.cached_tokens == min(read, len(ids) - 1), (read, retry.lease)
+    kit.pool.discard(retry.lease)
 
 
 def _run_batch(kit: RunnerKit, tag: str, poison: int | None
                ) -> dict[str, GenerationResult | str]:
-    """Three sampled rows in one batch to their end; with `poison`, that row's logits turn to
-    NaN at the batch's third step (its sampler raises)."""
+    """Three sampled rows (16, 20 and 24 prompt tokens) in one batch to their end; with
+    `poison`, that row's logits turn to NaN at the batch's third step (its sampler raises)."""
     params = SamplingParams(temperature=0.8, seed=7, max_tokens=8, ignore_eos=True)
     results: dict[str, GenerationResult | str] = {}
 
@@ -252,7 +271,7 @@ def _run_batch(kit: RunnerKit, tag: str, poison: int | None
 
     batcher._forward_rows = forward_rows  # type: ignore[method-assign]  # the fault, per instance
     for i in range(3):
-        batcher.admit([_job(kit.prompt[i * 10 : i * 10 + 20], f"{tag}row{i}", reuse=False,
+        batcher.admit([_job(kit.prompt[i * 10 : i * 14 + 16], f"{tag}row{i}", reuse=False,
                             params=params)])
     assert len(batcher.rows) == 3
     while batcher.rows:
@@ -268,6 +287,9 @@ def check_an_error_in_one_row_leaves_the_others(kit: RunnerKit) -> None:
     a batch where nothing failed, and keep their KV for the next turn."""
     clean = _run_batch(kit, "clean-", None)
     faulty = _run_batch(kit, "", 1)
+    # Every lease came back or was discarded: the ledger holds none out (a failed row's lease
+    # left out would read the same "evicted" next turn, and keep its KV).
+    assert not kit.pool._leased, kit.pool._leased
     failed = faulty.pop("row1")
     assert isinstance(failed, str) and "NaN" in failed, failed
     for name, result in faulty.items():
@@ -280,7 +302,7 @@ def check_an_error_in_one_row_leaves_the_others(kit: RunnerKit) -> None:
         assert (again.miss_reason, again.cached_tokens) == \
             ("none", len(result.prompt_token_ids) + 7), name
         kit.pool.release(again)
-    lost = kit.pool.acquire("row1", kit.prompt[10:30])
+    lost = kit.pool.acquire("row1", kit.prompt[10:30])  # its prompt
     assert lost.miss_reason == "evicted", (lost.miss_reason, lost.cached_tokens)
     kit.pool.discard(lost)
 
@@ -290,7 +312,7 @@ CHECKS: dict[str, Callable[[RunnerKit], None]] = {
     "chunked_equals_one_pass": check_chunked_equals_one_pass,
     "forward_rows_and_trim": check_forward_rows_and_trim,
     "cancel_mid_prefill": check_cancel_mid_prefill_keeps_what_was_read,
-    "solo_progress": check_solo_progress,
+    "solo_progress_and_stop": check_solo_progress_and_stop,
     "error_in_one_row": check_an_error_in_one_row_leaves_the_others,
 }
 
