@@ -4,7 +4,6 @@ and each row's output is exactly what the request gives alone."""
 from __future__ import annotations
 
 import contextlib
-import shutil
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,6 +26,7 @@ from engine import (
 )
 from engine.core.schedule import MAX_BATCH
 from tests.support.fault_injection import ForwardFault
+from tests.support.tiny_model import sharpened
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 PROMPTS = [
@@ -39,20 +39,10 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def sharp_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with its layer weights scaled up: its greedy output depends on the
-    whole context (the plain tiny model repeats one token), so a wrong KV row or position
-    shows up as different tokens."""
-    from transformers import AutoModelForCausalLM
-
-    folder = tmp_path_factory.mktemp("sharp-model")
-    shutil.copytree(tiny_model_dir, folder, dirs_exist_ok=True)
-    model = AutoModelForCausalLM.from_pretrained(folder)
-    with torch.no_grad():
-        for name, weight in model.named_parameters():
-            if weight.dim() == 2 and "embed" not in name:
-                weight.mul_(8.0)
-    model.save_pretrained(folder)
-    return folder
+    """The tiny model with its layer weights scaled up (tests/support/tiny_model.py): its
+    greedy output depends on the whole context (the plain tiny model repeats one token), so a
+    wrong KV row or position shows up as different tokens."""
+    return sharpened(tiny_model_dir, tmp_path_factory.mktemp("sharp-model"))
 
 
 @pytest.fixture

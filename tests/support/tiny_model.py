@@ -184,3 +184,19 @@ def _build_tiny_architecture(folder: Path, model_type: str, seed: int) -> None:
             if name.endswith(".A_log"):
                 param.fill_(-4.0)
     model.save_pretrained(folder)
+
+
+def sharpened(folder: Path, into: Path, factor: float = 8.0) -> Path:
+    """A copy of a tiny model with its layer weights scaled up: its logits spread far apart
+    and depend on the whole context (the plain tiny model's barely differ), so a wrong KV row
+    or position shows up in a logits comparison."""
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(folder, into, dirs_exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(into)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if weight.dim() == 2 and "embed" not in name:
+                weight.mul_(factor)
+    model.save_pretrained(into)
+    return into

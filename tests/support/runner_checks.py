@@ -1,0 +1,380 @@
+"""The runner contract (issue 27 item 7), written once: what every runtime's runners promise the
+core, checked the same way on torch (tests/test_runner_contract.py, in-process on the tiny
+model) and on llama.cpp (tests/test_llamacpp_runner_contract.py, in a child on the bundled GGUF).
+
+Each check takes a RunnerKit: the runtime's SoloRunner (engine/core/solo.py), a factory for its
+BatchCore (engine/core/batch.py), its prefix cache, and the two things only the runtime can say:
+how many positions a lease's KV holds, and how close two logits of the same prompt must be.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine import prefill_progress
+from engine.core.batch import BatchCore, Done, Emit
+from engine.core.prompt import ChatModel
+from engine.core.reply import DetachedJob, Reply, ReplyJob, Vocabulary, open_reply
+from engine.core.solo import SoloRunner
+from engine.events import EngineEvent, GenerationResult, PrefillProgress
+from engine.params import GenerationRequest, SamplingParams
+from engine.prefix_cache import CacheLease, PrefixCache
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+SMALL_CHUNK = 5  # tokens per lone prefill chunk where a check wants many chunks
+
+
+@dataclass
+class RunnerKit:
+    """One runtime's runners and what the checks need around them."""
+
+    name: str
+    model: ChatModel
+    pool: PrefixCache
+    vocab: Vocabulary
+    runner: SoloRunner
+    # A batch on this runtime; `lone_chunk` fixes the size of a lone prompt's prefill chunks.
+    # A joining prompt is read whole between steps (interleave=False): how a prompt rides in
+    # the rows' steps follows the clock, and the checks compare runs token for token.
+    batcher: Callable[[Emit, Done, int | None], BatchCore]
+    cache_length: Callable[[CacheLease], int]  # positions the lease's KV really holds
+    # Asserts two logits vectors of the same context agree as far as this runtime promises.
+    assert_close: Callable[[torch.Tensor, torch.Tensor, str], None]
+    prompt: list[int]  # at least 60 ordinary tokens
+    device: torch.device | str = "cpu"
+
+
+# ----- helpers -------------------------------------------------------------------------------
+def _job(ids: list[int], conversation: str, reuse: bool = True,
+         params: SamplingParams = GREEDY) -> DetachedJob:
+    return DetachedJob(GenerationRequest([], params, request_id=conversation,
+                                         conversation_id=conversation, prompt_token_ids=ids,
+                                         reuse_cache=reuse))
+
+
+def _open(kit: RunnerKit, job: ReplyJob, events: list[EngineEvent] | None = None) -> Reply:
+    sink = events.append if events is not None else (lambda _e: None)
+    return open_reply(kit.model, kit.pool, job, kit.vocab, sink, kit.device)
+
+
+def _prefill(kit: RunnerKit, reply: Reply) -> torch.Tensor:
+    """The runner's prefill of what the reply's lease lacks: the last position's logits (a
+    copy: a llama.cpp view lasts only until the next decode)."""
+    logits = kit.runner.prefill(reply, reply.prompt_ids[reply.lease.cached_tokens :])
+    assert logits is not None, "a prefill nobody stopped returned no logits"
+    assert reply.lease.ids == reply.prompt_ids
+    return logits[-1].clone()
+
+
+def cold_logits(kit: RunnerKit, ids: list[int]) -> torch.Tensor:
+    """The prompt's last logits from a cold lease, read in one pass (the reference)."""
+    reply = _open(kit, _job(ids, "cold", reuse=False))
+    try:
+        return _prefill(kit, reply)
+    finally:
+        kit.pool.discard(reply.lease)
+
+
+def _assert_holds(kit: RunnerKit, lease: CacheLease, ids: list[int]) -> None:
+    """The lease says it holds ids, and its KV holds exactly that many positions."""
+    assert lease.ids == ids, (len(lease.ids), len(ids))
+    assert kit.cache_length(lease) == len(ids), (kit.cache_length(lease), len(ids))
+
+
+def _progress(events: list[EngineEvent]) -> list[PrefillProgress]:
+    return [e for e in events if isinstance(e, PrefillProgress)]
+
+
+def _assert_progress(events: list[EngineEvent], total: int, chunk: int | None = None) -> None:
+    """Progress rises, counts the uncached tokens, ends at them; with `chunk`, every chunk's
+    end is reported."""
+    progress = _progress(events)
+    done = [p.done_tokens for p in progress]
+    assert done, "a prefill reported no progress"
+    assert all(a < b for a, b in itertools.pairwise(done)), done
+    assert {p.total_tokens for p in progress} == {total}, progress
+    assert done[-1] == total, done
+    if chunk is not None:
+        assert set(range(chunk, total, chunk)) <= set(done), (chunk, done)
+
+
+# ----- the checks ----------------------------------------------------------------------------
+def check_prefill_equals_cold(kit: RunnerKit) -> None:
+    """A prefill on a lease that already holds part of the prompt (the chat's own entry, then
+    another chat's as a donor) gives the cold prefill's logits; its progress counts only the
+    uncached tokens."""
+    short, whole = kit.prompt[:40], kit.prompt[:60]
+    first = _open(kit, _job(short, "chat"))
+    _prefill(kit, first)
+    kit.pool.release(first.lease)
+    cold = cold_logits(kit, whole)
+    for conversation, cached in (("chat", 40), ("other", 59)):  # own entry; "chat"'s, lent
+        events: list[EngineEvent] = []
+        reply = _open(kit, _job(whole, conversation), events)
+        assert reply.lease.cached_tokens == cached, (conversation, reply.lease.cached_tokens)
+        warm = _prefill(kit, reply)
+        _assert_holds(kit, reply.lease, whole)
+        _assert_progress(events, len(whole) - cached)
+        kit.assert_close(warm, cold, f"prefill on {cached} cached tokens vs cold")
+        kit.pool.release(reply.lease)
+
+
+def check_chunked_equals_one_pass(kit: RunnerKit) -> None:
+    """A lone prompt read in small chunks (the batch's prefill) gives the one-pass logits and
+    KV; its progress reports each chunk's end."""
+    ids = kit.prompt[:48]
+    one_pass = cold_logits(kit, ids)
+    batcher = kit.batcher(lambda _j, _e: None, lambda _j, _r, _e: None, SMALL_CHUNK)
+    events: list[EngineEvent] = []
+    batcher._emit = lambda _job, event: events.append(event)
+    row, logits = batcher._prefill(_job(ids, "chunked", reuse=False))
+    try:
+        _assert_holds(kit, row.lease, ids)
+        _assert_progress(events, len(ids), SMALL_CHUNK)
+        kit.assert_close(logits.clone(), one_pass, f"chunks of {SMALL_CHUNK} vs one pass")
+    finally:
+        kit.pool.discard(row.lease)
+
+
+def check_forward_rows_and_trim(kit: RunnerKit) -> None:
+    """forward() of a draft's rows equals feeding them one by one; trim() then forward equals
+    never having fed the trimmed tokens; a discarded lease is gone from the cache."""
+    prompt, draft = kit.prompt[:30], kit.prompt[40:44]
+    together = _open(kit, _job(prompt, "together", reuse=False))
+    _prefill(kit, together)
+    rows = kit.runner.forward(together.lease, draft, len(draft)).clone()
+    assert rows.shape[0] == len(draft)
+    _assert_holds(kit, together.lease, prompt + draft)
+    alone = _open(kit, _job(prompt, "alone", reuse=False))
+    _prefill(kit, alone)
+    for i, token in enumerate(draft):
+        one = kit.runner.forward(alone.lease, [token], 1)[-1].clone()
+        kit.assert_close(rows[i], one, f"draft row {i} vs one by one")
+    kit.pool.discard(alone.lease)
+    if not kit.runner.can_roll_back:
+        kit.pool.discard(together.lease)
+        return
+    kit.runner.trim(together.lease, len(prompt) + 2)
+    _assert_holds(kit, together.lease, prompt + draft[:2])
+    other = kit.prompt[50]
+    assert other != draft[2]
+    after = kit.runner.forward(together.lease, [other], 1)[-1].clone()
+    _assert_holds(kit, together.lease, [*prompt, *draft[:2], other])
+    kit.assert_close(after, cold_logits(kit, [*prompt, *draft[:2], other]),
+                     "trim then forward vs never fed")
+    kit.pool.discard(together.lease)
+    gone = kit.pool.acquire("together", [*prompt, other])
+    assert gone.miss_reason == "evicted", (gone.miss_reason, gone.cached_tokens)
+    kit.pool.discard(gone)
+
+
+def check_cancel_mid_prefill_keeps_what_was_read(kit: RunnerKit) -> None:
+    """Stop pressed while the second chunk is being read: the prefill ends within that chunk,
+    the lease holds exactly what was read (its ids equal its KV), and a retry of the prompt
+    reuses it and still gives the cold logits."""
+    ids = kit.prompt[: 8 * SMALL_CHUNK]
+    batcher = kit.batcher(lambda _j, _e: None, lambda _j, _r, _e: None, SMALL_CHUNK)
+    job = _job(ids, "stopped")
+    stopped_at: list[int] = []
+
+    def emit(_job: ReplyJob, event: EngineEvent) -> None:
+        if isinstance(event, PrefillProgress) and event.done_tokens > SMALL_CHUNK \
+                and not stopped_at:
+            stopped_at.append(event.done_tokens)
+            job.cancel.set()  # inside the second chunk, or at its end
+
+    batcher._emit = emit
+    every_ns = prefill_progress.WITHIN_CHUNK_NS
+    prefill_progress.WITHIN_CHUNK_NS = 0  # progress from inside each chunk too
+    try:
+        row, logits = batcher._prefill(job)
+    finally:
+        prefill_progress.WITHIN_CHUNK_NS = every_ns
+    assert not logits.numel(), "a stopped prefill returned logits"
+    read = len(row.lease.ids)
+    assert stopped_at and SMALL_CHUNK <= read <= stopped_at[0] + SMALL_CHUNK < len(ids), \
+        (stopped_at, read)
+    _assert_holds(kit, row.lease, ids[:read])
+    kit.pool.release(row.lease)
+    retry = _open(kit, _job(ids, "stopped"))
+    assert (retry.lease.cached_tokens, retry.lease.miss_reason) == (read, "none")
+    warm = _prefill(kit, retry)
+    kit.pool.release(retry.lease)
+    kit.assert_close(warm, cold_logits(kit, ids), "retry after a stopped prefill vs cold")
+
+
+def check_solo_progress_and_stop(kit: RunnerKit) -> None:
+    """The solo runner's prefill progress rises and ends at the prompt's length. Stop before
+    the prefill reads nothing; Stop during it ends it (with or without logits: the core's
+    loop ends the reply either way) with the lease holding exactly what was read, which a
+    retry reuses."""
+    ids = kit.prompt[:60]
+    events: list[EngineEvent] = []
+    reply = _open(kit, _job(ids, "progress", reuse=False), events)
+    _prefill(kit, reply)
+    _assert_progress(events, len(ids))
+    kit.pool.discard(reply.lease)
+    job = _job(ids, "stopped early", reuse=False)
+    job.cancel.set()
+    reply = _open(kit, job)
+    assert kit.runner.prefill(reply, ids) is None
+    _assert_holds(kit, reply.lease, [])
+    kit.pool.discard(reply.lease)
+    job = _job(ids, "stopped")
+    reply = open_reply(kit.model, kit.pool, job, kit.vocab,
+                       lambda e: job.cancel.set() if isinstance(e, PrefillProgress) else None,
+                       kit.device)
+    every_ns = prefill_progress.WITHIN_CHUNK_NS
+    prefill_progress.WITHIN_CHUNK_NS = 0  # progress from inside the chunk too
+    try:
+        kit.runner.prefill(reply, ids)
+    finally:
+        prefill_progress.WITHIN_CHUNK_NS = every_ns
+    assert job.cancel.is_set()
+    read = len(reply.lease.ids)
+    _assert_holds(kit, reply.lease, ids[:read])
+    kit.pool.release(reply.lease)
+    retry = _open(kit, _job(ids, "stopped"))
+    assert retry.lease.cached_tokens == min(read, len(ids) - 1), (read, retry.lease)
+    kit.pool.discard(retry.lease)
+
+
+def _run_batch(kit: RunnerKit, tag: str, poison: int | None
+               ) -> dict[str, GenerationResult | str]:
+    """Three sampled rows (16, 20 and 24 prompt tokens) in one batch to their end; with
+    `poison`, that row's logits turn to NaN at the batch's third step (its sampler raises)."""
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=8, ignore_eos=True)
+    results: dict[str, GenerationResult | str] = {}
+
+    def done(job: ReplyJob, result: GenerationResult | None,
+             error: BaseException | None) -> None:
+        name = job.request.request_id.removeprefix(tag)
+        results[name] = result if result is not None else repr(error)
+
+    batcher = kit.batcher(lambda _j, _e: None, done, None)
+    forward = batcher._forward_rows
+    poisoned: list[Reply] = []
+
+    def forward_rows() -> torch.Tensor:
+        logits = forward()
+        if poison is None or batcher.steps != 2:
+            return logits
+        logits = logits.clone()
+        logits[poison] = float("nan")
+        poisoned.append(batcher.rows[poison])
+        return logits
+
+    batcher._forward_rows = forward_rows  # type: ignore[method-assign]  # the fault, per instance
+    for i in range(3):
+        batcher.admit([_job(kit.prompt[i * 10 : i * 14 + 16], f"{tag}row{i}", reuse=False,
+                            params=params)])
+    assert len(batcher.rows) == 3
+    while batcher.rows:
+        batcher.step()
+    if poison is not None:
+        assert len(poisoned) == 1 and poisoned[0].request.request_id == f"{tag}row{poison}"
+    return results
+
+
+def check_an_error_in_one_row_leaves_the_others(kit: RunnerKit) -> None:
+    """A row whose sampling raises (NaN logits) fails alone: its lease is discarded (its chat's
+    next turn says "evicted"); the other rows run to their normal end, token for token as in
+    a batch where nothing failed, and keep their KV for the next turn."""
+    clean = _run_batch(kit, "clean-", None)
+    faulty = _run_batch(kit, "", 1)
+    # Every lease came back or was discarded: the ledger holds none out (a failed row's lease
+    # left out would read the same "evicted" next turn, and keep its KV).
+    assert not kit.pool._leased, kit.pool._leased
+    failed = faulty.pop("row1")
+    assert isinstance(failed, str) and "NaN" in failed, failed
+    for name, result in faulty.items():
+        reference = clean[name]
+        assert isinstance(result, GenerationResult), (name, result)
+        assert isinstance(reference, GenerationResult)
+        assert (result.finish_reason, len(result.token_ids)) == ("length", 8), (name, result)
+        assert result.token_ids == reference.token_ids, name
+        again = kit.pool.acquire(name, result.prompt_token_ids + result.token_ids)
+        assert (again.miss_reason, again.cached_tokens) == \
+            ("none", len(result.prompt_token_ids) + 7), name
+        kit.pool.release(again)
+    lost = kit.pool.acquire("row1", kit.prompt[10:30])  # its prompt
+    assert lost.miss_reason == "evicted", (lost.miss_reason, lost.cached_tokens)
+    kit.pool.discard(lost)
+
+
+CHECKS: dict[str, Callable[[RunnerKit], None]] = {
+    "prefill_equals_cold": check_prefill_equals_cold,
+    "chunked_equals_one_pass": check_chunked_equals_one_pass,
+    "forward_rows_and_trim": check_forward_rows_and_trim,
+    "cancel_mid_prefill": check_cancel_mid_prefill_keeps_what_was_read,
+    "solo_progress_and_stop": check_solo_progress_and_stop,
+    "error_in_one_row": check_an_error_in_one_row_leaves_the_others,
+}
+
+
+def run_checks(new_kit: Callable[[], RunnerKit], names: list[str]) -> dict[str, str | None]:
+    """Each named check on a fresh kit (in the llama.cpp child: the model loads once): None
+    where it passed, else its traceback, so one child reports every check."""
+    import traceback
+
+    outcome: dict[str, str | None] = {}
+    for name in names:
+        try:
+            with torch.inference_mode():
+                CHECKS[name](new_kit())
+            outcome[name] = None
+        except Exception:
+            outcome[name] = traceback.format_exc()
+    return outcome
+
+
+
+# ----- the runtimes' kits --------------------------------------------------------------------
+FP32_TOLERANCE = 1e-4  # torch on the CPU in fp32: chunking and cache reuse only reorder sums
+
+
+def assert_fp_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """fp32 on the same kernels: equal within rounding, scaled to the logits' size."""
+    scale = max(1.0, float(want.abs().max()))
+    diff = float((got.float() - want.float()).abs().max())
+    assert diff <= FP32_TOLERANCE * scale, f"{what}: logits differ by {diff:.3g}"
+
+
+def torch_kit(loaded: Any) -> RunnerKit:
+    """The torch runtime's runners on a loaded Hugging Face model, on a fresh prefix cache."""
+    from engine.batching import Batcher
+    from engine.bench import fixed_prompt_ids
+    from engine.generate import TorchRunner, torch_vocabulary
+
+    pool = PrefixCache(loaded.model.config, budget_bytes=1 << 30)
+
+    def batcher(emit: Emit, done: Done, lone_chunk: int | None) -> BatchCore:
+        return Batcher(loaded, pool, emit, done, prefill_chunk=lone_chunk, interleave=False)
+
+    return RunnerKit("torch", loaded, pool, torch_vocabulary(loaded), TorchRunner(loaded),
+                     batcher, lambda lease: int(lease.cache.get_seq_length()), assert_fp_close,
+                     fixed_prompt_ids(loaded, 64), loaded.device)
+
+
+def llama_kit(loaded: Any, assert_close: Callable[[torch.Tensor, torch.Tensor, str], None]
+              = assert_fp_close) -> RunnerKit:
+    """The llama.cpp runtime's runners on a loaded GGUF (in the child: tests/support/child.py),
+    on a fresh prefix cache (a new pool clears the context's KV memory)."""
+    from engine.bench import fixed_prompt_ids
+    from engine.llamacpp.batcher import LlamaBatcher
+    from engine.llamacpp.prefix_pool import SeqPrefixCache
+    from engine.llamacpp.session import LlamaRunner, llama_vocabulary
+
+    pool = SeqPrefixCache(loaded, 1 << 30)
+
+    def batcher(emit: Emit, done: Done, lone_chunk: int | None) -> BatchCore:
+        return LlamaBatcher(loaded, pool, emit, done, interleave=False, lone_chunk=lone_chunk)
+
+    return RunnerKit("llama.cpp", loaded, pool, llama_vocabulary(loaded),
+                     LlamaRunner(loaded, pool), batcher, lambda lease: pool.seq_length(lease.cache),
+                     assert_close, fixed_prompt_ids(loaded, 64))
