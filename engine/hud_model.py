@@ -128,6 +128,9 @@ class Breakdown:
     output_tokens: int
     final: bool  # False while the reply is still streaming (built from live stamps)
     prefill_cut: bool = False  # stopped (or failed) while its prompt was being read
+    # Prompt tokens the prefill read (computed); None: all it was given (prompt - cached), or,
+    # for a cut prefill saved before the engine counted it, not known.
+    read_tokens: int | None = None
 
     @property
     def other_s(self) -> float:
@@ -149,8 +152,26 @@ class Breakdown:
         return self.decode_s / self.decode_steps if self.decode_steps else 0.0
 
     @property
-    def prefilled_tokens(self) -> int:
+    def new_tokens(self) -> int:
+        """The prompt tokens not in the cache: what the prefill had to read."""
         return self.prompt_tokens - self.cached_tokens
+
+    @property
+    def prefilled_tokens(self) -> int:
+        """The prompt tokens the prefill read: all new ones, or those read before Stop."""
+        return self.new_tokens if self.read_tokens is None else self.read_tokens
+
+    def prefill_detail(self) -> str:
+        """The prefill's tokens in words: "2,064 of 2,566 new prompt tokens read before
+        Stop (80%), 0 cached" for a cut one, else "2,566 prompt tokens, 0 cached"."""
+        if not self.prefill_cut:
+            return f"{self.prompt_tokens:,} prompt tokens, {self.cached_tokens:,} cached"
+        if self.read_tokens is None:  # saved by an engine that did not count it
+            return (f"stopped while reading {self.prompt_tokens:,} prompt tokens, "
+                    f"{self.cached_tokens:,} cached")
+        share = self.read_tokens / self.new_tokens if self.new_tokens else 1.0
+        return (f"{self.read_tokens:,} of {self.new_tokens:,} new prompt tokens read before "
+                f"Stop ({share:.0%}), {self.cached_tokens:,} cached")
 
     def share(self, seconds: float) -> float:
         return seconds / self.e2e_s if self.e2e_s > 0 else 0.0
@@ -159,24 +180,27 @@ class Breakdown:
         """(phase, detail, seconds, share) in the seed's table form."""
         return [
             ("queue", "waiting for the engine", self.queue_s, self.share(self.queue_s)),
-            ("prefill", ("stopped while reading " if self.prefill_cut else "")
-             + f"{self.prompt_tokens:,} prompt tokens, {self.cached_tokens:,} cached",
-             self.prefill_s, self.share(self.prefill_s)),
+            ("prefill", self.prefill_detail(), self.prefill_s, self.share(self.prefill_s)),
             ("decode", f"{self.decode_steps:,} gaps after the first token x "
-             f"{fmt_ms(self.ms_per_token_s)}",
+             f"{fmt_ms(self.ms_per_token_s)}" if self.has_first_token else "no first token",
              self.decode_s, self.share(self.decode_s)),
-            ("other", "first sample + finish", self.other_s, self.share(self.other_s)),
+            ("other", "first sample + finish" if self.has_first_token else "finish",
+             self.other_s, self.share(self.other_s)),
         ]
 
     @classmethod
     def from_metrics(cls, m: RequestMetrics) -> Breakdown:
-        # Stopped while its prompt was read, a reply has no first logits, so its metrics
-        # count no prefill: the time after its queue was that prefill, cut short (not
-        # "first sample + finish").
-        cut = m.output_tokens == 0 and m.prefill_s == 0 and m.e2e_s > m.queue_s
-        return cls(m.queue_s, m.e2e_s - m.queue_s if cut else m.prefill_s, m.decode_s, m.e2e_s,
-                   m.ttft_s, m.prompt_tokens, m.cached_tokens, m.output_tokens, final=True,
-                   prefill_cut=cut)
+        if not m.prefill_complete:  # the engine says what it read, and for how long
+            return cls(m.queue_s, m.prefill_s, m.decode_s, m.e2e_s, m.ttft_s, m.prompt_tokens,
+                       m.cached_tokens, m.output_tokens, final=True, prefill_cut=True,
+                       read_tokens=m.prefilled_tokens)
+        # Saved before the engine counted a stopped prefill: no first logits, no prefill
+        # time, though the time after its queue was that prefill, cut short (not "first
+        # sample + finish"); how much it read is not known.
+        legacy = m.output_tokens == 0 and m.prefill_s == 0 and m.e2e_s > m.queue_s
+        return cls(m.queue_s, m.e2e_s - m.queue_s if legacy else m.prefill_s, m.decode_s,
+                   m.e2e_s, m.ttft_s, m.prompt_tokens, m.cached_tokens, m.output_tokens,
+                   final=True, prefill_cut=legacy)
 
 
 @dataclass
@@ -230,6 +254,15 @@ class ReplyRecord:
     @property
     def output_tokens(self) -> int:
         return len(self.token_ns)
+
+    @property
+    def unread_tokens(self) -> int:
+        """Prompt tokens a Stop inside the prefill left unread (0 for a whole prefill, or
+        before the engine says)."""
+        m = self.metrics
+        if m is None or m.prefill_complete:
+            return 0
+        return m.prompt_tokens - m.cached_tokens - m.prefilled_tokens
 
     def itl_s(self) -> list[float]:
         """Gaps between emitted tokens: the engine's list once finished, live stamps before."""
@@ -396,9 +429,12 @@ def advise(b: Breakdown | None) -> str:
     if b is None or b.e2e_s <= 0:
         return ""
     if b.prefill_cut:
-        return (f"Stopped while reading the prompt, after {fmt_seconds(b.prefill_s)} of "
-                f"prefill ({b.prefilled_tokens:,} new prompt tokens, {b.cached_tokens:,} "
-                "cached): a shorter prompt, or one whose prefix is cached, answers sooner.")
+        head = f"Stopped while reading the prompt, after {fmt_seconds(b.prefill_s)} of prefill"
+        if b.read_tokens is None:
+            return (f"{head} ({b.new_tokens:,} new prompt tokens, {b.cached_tokens:,} "
+                    "cached): a shorter prompt, or one whose prefix is cached, answers sooner.")
+        return (f"{head}: {b.prefill_detail()}. What it read stays in the prefix cache while "
+                "there is room: Regenerate reads only the rest.")
     phases = {"queue": b.queue_s, "prefill": b.prefill_s, "decode": b.decode_s}
     phase, seconds = max(phases.items(), key=lambda kv: kv[1])
     share = b.share(seconds)
@@ -682,9 +718,14 @@ class SessionModel:
                   if r.history or r.queued_ns <= t_ns]
         return max(before, default=0) + 0.5
 
+    def ttfts(self) -> list[float]:
+        """The session's finished replies' TTFTs; one stopped before its first token has none
+        (its 0 would pull every percentile down)."""
+        return [r.metrics.ttft_s for r in self.finished()
+                if r.metrics is not None and r.metrics.output_tokens]
+
     def ttft_percentiles(self) -> tuple[float, float, float]:
-        ttfts = [r.metrics.ttft_s for r in self.finished() if r.metrics is not None]
-        p50, p90, p99 = percentiles(ttfts, (50, 90, 99))
+        p50, p90, p99 = percentiles(self.ttfts(), (50, 90, 99))
         return p50, p90, p99
 
     def conversation(self) -> list[ReplyRecord]:

@@ -76,6 +76,9 @@ class RequestMetrics:
     itl_p90_s: float
     itl_p99_s: float
     cache_miss_reason: str = "first_turn"
+    # False when Stop ended the prefill before it read the whole prompt: prefilled_tokens then
+    # counts what it read (kept in the cache), and prompt > cached + prefilled.
+    prefill_complete: bool = True
     # False when a remote server did not report the count (the number above is then 0).
     prompt_tokens_known: bool = True
     cached_tokens_known: bool = True
@@ -92,12 +95,19 @@ def compute_metrics(
     parameters: int,
     weight_bytes_per_step: int,
     cache_miss_reason: str,
+    prefilled_tokens: int | None = None,
 ) -> RequestMetrics:
-    """Turn a finished request's stamps into the metrics of docs/architecture.md."""
+    """Turn a finished request's stamps into the metrics of docs/architecture.md.
+
+    prefilled_tokens: the prompt tokens the prefill read (computed into the cache); None for
+    all it was given (prompt - cached: a remote server's prefill, seen from the client). Fewer
+    means Stop ended the prefill: its time then runs until the request ended."""
     n = len(tl.token_ns)
     prefill_start = tl.prefill_start_ns or tl.done_ns
     queue_s = (prefill_start - tl.submitted_ns) * NS
-    prefill_s = (tl.first_logits_ns - prefill_start) * NS if tl.first_logits_ns else 0.0
+    # Without first logits (Stop while the prompt was read) the prefill ran until Stop was
+    # honoured, which ended the request; never started, it took no time (done - done).
+    prefill_s = ((tl.first_logits_ns or tl.done_ns) - prefill_start) * NS
     e2e_s = (tl.done_ns - tl.submitted_ns) * NS
     ttft_s = (tl.token_ns[0] - tl.submitted_ns) * NS if n else 0.0
     itl_s = tl.itl_s()
@@ -105,8 +115,11 @@ def compute_metrics(
     decode_tok_s = (n - 1) / decode_s if decode_s > 0 else 0.0
     tpot_s = (e2e_s - ttft_s) / (n - 1) if n > 1 else 0.0
     itl_p50, itl_p90, itl_p99 = percentiles(itl_s, (50, 90, 99))
-    prefilled = prompt_tokens - cached_tokens
-    prefill_tflop_s = 2 * parameters * prefilled / prefill_s / 1e12 if prefill_s > 0 else 0.0
+    prefilled = prompt_tokens - cached_tokens if prefilled_tokens is None else prefilled_tokens
+    complete = cached_tokens + prefilled >= prompt_tokens
+    # A prefill Stop cut short has no rate: its time includes the chunk it threw away.
+    prefill_tflop_s = (2 * parameters * prefilled / prefill_s / 1e12
+                       if prefill_s > 0 and complete else 0.0)
     return RequestMetrics(
         queue_s=queue_s,
         prefill_s=prefill_s,
@@ -128,4 +141,5 @@ def compute_metrics(
         itl_p90_s=itl_p90,
         itl_p99_s=itl_p99,
         cache_miss_reason=cache_miss_reason,
+        prefill_complete=complete,
     )

@@ -277,3 +277,65 @@ def test_a_cached_peak_measured_another_way_is_measured_again(
     assert (peaks.tflop_s, peaks.source) == (0.4, "calibrated")
     assert peaks.method == calibration_method("cpu")
     assert "1536x1536 GEMM" in peaks.method
+
+
+# ----- a reply stopped while its prompt was read (issue 31 item 4) ------------------------------
+def stopped_in_prefill(model: SessionModel, rid: str, *, prompt: int, cached: int, read: int,
+                       start_ns: int = 0) -> None:
+    """Queued, prefill started, Stop after `read` prompt tokens: the engine's result (no first
+    logits, no token), its metrics from compute_metrics as Reply.result builds them."""
+    from engine.events import GenerationResult, PrefillStarted, RequestQueued
+    from engine.metrics import RequestTimeline, compute_metrics
+    from tests.support.hud_events import INFO
+
+    tl = RequestTimeline(start_ns, prefill_start_ns=start_ns + 2 * MS,
+                         done_ns=start_ns + 8_002 * MS)
+    m = compute_metrics(tl, prompt_tokens=prompt, cached_tokens=cached,
+                        parameters=INFO.parameters,
+                        weight_bytes_per_step=INFO.weight_bytes_per_step,
+                        cache_miss_reason="first_turn", prefilled_tokens=read)
+    for event in (RequestQueued(rid, start_ns),
+                  PrefillStarted(rid, tl.prefill_start_ns, prompt, cached, "first_turn"),
+                  RequestFinished(rid, tl.done_ns, GenerationResult(
+                      rid, "", "cancelled", [], list(range(prompt)), m, INFO))):
+        model.apply(event)
+
+
+def test_a_reply_stopped_in_its_prefill_says_how_much_it_read() -> None:
+    """82% of 5,474 new tokens read before Stop: the breakdown and the advisor say "4,489 of
+    5,474 new prompt tokens read", its 8 s after the queue are prefill, it has no TTFT."""
+    model = SessionModel()
+    stopped_in_prefill(model, "cut", prompt=5_498, cached=24, read=4_489)
+    b = model.replies["cut"].breakdown()
+    assert b is not None and b.prefill_cut and not b.has_first_token
+    assert (b.prefilled_tokens, b.new_tokens) == (4_489, 5_474)
+    assert b.prefill_s == pytest.approx(8.0) and b.other_s == pytest.approx(0.0)
+    detail = dict((phase, text) for phase, text, _s, _share in b.rows())["prefill"]
+    assert detail == "4,489 of 5,474 new prompt tokens read before Stop (82%), 24 cached"
+    advice = advise(b)
+    assert advice.startswith("Stopped while reading the prompt, after 8.0 s of prefill: "
+                             "4,489 of 5,474 new prompt tokens read before Stop (82%)")
+    assert "5,474 new prompt tokens," not in advice
+    assert model.replies["cut"].unread_tokens == 5_474 - 4_489
+
+
+def test_a_reply_without_a_first_token_is_no_ttft_in_the_percentiles() -> None:
+    """Its TTFT of 0 would read "p50 0.0 ms": the percentiles leave it out; alone, there are
+    none."""
+    model = session()
+    ttfts = model.ttfts()
+    stopped_in_prefill(model, "cut", prompt=300, cached=0, read=128, start_ns=10**12)
+    assert model.ttfts() == ttfts and model.ttft_percentiles()[0] == percentile(ttfts, 50)
+    alone = SessionModel()
+    stopped_in_prefill(alone, "cut", prompt=300, cached=0, read=128)
+    assert alone.ttfts() == []
+
+
+def test_a_reply_stopped_after_its_prefill_keeps_todays_breakdown() -> None:
+    """A whole prefill (first token out, then Stop) is no cut prefill: prefilled = new."""
+    model = session([ReplySpec("r", 0, 200, 50, 5)])
+    b = model.replies["r"].breakdown()
+    assert b is not None and not b.prefill_cut and b.has_first_token
+    assert b.prefilled_tokens == 150 and model.replies["r"].unread_tokens == 0
+    assert dict((p, t) for p, t, _s, _sh in b.rows())["prefill"] == \
+        "200 prompt tokens, 50 cached"

@@ -65,8 +65,8 @@ def test_every_field_of_a_finished_request() -> None:
         "output_tokens": 3, "parameters": 1000, "weight_bytes_per_step": 10**9,
         "achieved_gb_s": 1.0 * 2 / 0.040, "prefill_tflop_s": 2 * 1000 * 6 / 0.040 / 1e12,
         "itl_p50_s": 0.020, "itl_p90_s": 0.028, "itl_p99_s": 0.0298,
-        "cache_miss_reason": "edited_history", "prompt_tokens_known": True,
-        "cached_tokens_known": True,
+        "cache_miss_reason": "edited_history", "prefill_complete": True,
+        "prompt_tokens_known": True, "cached_tokens_known": True,
     })
 
 
@@ -81,11 +81,38 @@ def test_cancelled_before_its_prefill_queued_until_done() -> None:
     assert (m.itl_p50_s, m.itl_p90_s, m.itl_p99_s) == (0.0, 0.0, 0.0)
 
 
-def test_stopped_inside_the_prefill_has_no_prefill_time() -> None:
+def test_stopped_inside_the_prefill_counts_what_it_read_and_how_long() -> None:
+    """Stop while the prompt is read: the prefill ran until Stop ended the request, read
+    fewer tokens than the prompt's uncached part, and has no rate (its time includes the chunk
+    Stop threw away); no first token, so no TTFT."""
     tl = RequestTimeline(submitted_ns=0, prefill_start_ns=4 * MS, done_ns=9 * MS)
-    m = metrics_of(tl)
-    assert (m.queue_s, m.prefill_s, m.e2e_s) == pytest.approx((0.004, 0.0, 0.009))
+    m = metrics_of(tl, prompt_tokens=100, cached_tokens=10, prefilled_tokens=60)
+    assert (m.queue_s, m.prefill_s, m.ttft_s, m.e2e_s) == pytest.approx((0.004, 0.005, 0.0,
+                                                                         0.009))
+    assert (m.cached_tokens, m.prefilled_tokens, m.prefill_complete) == (10, 60, False)
+    assert m.prompt_tokens > m.cached_tokens + m.prefilled_tokens
     assert m.prefill_tflop_s == 0.0
+    assert m.to_dict()["prefill_complete"] is False
+
+
+def test_a_prefill_that_read_everything_is_complete() -> None:
+    """prefilled_tokens given as the whole uncached part (or not given: a remote server's
+    count) is a complete prefill: prompt = cached + prefilled, and it has a rate."""
+    tl = RequestTimeline(submitted_ns=0, prefill_start_ns=MS, first_logits_ns=3 * MS,
+                         token_ns=[4 * MS], done_ns=5 * MS)
+    given, default = metrics_of(tl, prefilled_tokens=6), metrics_of(tl)
+    for m in (given, default):
+        assert (m.prefilled_tokens, m.prefill_complete) == (6, True)
+        assert m.prefill_s == pytest.approx(0.002)
+        assert m.prefill_tflop_s == pytest.approx(2 * 1000 * 6 / 0.002 / 1e12)
+
+
+def test_prefill_read_to_the_end_but_stopped_before_logits_is_complete() -> None:
+    """Every prompt token read, no first logits stamped (a draft model's setup was stopped):
+    complete, its time until the end."""
+    tl = RequestTimeline(submitted_ns=0, prefill_start_ns=MS, done_ns=7 * MS)
+    m = metrics_of(tl, prefilled_tokens=6)
+    assert m.prefill_complete and m.prefill_s == pytest.approx(0.006)
 
 
 def test_tokens_on_one_clock_tick_have_no_decode_rate() -> None:

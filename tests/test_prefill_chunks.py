@@ -141,9 +141,13 @@ def test_stop_during_prefill_takes_effect_within_one_chunk(sharp: LoadedModel) -
     assert result.finish_reason == "cancelled" and result.token_ids == []
     assert [e.done_tokens for e in events if isinstance(e, PrefillProgress)] == [32]
     assert not any(isinstance(e, TokenEmitted) for e in events)
+    m = result.metrics  # what it read, and for how long: not the whole prompt, not 0 s
+    assert (m.prompt_tokens, m.cached_tokens, m.prefilled_tokens) == (120, 0, 32)
+    assert not m.prefill_complete and m.prefill_s > 0 and m.ttft_s == 0
     # The chunk that ran stays cached: asking again resumes after it.
     again = run(sharp, ids, chunk=32, cache=cache, conversation="c")
     assert again.metrics.cached_tokens == 32
+    assert again.metrics.prefill_complete and again.metrics.prefilled_tokens == 120 - 32
     assert again.token_ids == run(sharp, ids, chunk=len(ids)).token_ids
 
 
@@ -230,6 +234,9 @@ def test_cancel_during_a_batched_prefill(sharp: LoadedModel) -> None:
     assert result.finish_reason == "cancelled" and result.token_ids == []
     assert sum(isinstance(e, PrefillProgress) for e in rec.events) == 1
     assert not batcher.rows
+    m = result.metrics  # the one chunk read before Stop
+    assert (m.prompt_tokens, m.prefilled_tokens, m.prefill_complete) == (150, 32, False)
+    assert m.prefill_s > 0
 
 
 def test_interference_bench_reports_both_modes(sharp: LoadedModel) -> None:
@@ -340,6 +347,8 @@ def test_stop_beside_the_stream_takes_effect_within_one_chunk(
     assert result.finish_reason == "cancelled" and result.token_ids == []
     assert [e.done_tokens for e in rec.events if isinstance(e, PrefillProgress)
             and e.request_id == b.request.request_id] == [64]
+    m = result.metrics  # the side thread's one chunk, kept
+    assert (m.prompt_tokens, m.prefilled_tokens, m.prefill_complete) == (180, 64, False)
     assert [r.job for r in batcher.rows] == [a]  # A streams on
     assert torch.get_num_threads() == beside_on_two_cores
 
@@ -439,7 +448,8 @@ def test_hud_draws_the_prefill_while_the_prompt_is_read(qtbot) -> None:
 
 def test_a_reply_stopped_while_its_prompt_is_read_shows_that_prefill(qtbot) -> None:
     """Stopped at 30% of a long prompt: its time after the queue was prefill, cut short (it
-    read as "other: first sample + finish" and the advisor saw no dominant phase)."""
+    read as "other: first sample + finish" and the advisor saw no dominant phase), and it read
+    what the engine kept (1,792 tokens: whole chunks), not the whole prompt."""
     from engine.events import GenerationResult, PrefillStarted, RequestFinished, RequestQueued
     from engine.metrics import compute_metrics
     from tests.support.hud_events import INFO, MS
@@ -452,7 +462,7 @@ def test_a_reply_stopped_while_its_prompt_is_read_shows_that_prefill(qtbot) -> N
     metrics = compute_metrics(timeline, prompt_tokens=6_000, cached_tokens=20,
                               parameters=INFO.parameters,
                               weight_bytes_per_step=INFO.weight_bytes_per_step,
-                              cache_miss_reason="first_turn")
+                              cache_miss_reason="first_turn", prefilled_tokens=1_792)
     result = GenerationResult("r1", "", "cancelled", [], list(range(6_000)), metrics, INFO)
     for event in (RequestQueued("r1", 0), PrefillStarted("r1", 2 * MS, 6_000, 20, "first_turn")):
         hud.on_engine_event(event)
@@ -463,11 +473,11 @@ def test_a_reply_stopped_while_its_prompt_is_read_shows_that_prefill(qtbot) -> N
 
     rows = {phase: (detail, seconds) for phase, detail, seconds, _share
             in hud.selected_reply().breakdown().rows()}
-    assert rows["prefill"] == ("stopped while reading 6,000 prompt tokens, 20 cached",
-                               pytest.approx(19.998))
+    assert rows["prefill"] == ("1,792 of 5,980 new prompt tokens read before Stop (30%), "
+                               "20 cached", pytest.approx(19.998))
     assert rows["other"][1] == pytest.approx(0.0)
     assert hud.advice_text().startswith("Stopped while reading the prompt, after 20 s of "
-                                        "prefill (5,980 new prompt tokens, 20 cached)")
+                                        "prefill: 1,792 of 5,980 new prompt tokens read")
     assert "reading the prompt: " not in hud.panels["breakdown"].caption.text()
 
 

@@ -191,3 +191,49 @@ def test_reopened_chat_shows_each_reply_stats_line(qtbot, tmp_path: Path) -> Non
         view.anchorClicked.emit(QUrl(f"pw-action:stats/{reply_id}"))
     assert blocker.args == ["stats", reply_id]
     store.close()
+
+
+# ----- a reply stopped while its prompt was read (issue 31 item 4) -------------------------------
+def stopped_in_prefill_record(read: int, cached: int = 24) -> dict:
+    """What the window saves for a reply Stop cut inside a 5,498-token prompt's prefill."""
+    timeline = RequestTimeline(submitted_ns=0, prefill_start_ns=10_000_000,
+                               done_ns=8_010_000_000)
+    metrics = compute_metrics(timeline, prompt_tokens=5_498, cached_tokens=cached,
+                              parameters=1, weight_bytes_per_step=1,
+                              cache_miss_reason="none", prefilled_tokens=read)
+    return metrics.to_dict()
+
+
+def test_the_line_under_a_reply_stopped_in_its_prefill_says_how_much_was_read() -> None:
+    """It said only "<1% cached" (the share cached before): now the share of the prompt read
+    (or cached) before Stop; its details name no TTFT, decode or ITL of 0."""
+    stats = ReplyStats.from_record(stopped_in_prefill_record(4_489), None)
+    assert stats.prefilled_tokens == 4_489 and stats.unread_tokens == 5_474 - 4_489
+    assert stats.summary() == "82% of the prompt read before Stop · <1% cached"
+    details = stats.details()
+    assert "TTFT" not in details and "ITL" not in details and "tok/s" not in details
+    assert "queue 0.010 s + prefill 8.000 s (stopped while reading the prompt)" in details
+    assert "4,489 of 5,474 new ones read before Stop" in details
+    whole = ReplyStats.from_record(stopped_in_prefill_record(5_474), None)  # read it all
+    assert whole.unread_tokens == 0 and whole.summary() == "<1% cached"
+
+
+def test_a_version_1_database_gains_the_prefilled_column(tmp_path: Path) -> None:
+    """Schema 1 had no prefilled_tokens: the migration adds it, filled from saved metrics."""
+    path = tmp_path / "chats.sqlite3"
+    old_database(path)
+    ChatStore(path).close()  # now current: make it version 1 again, without the column
+    db = sqlite3.connect(path)
+    db.execute("ALTER TABLE messages DROP COLUMN prefilled_tokens")
+    db.execute("UPDATE messages SET metrics_json=? WHERE id=2",
+               (json.dumps(stopped_in_prefill_record(1_000)),))
+    db.execute("PRAGMA user_version=1")
+    db.commit()
+    db.close()
+
+    store = ChatStore(path)
+    assert store._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    stats = store.messages("c1")[1].stats
+    assert stats is not None and stats.prefilled_tokens == 1_000
+    assert stats.summary().startswith("19% of the prompt read before Stop")
+    store.close()

@@ -24,7 +24,7 @@ import pytest
 
 from tests.support.child import CHILD_TIMEOUT_S, needs_llama_cpp, run_in_child
 from tests.support.window_scenarios import SCENARIOS, Rig
-from ui.store import DONE, STOPPED
+from ui.store import DONE, STOPPED, fmt_share
 
 pytestmark = pytest.mark.timeout(CHILD_TIMEOUT_S + 60)
 
@@ -180,6 +180,30 @@ def test_regenerate_after_stop_inside_a_prefill_keeps_what_was_read(observe, sce
     assert reason == "none"
     assert out["again_finish"] in ("stop", "length") and out["again_output_tokens"] >= 1
     assert out["roles"] == ["user", "assistant"]
+
+
+@pytest.mark.parametrize("scenario", ["stop_in_prefill_then_regenerate",
+                                      "stop_in_prefill_beside_a_stream_then_regenerate"])
+def test_a_reply_stopped_inside_its_prefill_shows_what_it_read(observe, scenario) -> None:
+    """Issue 31 item 4: the HUD and the line under the reply say how much of the prompt was
+    read before Stop (exactly what Regenerate then finds cached), never a TTFT, a "p50 0.0
+    ms", every prompt token as read, or only the share that was cached before."""
+    out = observe(scenario)
+    prompt, cached = out["first"]
+    new, read = prompt - cached, out["stopped_read"]
+    assert not out["stopped_complete"] and 0 < read < new
+    assert out["again"][1] - cached == read  # what it says it read is what was kept
+    shown = out["shown"]
+    words = f"{read:,} of {new:,} new prompt tokens read before Stop"
+    assert words in shown["advice"] and words in shown["breakdown"]
+    assert f"{new:,} new prompt tokens," not in shown["advice"]
+    assert shown["ttft"] == shown["itl"] == "–"
+    assert "no TTFT" in shown["ttft_caption"] and "0.0 ms" not in shown["ttft_caption"]
+    assert "0.0 ms" not in shown["breakdown"] and "0.0 tok/s" not in shown["throughput_caption"]
+    assert "stopped before its first token" in shown["itl_caption"]
+    assert f"{new - read:,} not read (stopped)" in shown["cache_caption"]
+    line = f"{fmt_share((cached + read) / prompt)} of the prompt read before Stop"
+    assert line in shown["transcript"]
 
 
 def test_two_chats_stream_at_once_and_both_are_saved(observe) -> None:

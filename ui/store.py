@@ -51,7 +51,8 @@ CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id,
 """
 # Message status: done | streaming | stopped | length | error
 STREAMING, DONE, STOPPED = "streaming", "done", "stopped"
-SCHEMA_VERSION = 1  # 0: before per-reply stats columns (the first released schema)
+# 0: before per-reply stats columns (the first released schema); 1: before prefilled_tokens
+SCHEMA_VERSION = 2
 # Per-reply stats columns of `messages` (schema 1): from the reply's metrics, and from its
 # settings for the sampling ones. NULL where unknown (user messages, replies that failed).
 METRIC_COLUMNS = (
@@ -59,7 +60,7 @@ METRIC_COLUMNS = (
     ("e2e_s", "REAL"), ("prompt_tokens", "INTEGER"), ("cached_tokens", "INTEGER"),
     ("output_tokens", "INTEGER"), ("decode_tok_s", "REAL"), ("itl_p50_s", "REAL"),
     ("itl_p90_s", "REAL"), ("itl_p99_s", "REAL"), ("model", "TEXT"), ("engine", "TEXT"),
-    ("kernel", "TEXT"), ("device", "TEXT"),
+    ("kernel", "TEXT"), ("device", "TEXT"), ("prefilled_tokens", "INTEGER"),
 )
 SETTING_COLUMNS = (("temperature", "REAL"), ("top_p", "REAL"), ("max_tokens", "INTEGER"),
                    ("seed", "INTEGER"))
@@ -125,6 +126,7 @@ class ReplyStats:
     engine: str | None = None
     kernel: str | None = None
     device: str | None = None
+    prefilled_tokens: int | None = None  # fewer than prompt - cached: Stop cut the prefill
     temperature: float | None = None
     top_p: float | None = None
     max_tokens: int | None = None
@@ -140,6 +142,8 @@ class ReplyStats:
             values["prompt_tokens"] = None
         if metrics.get("cached_tokens_known") is False:
             values["cached_tokens"] = None
+        if values["prompt_tokens"] is None or values["cached_tokens"] is None:
+            values["prefilled_tokens"] = None
         return cls(**values)
 
     def row(self) -> tuple[Any, ...]:
@@ -151,8 +155,24 @@ class ReplyStats:
             return None
         return self.cached_tokens / self.prompt_tokens
 
+    @property
+    def unread_tokens(self) -> int:
+        """Prompt tokens a Stop inside the prefill left unread (0 when it read them all, or
+        when the counts are not known)."""
+        if self.prompt_tokens is None or self.cached_tokens is None \
+                or self.prefilled_tokens is None:
+            return 0
+        return max(self.prompt_tokens - self.cached_tokens - self.prefilled_tokens, 0)
+
     def summary(self) -> str:
-        """One quiet line: "0.14 s to first token · 24 tok/s · 98% cached"."""
+        """One quiet line: "0.14 s to first token · 24 tok/s · 98% cached"; for a reply
+        stopped while its prompt was read, how much of it was: "82% of the prompt read before
+        Stop · <1% cached" (read or found in the cache: what Regenerate can reuse)."""
+        if self.unread_tokens and self.prompt_tokens:
+            read = 1 - self.unread_tokens / self.prompt_tokens
+            line = f"{fmt_share(read)} of the prompt read before Stop"
+            return line + (f" · {fmt_share(self.cached_share)} cached"
+                           if self.cached_share else "")
         parts = []
         if self.ttft_s:
             parts.append(f"{self.ttft_s:.2f} s to first token" if self.ttft_s < 10
@@ -170,11 +190,16 @@ class ReplyStats:
         def sec(value: float | None) -> str:
             return "–" if value is None else f"{value:.3f} s"
 
-        lines = [f"TTFT {sec(self.ttft_s)} = queue {sec(self.queue_s)} + prefill "
-                 f"{sec(self.prefill_s)} + first sample",
-                 f"decode {sec(self.decode_s)}, {self.decode_tok_s or 0:.1f} tok/s; total "
-                 f"{sec(self.e2e_s)}"]
-        if self.itl_p50_s is not None:
+        if self.output_tokens == 0:  # stopped before its first token: no TTFT, no decode
+            cut = " (stopped while reading the prompt)" if self.unread_tokens else ""
+            lines = [f"no first token: queue {sec(self.queue_s)} + prefill "
+                     f"{sec(self.prefill_s)}{cut}; total {sec(self.e2e_s)}"]
+        else:
+            lines = [f"TTFT {sec(self.ttft_s)} = queue {sec(self.queue_s)} + prefill "
+                     f"{sec(self.prefill_s)} + first sample",
+                     f"decode {sec(self.decode_s)}, {self.decode_tok_s or 0:.1f} tok/s; total "
+                     f"{sec(self.e2e_s)}"]
+        if self.itl_p50_s is not None and self.output_tokens != 0:
             p90, p99 = (self.itl_p90_s or 0) * 1e3, (self.itl_p99_s or 0) * 1e3
             lines.append(f"ITL p50 / p90 / p99 {self.itl_p50_s * 1e3:.1f} / {p90:.1f} / "
                          f"{p99:.1f} ms")
@@ -183,6 +208,9 @@ class ReplyStats:
             tokens = f"prompt {self.prompt_tokens:,} tokens"
             if self.cached_tokens is not None:
                 tokens += f" ({self.cached_tokens:,} cached)"
+            if self.unread_tokens:
+                new = self.prefilled_tokens or 0
+                tokens += f", {new:,} of {new + self.unread_tokens:,} new ones read before Stop"
             tokens += f", {self.output_tokens or 0:,} out"
         lines.append(tokens)
         where = " · ".join(v for v in (self.model, self.engine, self.kernel, self.device) if v)

@@ -162,10 +162,17 @@ class Reply:
                 self.emit(TextFlushed(request.request_id, now_ns(), tail))
         timeline.done_ns = now_ns()
         info = self.info
+        prompt = len(self.prompt_ids)
+        # The prompt tokens in the cache now: all of them once the prefill gave logits; after
+        # a Stop inside it, what the lease holds (the chunks read; an alternative's fork of
+        # its source's). Its cached part can be no more than that.
+        in_cache = prompt if timeline.first_logits_ns or self.generated else \
+            min(len(self.lease.ids), prompt)
+        cached = min(self.lease.cached_tokens, in_cache)
         metrics = compute_metrics(
-            timeline, prompt_tokens=len(self.prompt_ids), cached_tokens=self.lease.cached_tokens,
+            timeline, prompt_tokens=prompt, cached_tokens=cached,
             parameters=info.parameters, weight_bytes_per_step=info.weight_bytes_per_step,
-            cache_miss_reason=self.lease.miss_reason)
+            cache_miss_reason=self.lease.miss_reason, prefilled_tokens=in_cache - cached)
         return GenerationResult(
             request_id=request.request_id, text=self.stopper.emitted, finish_reason=finish,
             token_ids=list(self.generated), prompt_token_ids=self.prompt_ids, metrics=metrics,

@@ -117,8 +117,9 @@ def check_event_order(backend: Backend) -> GenerationResult:
 
 
 def check_metric_identities(backend: Backend) -> None:
-    """prompt = cached + prefilled; one ITL gap between consecutive emitted tokens;
-    queue + prefill <= TTFT <= e2e; a second turn on the same prefix reports it cached."""
+    """prompt = cached + prefilled (a whole prefill: only a Stop inside it reads fewer); one
+    ITL gap between consecutive emitted tokens; queue + prefill <= TTFT <= e2e; a second turn
+    on the same prefix reports it cached."""
     first = request(conversation_id="contract-metrics")
     handle = backend.submit(first)
     events = drain(handle)
@@ -131,7 +132,7 @@ def check_metric_identities(backend: Backend) -> None:
     assert 0 <= m.queue_s + m.prefill_s <= m.ttft_s + 1e-9  # float sums of ns stamps
     assert m.ttft_s <= m.e2e_s
     assert m.prompt_tokens_known
-    assert m.prompt_tokens == m.cached_tokens + m.prefilled_tokens
+    assert m.prompt_tokens == m.cached_tokens + m.prefilled_tokens and m.prefill_complete
     assert m.prompt_tokens > 0
     # the next turn extends the same chat: a backend with a prefix cache reuses it
     reply = handle.wait(WAIT_S).text

@@ -196,6 +196,7 @@ def _stop_in_prefill(bot: QtBot, rig: Rig, *, beside_a_stream: bool) -> dict[str
     cut = finished[cut_id]
     conv = window.conversation_id
     saved = window.store.messages(conv)[-1]
+    shown = stopped_reply_view(window)
     window.regenerate(saved.id)
     again_id = ids[-1]
     bot.waitUntil(lambda: again_id in finished, timeout=rig.wait_ms)
@@ -208,6 +209,9 @@ def _stop_in_prefill(bot: QtBot, rig: Rig, *, beside_a_stream: bool) -> dict[str
         "stopped_finish": cut.finish_reason,
         "stopped_output_tokens": cut.metrics.output_tokens,
         "stopped_status": saved.status,
+        "stopped_read": cut.metrics.prefilled_tokens,
+        "stopped_complete": cut.metrics.prefill_complete,
+        "shown": shown,
         "first": (first.prompt_tokens, first.cached_tokens),
         "again": (second.prompt_tokens, second.cached_tokens, second.cache_miss_reason),
         "again_metrics_cached": result.metrics.cached_tokens,
@@ -215,6 +219,25 @@ def _stop_in_prefill(bot: QtBot, rig: Rig, *, beside_a_stream: bool) -> dict[str
         "again_output_tokens": result.metrics.output_tokens,
         "roles": [m.role for m in window.store.messages(conv)],
         "chunk": rig.chunk,
+    }
+
+
+def stopped_reply_view(window: MainWindow) -> dict[str, str]:
+    """What the HUD and the chat show once a reply stopped: the headline, the TTFT plot's and
+    the cache ledger's captions, the breakdown's table and advice, and the transcript (with
+    the line under the reply)."""
+    hud = window.hud
+    hud.flush()
+    return {
+        "ttft": hud._kpis["TTFT"].text(),
+        "itl": hud._kpis["ITL p50"].text(),
+        "ttft_caption": hud.panels["ttft"].caption.text(),
+        "cache_caption": hud.panels["cache"].caption.text(),
+        "throughput_caption": hud.panels["throughput"].caption.text(),
+        "itl_caption": hud.panels["itl"].caption.text(),
+        "breakdown": hud.panels["breakdown"].table.text(),
+        "advice": hud.advice_label.text(),
+        "transcript": window.chat.toPlainText(),
     }
 
 

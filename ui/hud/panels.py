@@ -350,7 +350,10 @@ class TtftPanel(Panel):
     def refresh(self, ctx: HudContext) -> None:
         self._rows = ctx.model.turn_rows()[-MAX_TURNS_SHOWN:]
         self._x, widths = turn_slots(self._rows)
-        shown = [i for i, (_x, r) in enumerate(self._rows) if r.metrics is not None]  # "–"
+        # A reply without numbers ("–") or without a first token (stopped before it: no
+        # TTFT) has no bar; its hover says why.
+        shown = [i for i, (_x, r) in enumerate(self._rows)
+                 if r.metrics is not None and r.metrics.output_tokens]
         drawn = [self._rows[i] for i in shown]
         x, width = self._x[shown], widths[shown]
         m = [_metrics(r) for _x, r in drawn]
@@ -377,7 +380,7 @@ class TtftPanel(Panel):
             p50, p90, p99 = ctx.model.ttft_percentiles()
             scope = "Session"
         else:
-            p50, p90, p99 = percentiles([mm.ttft_s for mm in m if mm.output_tokens], (50, 90, 99))
+            p50, p90, p99 = percentiles([mm.ttft_s for mm in m], (50, 90, 99))
             scope = "This chat's"
         self.caption.setText(
             key_html([("queue", style.QUEUE), ("prefill", style.PREFILL),
@@ -389,9 +392,13 @@ class TtftPanel(Panel):
 
     @staticmethod
     def _live_caption(model: SessionModel, reply: ReplyRecord | None) -> str:
-        """Before any reply (of the open chat) finishes: the live reply's TTFT once its first
-        token is out; until then no numbers (another chat's would be stale)."""
+        """Before any reply (of the open chat) has a TTFT: the live reply's once its first
+        token is out; until then no numbers (another chat's would be stale). A finished reply
+        stopped before its first token has none to give."""
         b = reply.breakdown() if reply is not None else None
+        if reply is not None and b is not None and b.final and not b.has_first_token:
+            what = "while reading the prompt" if b.prefill_cut else "before its first token"
+            return f"{model.reply_name(reply)}: stopped {what}, so no TTFT."
         if reply is None or b is None or not b.has_first_token:
             return WAITING
         return (f"{model.reply_name(reply)}: TTFT {fmt_seconds(b.ttft_s)} (live); "
@@ -448,6 +455,11 @@ class ItlPanel(Panel):
             if reply is not None and reply.history:
                 self.caption.setText(f"{reply.name} (saved): ITL – (no token gaps were saved "
                                      "with this reply).")
+            elif reply is not None and reply.done:  # not the previous reply's caption
+                tokens = reply.metrics.output_tokens if reply.metrics else reply.output_tokens
+                why = "stopped before its first token" if not tokens else "a single token"
+                self.caption.setText(f"{ctx.model.reply_name(reply)}: ITL – ({why}, no gaps "
+                                     "between tokens).")
             return
         pcts = reply.itl_percentiles()
         # From zero, so a flat ITL looks flat: the point decode's physics makes.
@@ -554,10 +566,15 @@ class ThroughputPanel(Panel):
                 x_from = math.floor(first / step) * step
             snap_range(self.plot, x_to=last, y_to=np.nanmax(self._v) * 1.15, x_from=x_from)
         done = model.finished()
-        if len(done) != len(self._means.data):  # reply means change only when one finishes
-            self._means.setData(x=[model.session_s(r.done_ns) for r in done],
-                                y=[_metrics(r).decode_tok_s for r in done])
-        if done:
+        # A reply stopped before its first token decoded nothing: no mean, not a 0 tok/s one.
+        rated = [r for r in done if _metrics(r).output_tokens]
+        if len(rated) != len(self._means.data):  # reply means change only when one finishes
+            self._means.setData(x=[model.session_s(r.done_ns) for r in rated],
+                                y=[_metrics(r).decode_tok_s for r in rated])
+        if done and not _metrics(done[-1]).output_tokens:
+            self.caption.setText(f"Rolling over {THROUGHPUT_WINDOW} tokens; ◆ = reply mean. "
+                                 "Last reply: stopped before its first token, no decode.")
+        elif done:
             m = _metrics(done[-1])
             self.caption.setText(
                 f"Rolling over {THROUGHPUT_WINDOW} tokens; ◆ = reply mean. Last reply "
@@ -705,8 +722,12 @@ class CachePanel(Panel):
                                        brush=style.brush(style.CACHED), pen=None)
         self._recomputed = pg.BarGraphItem(x=[], height=[], width=BAR_WIDTH,
                                            brush=style.brush(style.RECOMPUTED), pen=None)
+        # Faint: the prompt tokens a Stop inside the prefill left unread.
+        self._unread = pg.BarGraphItem(x=[], height=[], width=BAR_WIDTH,
+                                       brush=style.brush(style.RECOMPUTED, 60), pen=None)
         self.plot.addItem(self._reused)
         self.plot.addItem(self._recomputed)
+        self.plot.addItem(self._unread)
         self.plot.getPlotItem().getAxis("left").enableAutoSIPrefix(False)
         self._rows: list[tuple[int, ReplyRecord]] = []  # (turn, reply); history included
         self._x = np.zeros(0)  # each row's bar centre (turn_slots)
@@ -718,11 +739,14 @@ class CachePanel(Panel):
         drawn = [self._rows[i] for i in shown]
         x, width = self._x[shown], widths[shown]
         reused = np.array([r.cached_tokens for _x, r in drawn], dtype=float)
-        fresh = np.array([r.prompt_tokens - r.cached_tokens for _x, r in drawn], dtype=float)
+        unread = np.array([r.unread_tokens for _x, r in drawn], dtype=float)
+        fresh = np.array([r.prompt_tokens - r.cached_tokens for _x, r in drawn],
+                         dtype=float) - unread
         self._reused.setOpts(x=x, width=width, height=reused, y0=np.zeros_like(reused),
                              brushes=bar_brushes(drawn, style.CACHED))
         self._recomputed.setOpts(x=x, width=width, height=fresh, y0=reused,
                                  brushes=bar_brushes(drawn, style.RECOMPUTED))
+        self._unread.setOpts(x=x, width=width, height=unread, y0=reused + fresh)
         turn_axis(self.plot, [turn for turn, _r in self._rows])
         self.caption.setText(
             key_html([("reused", style.CACHED), ("recomputed", style.RECOMPUTED)])
@@ -736,8 +760,10 @@ class CachePanel(Panel):
             return f"Turn {turn}{saved}: – (the prompt's token counts were not reported)."
         reason = r.miss_reason.replace("_", " ")
         why = "full hit" if r.miss_reason == "none" else f"miss: {reason}"
+        unread = r.unread_tokens
+        cut = f", {unread:,} not read (stopped)" if unread else ""
         return (f"Turn {turn}{saved}: {r.cached_tokens:,} reused, "
-                f"{r.prompt_tokens - r.cached_tokens:,} recomputed ({why}).")
+                f"{r.prompt_tokens - r.cached_tokens - unread:,} recomputed{cut} ({why}).")
 
     def hover_text(self, x: float, y: float) -> str | None:
         i = _nearest(self._x, x)
