@@ -134,8 +134,9 @@ def test_one_failing_alternative_leaves_the_others(
         assert outcomes[ok].finish_reason == "length" and len(outcomes[ok].token_ids) == 6
     prompt = len(base.prompt_token_ids or ())
     # the first reads the prompt; the other's prefill is the first's: every token cached
-    assert [(rid, e.request_id, e.prompt_tokens, e.cached_tokens) for rid, e in started] == \
-        [("alt0", "alt0", prompt, 0), ("alt2", "alt2", prompt, prompt)]
+    assert [(rid, e.request_id, e.prompt_tokens, e.cached_tokens, e.cache_miss_reason)
+            for rid, e in started] == [("alt0", "alt0", prompt, 0, "first_turn"),
+                                       ("alt2", "alt2", prompt, prompt, "none")]
     assert outcomes["alt2"].metrics.cached_tokens == prompt
 
 
@@ -169,3 +170,24 @@ def test_both_runtimes_size_side_prefill_chunks_by_one_rule() -> None:
     assert schedule.next_side_chunk(10, 10.0, 4096) == floor
     assert schedule.next_side_chunk(500, 0.0, 4096) == floor
     assert floor <= schedule.FIRST_SIDE_CHUNK
+
+
+def test_stop_while_the_draft_reads_the_prompt_ends_the_reply_with_no_token(
+        tiny: LoadedModel, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stop lands while the draft model reads the prompt (after the target's prefill): the
+    reply ends cancelled with no token, and the target's cache keeps the prompt it read."""
+    draft = load_draft(str(tiny_model_dir), tiny, kernel="fp32-eager")
+    cancel = threading.Event()
+
+    def prefill(prompt_ids: Any, stop: threading.Event) -> bool:
+        cancel.set()
+        return False
+
+    monkeypatch.setattr(draft, "prefill", prefill)
+    events: list[Any] = []
+    pool = pool_for(tiny)
+    result = DecodeSession(tiny, pool, draft=draft).run(
+        request(tiny, speculative="draft"), RequestTimeline(now_ns()), cancel, events.append)
+    assert (result.finish_reason, result.token_ids) == ("cancelled", [])
+    assert not [e for e in events if isinstance(e, TokenEmitted)]
+    assert pool._entries["c"].ids == result.prompt_token_ids
