@@ -32,10 +32,10 @@ NEXT = "Now make it shorter."
 
 
 def turn(loaded: Any, pool: Any, messages: list[ChatMessage], seed: int, conversation: str,
-         tokens: int) -> GenerationResult:
+         tokens: int, *, reuse: bool = True) -> GenerationResult:
     request = GenerationRequest(list(messages),
                                 SamplingParams(temperature=0.7, max_tokens=tokens, seed=seed),
-                                conversation_id=conversation)
+                                conversation_id=conversation, reuse_cache=reuse)
     return runtimes.new_session(loaded, pool).run(request, RequestTimeline(now_ns()),
                                                   threading.Event(), lambda _e: None)
 
@@ -44,7 +44,9 @@ def next_turn(loaded: Any, pool: Any, seed: int, tokens: int, with_ids: bool) ->
     """A first turn on its own chat, then the next turn; what the next turn reused."""
     conversation = f"seed{seed}-{'after' if with_ids else 'before'}"
     first_messages = [ChatMessage("user", PROMPT)]
-    first = turn(loaded, pool, first_messages, seed, conversation, tokens)
+    # Cold, so both runs of a seed compute the same logits and sample the same reply (a
+    # prefix borrowed from the other run's chat would shift near-ties); kept as the chat's own.
+    first = turn(loaded, pool, first_messages, seed, conversation, tokens, reuse=False)
     reply = first.as_message() if with_ids else ChatMessage("assistant", first.text)
     second = turn(loaded, pool, [*first_messages, reply, ChatMessage("user", NEXT)], seed,
                   conversation, 1)
