@@ -560,8 +560,8 @@ def _split_reply_body() -> dict:
             "cached": second.metrics.cached_tokens, "reason": second.metrics.cache_miss_reason}
 
 
-# The benchmark's prompt (benchmarks/reply_reuse.py). At 0.7 a split shows about once in
-# 1,600 tokens; at 1.5 half of 48-token replies have one (seed 2 did when this was written).
+# The benchmark's prompt (benchmarks/reply_reuse.py). At 0.7 issue 28 saw a split in 2 of 8
+# 400-token replies; at 1.5 three of six 48-token replies had one (seed 2 did when written).
 SPLIT_PROMPT = "Write a long, detailed story about a lighthouse keeper and a storm."
 SPLIT_TEMPERATURE = 1.5
 SPLIT_TOKENS = 48
