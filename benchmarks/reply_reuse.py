@@ -11,11 +11,13 @@ tokens are everything the first turn left in the cache: its prompt and every rep
 back. Prints counts (not times: they hold on a loaded machine).
 
     .venv/bin/python benchmarks/reply_reuse.py [--engine llama.cpp] [--seeds 8] [--tokens 400]
+        [--temperature 0.7]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import threading
 from pathlib import Path
@@ -36,19 +38,19 @@ NEXT = "Now make it shorter."
 
 
 def turn(loaded: Any, pool: Any, messages: list[ChatMessage], seed: int, conversation: str,
-         tokens: int) -> GenerationResult:
-    request = GenerationRequest(list(messages),
-                                SamplingParams(temperature=0.7, max_tokens=tokens, seed=seed),
+         params: SamplingParams) -> GenerationResult:
+    request = GenerationRequest(list(messages), dataclasses.replace(params, seed=seed),
                                 conversation_id=conversation)
     return runtimes.new_session(loaded, pool).run(request, RequestTimeline(now_ns()),
                                                   threading.Event(), lambda _e: None)
 
 
-def next_turn(loaded: Any, pool: Any, seed: int, tokens: int) -> dict[bool, dict[str, Any]]:
+def next_turn(loaded: Any, pool: Any, seed: int,
+              params: SamplingParams) -> dict[bool, dict[str, Any]]:
     """A first turn on its own chat, then the next turn: what it reused without the reply's
     ids (counted) and with them (run)."""
     first_messages = [ChatMessage("user", PROMPT)]
-    first = turn(loaded, pool, first_messages, seed, f"seed{seed}", tokens)
+    first = turn(loaded, pool, first_messages, seed, f"seed{seed}", params)
     held = first.prompt_token_ids + first.token_ids[:-1]  # what the cache holds now
     rows = {}
     text_only = [*first_messages, ChatMessage("assistant", first.text), ChatMessage("user", NEXT)]
@@ -57,7 +59,7 @@ def next_turn(loaded: Any, pool: Any, seed: int, tokens: int) -> dict[bool, dict
     rows[False] = {"prompt": len(before), "cached": cached,
                    "reason": "none" if cached == len(held) else "template_mismatch"}
     second = turn(loaded, pool, [*first_messages, first.as_message(), ChatMessage("user", NEXT)],
-                  seed, f"seed{seed}", 1)
+                  seed, f"seed{seed}", dataclasses.replace(params, max_tokens=1))
     m = second.metrics
     rows[True] = {"prompt": m.prompt_tokens, "cached": m.cached_tokens,
                   "reason": m.cache_miss_reason}
@@ -72,14 +74,16 @@ def main() -> None:
     parser.add_argument("--engine", choices=("llama.cpp", "torch"), default="llama.cpp")
     parser.add_argument("--seeds", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=400)
+    parser.add_argument("--temperature", type=float, default=0.7)
     args = parser.parse_args()
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.tokens)
     loaded = runtimes.load("default", args.engine)
     pool = runtimes.new_prefix_cache(loaded, budget_bytes=1 << 40)
     print(f"{loaded.info.name} on {args.engine}, {args.seeds} seeds, replies of up to "
-          f"{args.tokens} tokens, temperature 0.7")
+          f"{args.tokens} tokens, temperature {args.temperature}")
     whole = {False: 0, True: 0}
     for seed in range(args.seeds):
-        rows = next_turn(loaded, pool, seed, args.tokens)
+        rows = next_turn(loaded, pool, seed, params)
         for with_ids, row in rows.items():
             whole[with_ids] += row["whole"]
             print(f"seed {seed} {'after ' if with_ids else 'before'}: reply "
