@@ -364,7 +364,7 @@ def bench_turns(
             "output_tokens": m.output_tokens,
             "cache_miss_reason": m.cache_miss_reason,
         })
-        messages.append(ChatMessage("assistant", result.text))
+        messages.append(result.as_message())  # the ids it produced: the next turn reuses it all
         messages.append(ChatMessage("user", TURN_QUESTIONS[(turn + 1) % len(TURN_QUESTIONS)]))
     progress("cold run of the last prompt")
     cold = run_ours(loaded, last_prompt, 1, cache=pool, reuse_cache=False)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from engine.metrics import RequestMetrics
+from engine.params import ChatMessage
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
@@ -35,6 +36,11 @@ class ModelInfo:
     template_fallback: bool = False
     engine: str = "torch"  # the runtime that runs it: "torch" or "llama.cpp"
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+
+    @property
+    def identity(self) -> str:
+        """Which model on which runtime: a reply's token ids are reused only by this one."""
+        return f"{self.engine}:{self.source}:{self.path}:{self.name}"
 
 
 @dataclass(frozen=True)
@@ -174,6 +180,13 @@ class GenerationResult:
     @property
     def spec_accept_rate(self) -> float:
         return self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0
+
+    def as_message(self) -> ChatMessage:
+        """This reply as the next turn's assistant message, with the ids its model produced
+        (so the next prompt holds the reply exactly as the prefix cache does)."""
+        if not self.token_ids or self.model is None:
+            return ChatMessage("assistant", self.text)
+        return ChatMessage("assistant", self.text, tuple(self.token_ids), self.model.identity)
 
     def to_json_dict(self) -> dict[str, Any]:
         """The `ask --json` object: text, finish reason, metrics and model fields, flat."""

@@ -23,6 +23,14 @@ SEED_LIMIT = 2**63
 class ChatMessage:
     role: Role
     content: str
+    # An assistant reply's token ids as its model produced them (GenerationResult.token_ids)
+    # and that model's identity (ModelInfo.identity). The prompt uses them for this message's
+    # span where they decode to `content` with the model at hand: re-tokenizing a sampled
+    # reply's text can merge a split the model made, and the prefix cache would then read the
+    # reply again. A cache hint only: equal messages compare equal without them, and remote
+    # servers never see them.
+    token_ids: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
+    token_model: str | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,8 @@ MISS_REASONS = (
     "system_prompt_changed",
     "evicted",
     "model_changed",
-    "template_mismatch",
+    "template_mismatch",  # a reply's text re-tokenized unlike the ids its model produced
+    "edited_reply",  # a reply's text was changed after its model produced it
     "dropped_old_turns",
     "disabled",
     "sliding_window",  # a rolling sliding-window layer no longer holds the shared prefix
@@ -262,6 +263,8 @@ class PromptLayout:
     spans: tuple[tuple[str, int, int], ...] = ()
     generated_span: tuple[int, int] | None = None  # the last reply we generated, if in prompt
     dropped_messages: int = 0  # oldest turns dropped to fit the context
+    # Indices into spans of replies whose text was changed since their model produced it.
+    edited_replies: tuple[int, ...] = ()
 
 
 class PrefixCache:
@@ -435,7 +438,12 @@ class PrefixCache:
             return "none"
         if layout is None:
             return "edited_history"
+        for i in layout.edited_replies:
+            if layout.spans[i][1] <= matched < layout.spans[i][2]:
+                return "edited_reply"
         if layout.generated_span and layout.generated_span[0] <= matched < layout.generated_span[1]:
+            # Replies carry the ids their model produced (ChatMessage.token_ids), so this is a
+            # reply without them: from before a restart, another model or a remote server.
             return "template_mismatch"
         for role, start, end in layout.spans:
             if start <= matched < end:

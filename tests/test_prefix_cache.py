@@ -272,6 +272,25 @@ def test_an_edit_reuses_up_to_the_edit_and_names_where_it_was() -> None:
     assert pool.acquire("c", [1, 99, 3, 4], None).miss_reason == "edited_history"
 
 
+def test_an_edited_reply_is_named_where_its_span_is() -> None:
+    """Spans of replies whose text changed since their model produced them (the encoder
+    flags them) say edited_reply, the last reply's or an earlier one's; elsewhere the reasons
+    stay as they were."""
+    from engine.prefix_cache import PromptLayout
+
+    pool = PrefixCache(None, budget_bytes=1 << 20)
+    old = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    spans = (("user", 0, 2), ("assistant", 2, 4), ("user", 4, 5), ("assistant", 5, 7))
+    for edited, at, reason in [((3,), 5, "edited_reply"), ((3,), 2, "edited_history"),
+                               ((1,), 2, "edited_reply"), ((1,), 5, "template_mismatch"),
+                               ((1, 3), 4, "edited_history")]:
+        layout = PromptLayout(spans=spans, generated_span=(5, 7), edited_replies=edited)
+        run_turn(pool, "c", old)
+        lease = pool.acquire("c", [*old[:at], 50, *old[at + 1:]], layout)
+        assert (lease.cached_tokens, lease.miss_reason) == (at, reason), (edited, at)
+        pool.release(lease)
+
+
 def test_an_edit_with_no_generated_span_is_an_edit() -> None:
     from engine.prefix_cache import PromptLayout
 

@@ -254,6 +254,16 @@ def test_base_url_is_normalized() -> None:
         normalize_base_url("h:8000")
 
 
+def test_request_body_never_sends_a_replys_own_ids() -> None:
+    """The OpenAI API has no field for them: a reply carried with its ids goes as text."""
+    reply = ChatMessage("assistant", "Hi!", (5, 6, 2), "torch:default:x:y")
+    request = GenerationRequest([ChatMessage("user", "Hello"), reply,
+                                 ChatMessage("user", "And?")], GREEDY)
+    assert request_body(request, "m")["messages"] == [
+        {"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi!"},
+        {"role": "user", "content": "And?"}]
+
+
 def test_request_body_maps_the_sliders() -> None:
     params = SamplingParams(temperature=0.3, top_p=0.8, max_tokens=9, seed=4, stop=("END",),
                             top_k=5)

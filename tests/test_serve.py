@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from app.cli import main
-from app.serve import ServerThread, check_bind, conversation_key, is_loopback
+from app.serve import ServerThread, check_bind, conversation_key, is_loopback, parse_messages
 from engine import ChatMessage, Engine, PhasewiseError, RequestFinished, TokenEmitted
 from tests.support.serving import TOKEN
 
@@ -181,3 +181,13 @@ def test_conversation_key_follows_the_opening() -> None:
     b = [*a, ChatMessage("assistant", "hello"), ChatMessage("user", "more")]
     assert conversation_key("m", a) == conversation_key("m", b)
     assert conversation_key("m", a) != conversation_key("m", [ChatMessage("user", "hi")])
+
+
+def test_a_clients_token_ids_are_never_taken() -> None:
+    """Ids the engine would trust as a reply's own come from this process only: a client's
+    extra fields on a message are dropped (the engine still checks any ids it gets)."""
+    messages = parse_messages([
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "Hi!", "token_ids": [1, 2, 3],
+         "token_model": "torch:default:x:y"}])
+    assert [(m.token_ids, m.token_model) for m in messages] == [(None, None), (None, None)]

@@ -117,6 +117,25 @@ def test_alternatives_wait_for_a_pick_then_one_is_kept(session: Any,
     assert conv in tiny_engine.prefix_cache.conversations()  # alternative 1's prefix, adopted
 
 
+def test_the_history_carries_each_replys_own_ids(session: Any, tiny_engine: Engine) -> None:
+    """A finished reply and a kept alternative go into the next request with the ids their
+    model produced (the prompt checks they still fit); a user message carries none."""
+    assert session.send("Hello", options(alternatives=2, temperature=1.0))
+    conv = session.conversation_id
+    pump(session)
+    kept = dict(session.finished_alternatives(conv))[1]
+    assert session.keep_alternative(1)
+    assert session.send("And then?", options())
+    pump(session)
+    reply = session.view.said("reply_finished")[-1]
+    history = session.history(conv)
+    assert [m.role for m in history] == ["user", "assistant", "user", "assistant"]
+    identity = tiny_engine.model_info.identity
+    assert [(m.token_ids, m.token_model) for m in history] == [
+        (None, None), (tuple(kept.token_ids), identity),
+        (None, None), (tuple(reply.token_ids), identity)]
+
+
 def test_each_reply_knows_its_chat_turn_and_the_request_that_wrote_it(session: Any) -> None:
     """What the views name a reply by comes from the session: its chat's title and its turn
     (user turns, not messages); a regenerated reply answers the same turn, alternatives share

@@ -20,7 +20,15 @@ from pytestqt.qtbot import QtBot
 from transformers import AutoTokenizer
 
 from engine import Engine, GenerationResult, PrefillStarted, RequestFinished
-from tests.support.window_helpers import WAIT_MS, banner, greedy, send_and_wait, show_and_wait
+from tests.support.split_reply import first_split_reply
+from tests.support.window_helpers import (
+    WAIT_MS,
+    banner,
+    greedy,
+    send_and_wait,
+    settings,
+    show_and_wait,
+)
 from ui.compare import LOCAL, TABLE_ROWS, CompareDialog
 from ui.main_window import MainWindow
 
@@ -159,6 +167,32 @@ def test_each_chat_keeps_its_own_system_prompt_and_the_engine_gets_it(
         [("system", "You are brief."), ("user", "Hi"), ("assistant", reply_b.text),
          ("user", "Again")])
     assert ledger(engine_events, fourth.request_id).cache_miss_reason == "system_prompt_changed"
+
+
+# ----- a sampled reply is cached whole ---------------------------------------------------------
+def test_the_next_turn_reuses_the_whole_sampled_reply(
+    qtbot, make_window, engine_events, tiny_model_dir: Path
+) -> None:
+    """A sampled reply whose text re-tokenizes to other ids (a merge the model split): the
+    window sends the ids the model produced with it, so the next turn reads none of it again."""
+    window = make_window()
+    show_and_wait(qtbot, window)
+    settings(window, temperature=100, max_tokens=6)
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+    def sample(seed: int) -> GenerationResult:  # a new chat's first reply with this seed
+        window.menus.new_action.trigger()
+        window.controls.seed.setText(str(seed))
+        return send_and_wait(qtbot, window, "Hello there")
+
+    # 166 is the tiny model's first such seed today; each reply is checked, not assumed.
+    first = first_split_reply(sample, tokenizer, {tokenizer.eos_token_id}, range(166, 766))[1]
+    second = send_and_wait(qtbot, window, "And then?")
+    record = ledger(engine_events, second.request_id)
+    # The first turn's prompt and every reply token fed back (all but the last sampled one).
+    assert record.cached_tokens == len(first.prompt_token_ids) + len(first.token_ids) - 1
+    assert record.cache_miss_reason == "none"
+    window.close()
 
 
 # ----- Compare, opened from the window's menu -----------------------------------------------------

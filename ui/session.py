@@ -168,6 +168,10 @@ class ChatSession:
         self.editing_message_id: int | None = None
         # Saved reply -> the request that wrote it this session (the HUD has its live numbers).
         self.reply_of_message: dict[int, str] = {}
+        # Saved reply -> the ids its model produced, and that model (ChatMessage.token_ids), so
+        # the next turn's prompt holds the reply as the prefix cache does. Kept for the session
+        # only: the cache itself lives in memory, and a new session encodes the text afresh.
+        self.reply_ids: dict[int, ChatMessage] = {}
 
     # ----- queries ----------------------------------------------------------------------------
     @property
@@ -207,7 +211,12 @@ class ChatSession:
             history.append(ChatMessage("system", conv.system_prompt))
         for m in self.store.messages(conv_id):
             if m.content and m.status != "error" and m.role in ("user", "assistant"):
-                history.append(ChatMessage(cast(Role, m.role), m.content))
+                message = ChatMessage(cast(Role, m.role), m.content)
+                produced = self.reply_ids.get(m.id)
+                if produced is not None:  # the prompt checks they still decode to the text
+                    message = replace(message, token_ids=produced.token_ids,
+                                      token_model=produced.token_model)
+                history.append(message)
         return history
 
     # ----- starting replies -------------------------------------------------------------------
@@ -357,6 +366,7 @@ class ChatSession:
             message_id = self.store.add_message(conv_id, "assistant", result.text,
                                                 status=status, settings=alts.settings)
             self.reply_of_message[message_id] = alts.request_ids[index]
+            self.reply_ids[message_id] = result.as_message()
             self.store.finish_message(message_id, result.text, status, metrics_dict(result))
         except StoreError as exc:
             self.view.notify(store_message(str(exc)))
@@ -439,6 +449,7 @@ class ChatSession:
             self.view.reply_finished(result)
             return
         status = FINISH_STATUS.get(result.finish_reason, DONE)
+        self.reply_ids[reply.message_id] = result.as_message()
         try:
             self.store.finish_message(reply.message_id, result.text, status,
                                       metrics_dict(result))

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.chat_template import FALLBACK_STOPS, encode_chat_with_spans
+from engine.chat_template import FALLBACK_STOPS, encode_chat_layout
 from engine.errors import ContextOverflowError, InvalidRequestError
 from engine.events import ModelInfo
 from engine.params import ChatMessage, GenerationRequest
@@ -87,12 +87,13 @@ def _drop_oldest_to_fit(
 
 
 def _encode_messages(model: ChatModel, messages: list[ChatMessage]) -> PreparedPrompt:
-    ids, spans = encode_chat_with_spans(model.tokenizer, messages)
-    if not ids:
+    chat = encode_chat_layout(model.tokenizer, messages, model_identity=model.info.identity)
+    if not chat.ids:
         raise InvalidRequestError("prompt is empty")
-    assistant = [s for s in spans if s[0] == "assistant"]
+    assistant = [s for s in chat.spans if s[0] == "assistant"]
     layout = PromptLayout(
-        spans=tuple(spans),
+        spans=tuple(chat.spans),
         generated_span=(assistant[-1][1], assistant[-1][2]) if assistant else None,
+        edited_replies=chat.edited_replies,
     )
-    return PreparedPrompt(ids, layout)
+    return PreparedPrompt(chat.ids, layout)

@@ -1,0 +1,38 @@
+"""Sampled replies whose text re-tokenizes to other ids than the model produced (a BPE merge
+the model split), the case that made a next turn's prompt part from the cached reply."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from engine.events import GenerationResult
+
+
+def reply_body(result: GenerationResult, end_ids: set[int]) -> list[int]:
+    """The reply's ids less a final end-of-turn token (it is the template's, not the text's)."""
+    ids = list(result.token_ids)
+    return ids[:-1] if ids and ids[-1] in end_ids else ids
+
+
+def splits_on_retokenizing(tokenizer: Any, result: GenerationResult, end_ids: set[int]) -> bool:
+    """The reply's ids decode to exactly its text, and re-tokenizing that text gives other ids
+    (plain readable text, so the split is a merge, not a broken UTF-8 byte)."""
+    body = reply_body(result, end_ids)
+    text = result.text
+    if not body or "\ufffd" in text or not text.isprintable():
+        return False
+    retokenized = list(tokenizer(text, add_special_tokens=False,
+                                 split_special_tokens=True)["input_ids"])
+    return tokenizer.decode(body, skip_special_tokens=False) == text and retokenized != body
+
+
+def first_split_reply(sample: Callable[[int], GenerationResult], tokenizer: Any,
+                      end_ids: set[int], seeds: range) -> tuple[int, GenerationResult]:
+    """The first seed in `seeds` whose sampled reply splits on re-tokenizing (deterministic:
+    the same seed samples the same reply); AssertionError if none does."""
+    for seed in seeds:
+        result = sample(seed)
+        if splits_on_retokenizing(tokenizer, result, end_ids):
+            return seed, result
+    raise AssertionError(f"no seed in {seeds} samples a reply that re-tokenizes differently")
