@@ -73,6 +73,8 @@ class TorchRunner:
         return prefill.run(self.prefill_chunk, reply.job.cancel)
 
     def forward(self, lease: CacheLease, ids: list[int], rows: int) -> torch.Tensor:
+        if not 1 <= rows <= len(ids):  # as llama.cpp's runner: rows are positions fed now
+            raise ValueError(f"need 1 <= rows <= {len(ids)}")
         input_ids = torch.tensor([ids], device=self.loaded.device)
         out = self.loaded.model(input_ids=input_ids, cache=lease.cache, use_cache=True,
                                 logits_to_keep=rows)

@@ -110,8 +110,8 @@ class SoloSession:
     """Runs one request to completion on the engine thread, on any runtime's SoloRunner."""
 
     def __init__(self, model: ChatModel, runner: SoloRunner, cache: PrefixCache,
-                 vocab: Vocabulary, draft: TokenProposer | None = None,
-                 device: torch.device | str = "cpu") -> None:
+                 vocab: Vocabulary, draft: TokenProposer | None,
+                 device: torch.device | str) -> None:
         self.model = model
         self.runner = runner
         self.cache = cache
