@@ -41,9 +41,16 @@ def _env(home: Path) -> dict[str, str]:
             "HF_HUB_OFFLINE": "1"}
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    """In the child before it runs: Ctrl+C at its default. A test runner started in the
+    background (`cmd &`) ignores SIGINT, and a child would inherit that and never see it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(args: list[str], home: Path) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=_env(home), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=_ctrl_c_as_in_a_terminal)
 
 
 def _finish(proc: subprocess.Popen[str]) -> tuple[int, str, str]:

@@ -394,6 +394,9 @@ def _ctrl_c_body() -> dict:
     from engine.bench import fixed_prompt_ids
     from engine.llamacpp.graph_meter import GraphMeter
 
+    # Ctrl+C as in a terminal: a test runner started in the background (`cmd &`) ignores
+    # SIGINT, and this child would inherit that.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     loaded = load_default()
     ids = fixed_prompt_ids(loaded, loaded.n_batch)
     under_way = threading.Event()
