@@ -191,3 +191,25 @@ def test_stop_while_the_draft_reads_the_prompt_ends_the_reply_with_no_token(
     assert (result.finish_reason, result.token_ids) == ("cancelled", [])
     assert not [e for e in events if isinstance(e, TokenEmitted)]
     assert pool._entries["c"].ids == result.prompt_token_ids
+
+
+def test_a_prompt_that_fails_to_read_in_a_batch_discards_its_lease(
+        tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batch's prefill fails: the request reports that error (not another one from the
+    clean-up), its lease is discarded, and the chat's next turn says "evicted"."""
+    boom = RuntimeError("device lost")
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise boom
+
+    pool = pool_for(tiny)
+    failures: list[tuple[Any, BaseException | None]] = []
+    batcher = Batcher(tiny, pool, lambda job, event: None,
+                      lambda job, result, error: failures.append((job, error)))
+    job = DetachedJob(request(tiny, conversation="p"))
+    monkeypatch.setattr(tiny.model, "forward", failing)
+    batcher.admit([job])
+    monkeypatch.undo()
+    assert failures == [(job, boom)] and not batcher.rows and not pool._leased
+    lease = pool.acquire("p", fixed_prompt_ids(tiny, 12))
+    assert (lease.cached_tokens, lease.miss_reason) == (0, "evicted")
