@@ -27,11 +27,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import runtimes
+from engine.core.ledger import common_prefix_len
 from engine.core.prompt import prepare_prompt
 from engine.events import GenerationResult
 from engine.metrics import RequestTimeline, now_ns
 from engine.params import ChatMessage, GenerationRequest, SamplingParams
-from engine.prefix_cache import common_prefix_len
 
 PROMPT = "Write a long, detailed story about a lighthouse keeper and a storm."
 NEXT = "Now make it shorter."

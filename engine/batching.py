@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.core.batch import BatchCore, Done, Emit, alternative_cache_key
+from engine.core.ledger import CacheLease
 from engine.core.reply import Reply, ReplyJob, open_reply, sibling_reply
 from engine.core.schedule import (
     CHUNK_STALL,
@@ -32,7 +33,7 @@ from engine.generate import ChunkedPrefill, default_prefill_chunk, torch_vocabul
 from engine.loader import LoadedModel
 from engine.metrics import now_ns
 from engine.params import GenerationRequest
-from engine.prefix_cache import CacheLease, PrefixCache, crop_to, new_cache
+from engine.prefix_cache import PrefixCache, crop_to, new_cache
 from engine.side_prefill import SidePrefill, can_prefill_beside
 from engine.side_thread import step_rows_beside
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from engine import runtimes, side_prefill
+from engine.core.ledger import KvLedger
 from engine.core.prompt import prepare_prompt
 from engine.core.reply import DetachedJob
 from engine.draft import DraftModel
@@ -31,7 +32,6 @@ from engine.metrics import RequestTimeline, now_ns, percentiles
 from engine.native import NativeCrashError
 from engine.params import ChatMessage, GenerationRequest, SamplingParams, Speculative
 from engine.peers import LlamaCppPeer, PeerResult, gguf_for, result_from_stamps
-from engine.prefix_cache import PrefixCache
 
 PeerRunner = Callable[[list[int], int], PeerResult]
 
@@ -59,7 +59,7 @@ def run_ours(
     loaded: LoadedModel,
     prompt_ids: list[int],
     max_tokens: int,
-    cache: PrefixCache | None = None,
+    cache: KvLedger[Any] | None = None,
     conversation_id: str | None = None,
     reuse_cache: bool = True,
     speculative: Speculative | None = None,
@@ -505,7 +505,6 @@ def _interference_batcher(loaded: LoadedModel, mode: str,
     schedule); beside: the engine's own schedule, a long prompt on a side context (llama.cpp)
     or in a side thread (torch on a CPU). `progress` collects each request's PrefillProgress
     stamps."""
-    pool = runtimes.new_prefix_cache(loaded, budget_bytes=1 << 40)
     whole = mode == "one_pass"
 
     def emit(_job: Any, event: Any) -> None:
@@ -517,13 +516,17 @@ def _interference_batcher(loaded: LoadedModel, mode: str,
 
     if runtimes.is_llama_cpp(loaded):
         from engine.llamacpp.batcher import LlamaBatcher
+        from engine.llamacpp.prefix_pool import SeqPrefixCache
 
         native: int = loaded.n_batch  # type: ignore[attr-defined]  # a LlamaCppModel here
-        return LlamaBatcher(loaded, pool, emit, done,  # type: ignore[arg-type]
+        seqs = SeqPrefixCache(loaded, budget_bytes=1 << 40)  # type: ignore[arg-type]  # the same
+        return LlamaBatcher(loaded, seqs, emit, done,  # type: ignore[arg-type]
                             interleave=not whole, beside=mode == "beside",
                             lone_chunk=native if whole else None)
     from engine.batching import Batcher
+    from engine.prefix_cache import PrefixCache
 
+    pool = PrefixCache(loaded.model.config, budget_bytes=1 << 40)
     return Batcher(loaded, pool, emit, done, interleave=not whole, beside=mode == "beside",
                    prefill_chunk=1 << 30 if whole else None)
 

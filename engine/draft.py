@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
+from engine.core.ledger import common_prefix_len
 from engine.errors import ModelLoadError
 from engine.loader import LoadedModel, load_model
-from engine.prefix_cache import RollbackError, common_prefix_len, crop_to, new_cache
+from engine.prefix_cache import RollbackError, crop_to, new_cache
 from engine.speculative import TokenProposer
 
 VOCAB_SAMPLE = 64  # evenly spaced token ids compared between the two vocabularies

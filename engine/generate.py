@@ -15,6 +15,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
+from engine.core.ledger import CacheLease
 from engine.core.prompt import template_stops
 from engine.core.reply import EmitEvent, Reply, Vocabulary
 from engine.core.schedule import CPU_PREFILL_CHUNK, GPU_PREFILL_CHUNK, PREFILL_CHUNK_ENV
@@ -22,7 +23,7 @@ from engine.core.solo import SoloSession
 from engine.layer_progress import LayerProgress, decoder_layers
 from engine.loader import LoadedModel
 from engine.prefill_progress import PrefillReporter
-from engine.prefix_cache import CacheLease, PrefixCache, crop_to, model_rollback_blocker
+from engine.prefix_cache import PrefixCache, checkpoint_if_due, crop_to, model_rollback_blocker
 from engine.speculative import TokenProposer
 
 
@@ -133,7 +134,7 @@ class ChunkedPrefill:
             out = self.loaded.model(input_ids=input_ids, cache=self.lease.cache,
                                     use_cache=True, logits_to_keep=1)
         self.lease.ids.extend(chunk)
-        self.lease.fed()  # a recurrent cache keeps a checkpoint one token before the end
+        checkpoint_if_due(self.lease)  # a recurrent cache: a checkpoint one token before the end
         self.done += len(chunk)
         logits = out.logits[0, -1:]
         if logits.device.type == "cuda":

@@ -1,9 +1,7 @@
-"""Prefix KV cache: reuse what was computed for the shared start of a prompt.
+"""The torch runtime's prefix-cache store: each entry's KV is a transformers cache.
 
-Each conversation keeps the token ids and KV cache of what it last computed. A new prompt
-reuses the longest common prefix with its own conversation's entry, or, when another entry
-shares a longer prefix (a new chat with the same system prompt), a cropped copy of that one.
-All entries form one pool, evicted least-recently-used under a byte budget.
+The ledger (which chat holds what, LRU under a byte budget, why a turn missed) is the core's
+KvLedger (engine/core/ledger.py); this module is what only torch does under it.
 
 Every cache comes from new_cache(), whose layers can be cut back to any earlier length
 (sliding-window layers keep every position; short-convolution layers record their input).
@@ -13,52 +11,19 @@ whose reply re-tokenized differently, restores it and recomputes only what follo
 that shares less than that is computed cold, and the ledger says why ("recurrent_state").
 
 Only the engine thread touches this object. transformers is imported inside the functions
-that touch its caches: the llama.cpp engine's pool (engine/llamacpp/prefix_pool.py) shares the
-ledger and never loads it (start-up time).
+that touch its caches: the llama.cpp engine never loads it (start-up time).
 """
 
 from __future__ import annotations
 
 import copy
-import itertools
-from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from engine.core.ledger import CacheLease, KvCheckpoint, KvLedger
+
 if TYPE_CHECKING:
     from transformers import DynamicCache
-
-MISS_REASONS = (
-    "none",
-    "first_turn",
-    "edited_history",
-    "system_prompt_changed",
-    "evicted",
-    "model_changed",
-    "template_mismatch",  # a reply's text re-tokenized unlike the ids its model produced
-    "edited_reply",  # a reply's text was changed after its model produced it
-    "dropped_old_turns",
-    "disabled",
-    "sliding_window",  # a rolling sliding-window layer no longer holds the shared prefix
-    "recurrent_state",  # a recurrent (linear-attention) state cannot go back to the prefix
-)
-_anonymous = itertools.count(1)
-
-
-def _conversation(conversation_id: str | None) -> str:
-    """The cache key of a request's chat; a request outside any chat gets one of its own."""
-    return conversation_id or f"anon-{next(_anonymous)}"
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the usual case (a cache that holds all it shares), at C speed
-        return n
-    i = 0
-    while i < n and a[i] == b[i]:  # bounded: a list and a tuple never compare equal above
-        i += 1
-    return i
 
 
 class RollbackError(RuntimeError):
@@ -217,235 +182,60 @@ def crop_to(cache: Any, length: int) -> None:
             DynamicLayer.crop(layer, -extra)  # type: ignore[arg-type]  # any layer with keys
 
 
-@dataclass
-class CacheEntry:
-    ids: list[int]
-    cache: Any
-    nbytes: int
-    checkpoint: Checkpoint | None = None  # recurrent caches: where they can go back to
-
-    def reach(self, shared: int) -> int:
-        """How many of the `shared` leading tokens this entry can lend: all of them, where
-        its cache can be cut back there (or needs no cut), else its checkpoint, else none."""
-        if shared >= len(self.ids) or rollback_blocker(self.cache) is None:
-            return shared
-        cp = self.checkpoint
-        return cp.length if cp is not None and cp.length <= shared else 0
+def checkpoint_if_due(lease: CacheLease) -> None:
+    """After each prefill forward: take the checkpoint if the cache has reached it."""
+    if lease.checkpoint_at is not None and len(lease.ids) == lease.checkpoint_at:
+        lease.checkpoint = take_checkpoint(lease.cache, lease.checkpoint_at)
 
 
-@dataclass
-class CacheLease:
-    """A KV cache handed to one request. ids always mirrors what the cache holds."""
-
-    conversation_id: str
-    ids: list[int]
-    cache: Any
-    cached_tokens: int
-    miss_reason: str
-    checkpoint: Checkpoint | None = None
-    checkpoint_at: int | None = None  # recurrent caches: take a checkpoint at this length
-
-    def chunk_limit(self, tokens: int) -> int:
-        """A prefill chunk's size: at most `tokens`, ending where a checkpoint is due."""
-        due = self.checkpoint_at - len(self.ids) if self.checkpoint_at is not None else 0
-        return due if 0 < due < tokens else tokens
-
-    def fed(self) -> None:
-        """After each prefill forward: take the checkpoint if the cache has reached it."""
-        if self.checkpoint_at is not None and len(self.ids) == self.checkpoint_at:
-            self.checkpoint = take_checkpoint(self.cache, self.checkpoint_at)
+def _torch_checkpoint(checkpoint: KvCheckpoint | None) -> Checkpoint | None:
+    assert checkpoint is None or isinstance(checkpoint, Checkpoint)
+    return checkpoint
 
 
-@dataclass(frozen=True)
-class PromptLayout:
-    """Token spans of the prompt's messages, to explain a miss: (role, start, end)."""
+class TorchKvStore:
+    """KvStore over transformers caches: a handle is the cache object itself."""
 
-    spans: tuple[tuple[str, int, int], ...] = ()
-    generated_span: tuple[int, int] | None = None  # the last reply we generated, if in prompt
-    dropped_messages: int = 0  # oldest turns dropped to fit the context
-    # Indices into spans of replies whose text was changed since their model produced it.
-    edited_replies: tuple[int, ...] = ()
+    can_lend = True
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.takes_checkpoints = model_rollback_blocker(config) == "recurrent_state"
+
+    def fresh(self) -> DynamicCache:
+        return new_cache(self.config)
+
+    def lend(self, donor: Any, checkpoint: KvCheckpoint | None, length: int) -> Any:
+        cache = copy.deepcopy(donor)
+        cut_to(cache, _torch_checkpoint(checkpoint), length)
+        return cache
+
+    def cut(self, handle: Any, checkpoint: KvCheckpoint | None, length: int) -> None:
+        cut_to(handle, _torch_checkpoint(checkpoint), length)
+
+    def blocker(self, handle: Any) -> str | None:
+        return rollback_blocker(handle)
+
+    def length(self, handle: Any) -> int:
+        return int(handle.get_seq_length())
+
+    def nbytes(self, handle: Any, tokens: int, checkpoint: KvCheckpoint | None) -> int:
+        return cache_nbytes(handle) + (checkpoint.nbytes if checkpoint else 0)
+
+    def free(self, handle: Any) -> None:
+        """Nothing to do: the garbage collector frees a cache no one holds."""
 
 
-class PrefixCache:
+class PrefixCache(KvLedger[Any]):
+    """The torch engine's prefix cache: the core's ledger over transformers caches."""
+
+    store: TorchKvStore
+
     def __init__(self, config: Any, budget_bytes: int) -> None:
-        self._config = config
-        self._checkpoints = model_rollback_blocker(config) == "recurrent_state"
-        self.budget_bytes = budget_bytes
-        self._entries: OrderedDict[str, CacheEntry] = OrderedDict()  # LRU order: oldest first
-        self._evicted: set[str] = set()
-        self._model_changed: set[str] = set()
-        self._leased: set[str] = set()  # handed out and not yet back (lost if a request failed)
-        self.evictions = 0
-
-    @property
-    def used_bytes(self) -> int:
-        return sum(e.nbytes for e in self._entries.values())
-
-    def conversations(self) -> list[str]:
-        return list(self._entries)
+        super().__init__(TorchKvStore(config), budget_bytes)
 
     def reset(self, *, model_changed: bool = False, config: Any = None) -> None:
-        """Drop every entry (on a model switch the next turn of each chat says why)."""
+        """Drop every entry; with `config`, new caches are made for that model."""
         if config is not None:
-            self._config = config
-            self._checkpoints = model_rollback_blocker(config) == "recurrent_state"
-        if model_changed:
-            self._model_changed |= set(self._entries) | self._evicted
-        self._entries.clear()
-        self._evicted.clear()
-
-    def inherit_ledger(self, previous: PrefixCache) -> None:
-        """Take over which chats lost their cache in `previous` (the pool this one replaces,
-        e.g. on a switch between engines), so each one's next turn still says why."""
-        self._model_changed |= previous._model_changed
-        self._evicted |= previous._evicted
-
-    def evict_all(self) -> None:
-        """Free every entry (after an out-of-memory error); each chat's next turn says
-        "evicted"."""
-        self.evictions += len(self._entries)
-        self._evicted |= set(self._entries) | self._leased
-        self._entries.clear()
-
-    def drop(self, conversation_id: str) -> None:
-        self._entries.pop(conversation_id, None)
-
-    def adopt(self, source: str, target: str) -> None:
-        """Make source's entry target's own (a kept alternative becomes its chat's cache, so
-        the next turn is that chat's own hit, not a donor borrowed under a wrong reason)."""
-        entry = self._entries.pop(source, None)
-        if entry is None:
-            return
-        self._entries[target] = entry
-        self._entries.move_to_end(target)
-        self._evicted.discard(target)
-        self._model_changed.discard(target)
-
-    def acquire(
-        self,
-        conversation_id: str | None,
-        prompt_ids: Sequence[int],
-        layout: PromptLayout | None = None,
-    ) -> CacheLease:
-        """A cache holding the longest reusable prefix of prompt_ids (at most len - 1 tokens,
-        so the model always runs at least one token for fresh logits)."""
-        conv, own = self._take_turn(conversation_id)
-        limit = len(prompt_ids) - 1
-        shared = min(common_prefix_len(own.ids, prompt_ids), limit) if own else 0
-        own_len = own.reach(shared) if own else 0
-        donor_id, donor_len = self._best_donor(prompt_ids, limit)
-        checkpoint = None
-        if own is not None and own_len > 0 and own_len >= donor_len:
-            cache, ids, checkpoint = own.cache, own.ids[:own_len], own.checkpoint
-            cut_to(cache, checkpoint, own_len)
-        elif donor_id is not None and donor_len > 0:
-            self._entries.move_to_end(donor_id)
-            donor = self._entries[donor_id]
-            cache, checkpoint = copy.deepcopy(donor.cache), donor.checkpoint
-            cut_to(cache, checkpoint, donor_len)
-            ids = list(prompt_ids[:donor_len])
-        else:
-            cache, ids = new_cache(self._config), []
-        # what the prompt shares, the cache could not go back to
-        blocked = rollback_blocker(own.cache) if own is not None and len(ids) < shared else None
-        reason = self._miss_reason(conv, own, prompt_ids, shared, limit, layout, blocked)
-        if checkpoint is not None and checkpoint.length > len(ids):
-            checkpoint = None
-        due = limit if self._checkpoints and limit > len(ids) else None
-        return CacheLease(conv, ids, cache, len(ids), reason, checkpoint, due)
-
-    def cold_lease(self, conversation_id: str | None) -> CacheLease:
-        """An empty cache for a request that must not reuse anything."""
-        conv, _ = self._take_turn(conversation_id)
-        return CacheLease(conv, [], new_cache(self._config), 0, "disabled")
-
-    def release(self, lease: CacheLease) -> None:
-        """Give a lease's cache back to the pool, then evict down to the budget."""
-        self._leased.discard(lease.conversation_id)
-        if not lease.ids or lease.cache.get_seq_length() != len(lease.ids):
-            return
-        checkpoint = lease.checkpoint
-        if checkpoint is not None and checkpoint.length > len(lease.ids):
-            checkpoint = None
-        nbytes = cache_nbytes(lease.cache) + (checkpoint.nbytes if checkpoint else 0)
-        self._entries[lease.conversation_id] = CacheEntry(list(lease.ids), lease.cache, nbytes,
-                                                          checkpoint)
-        self._entries.move_to_end(lease.conversation_id)
-        self._evicted.discard(lease.conversation_id)
-        self._model_changed.discard(lease.conversation_id)
-        self._evict_to_budget()
-
-    def discard(self, lease: CacheLease) -> None:
-        """A failed request's lease: its cache is in an unknown state and goes; its chat's
-        next turn says "evicted"."""
-        lease.cache = None
-        self._leased.discard(lease.conversation_id)
-        self._evicted.add(lease.conversation_id)
-
-    def _evict_to_budget(self) -> None:
-        while self._entries and self.used_bytes > self.budget_bytes:
-            conv, _ = self._entries.popitem(last=False)
-            self._evicted.add(conv)
-            self.evictions += 1
-
-    def _best_donor(self, prompt_ids: Sequence[int], limit: int) -> tuple[str | None, int]:
-        best_id, best_len = None, 0
-        for conv, entry in self._entries.items():
-            n = entry.reach(min(common_prefix_len(entry.ids, prompt_ids), limit))
-            if n > best_len:
-                best_id, best_len = conv, n
-        return best_id, best_len
-
-    def _take_turn(self, conversation_id: str | None) -> tuple[str, CacheEntry | None]:
-        """A lease starts: the chat's key (a fresh anonymous one if none), marked leased, and
-        its own entry, taken out of the pool (it comes back with the lease)."""
-        conv = _conversation(conversation_id)
-        if conv in self._leased:  # the last request of this chat failed and lost its cache
-            self._evicted.add(conv)
-        self._leased.add(conv)
-        return conv, self._entries.pop(conv, None)
-
-    def _miss_reason(self, conv: str, own: CacheEntry | None, prompt_ids: Sequence[int],
-                     matched: int, limit: int, layout: PromptLayout | None,
-                     blocked: str | None = None) -> str:
-        """Why the lease holds less than the prompt: the ledger's one answer. `blocked`: the
-        cache could not be cut back to what the prompt shares (recurrent state)."""
-        if own is None:
-            reason = self._fresh_reason(conv)
-        else:
-            reason = blocked or self._own_reason(own.ids, prompt_ids, matched, limit, layout)
-        if layout is not None and layout.dropped_messages and reason != "first_turn":
-            reason = "dropped_old_turns"
-        return reason
-
-    def _fresh_reason(self, conv: str) -> str:
-        if conv in self._model_changed:
-            return "model_changed"
-        if conv in self._evicted:
-            return "evicted"
-        return "first_turn"
-
-    @staticmethod
-    def _own_reason(
-        old_ids: Sequence[int],
-        prompt_ids: Sequence[int],
-        matched: int,
-        limit: int,
-        layout: PromptLayout | None,
-    ) -> str:
-        if matched >= min(len(old_ids), limit):
-            return "none"
-        if layout is None:
-            return "edited_history"
-        for i in layout.edited_replies:
-            if layout.spans[i][1] <= matched < layout.spans[i][2]:
-                return "edited_reply"
-        if layout.generated_span and layout.generated_span[0] <= matched < layout.generated_span[1]:
-            # Replies carry the ids their model produced (ChatMessage.token_ids), so this is a
-            # reply without them: from before a restart, another model or a remote server.
-            return "template_mismatch"
-        for role, start, end in layout.spans:
-            if start <= matched < end:
-                return "system_prompt_changed" if role == "system" else "edited_history"
-        return "edited_history"
+            self.store = TorchKvStore(config)
+        super().reset(model_changed=model_changed)

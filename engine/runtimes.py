@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from engine.core.ledger import KvLedger
 from engine.errors import ModelLoadError
 from engine.loader import classify, load_model
 from engine.prefix_cache import PrefixCache
@@ -96,7 +97,7 @@ def is_llama_cpp(loaded: Model) -> bool:
     return bool(loaded.info.engine == LLAMA_CPP)
 
 
-def new_prefix_cache(loaded: Model, budget_bytes: int) -> PrefixCache:
+def new_prefix_cache(loaded: Model, budget_bytes: int) -> KvLedger[Any]:
     """The prefix cache for this model: KV tensors (torch) or KV sequences (llama.cpp)."""
     if is_llama_cpp(loaded):
         from engine.llamacpp.prefix_pool import SeqPrefixCache
@@ -165,14 +166,14 @@ def close(loaded: Model | None) -> None:
         loaded.close()
 
 
-def switch_prefix_cache(pool: PrefixCache | None, old: Model | None, loaded: Model,
-                        budget_bytes: int) -> PrefixCache:
+def switch_prefix_cache(pool: KvLedger[Any] | None, old: Model | None, loaded: Model,
+                        budget_bytes: int) -> KvLedger[Any]:
     """The prefix cache for a newly loaded model. Every old entry goes (each chat's next turn
     says "model_changed"); a torch pool is reused for a torch model, any other switch gets a
     new pool that keeps the old one's ledger."""
     if pool is None:
         return new_prefix_cache(loaded, budget_bytes)
-    if old is not None and not is_llama_cpp(old) and not is_llama_cpp(loaded):
+    if isinstance(pool, PrefixCache) and old is not None and not is_llama_cpp(loaded):
         pool.reset(model_changed=True, config=loaded.model.config)
         pool.budget_bytes = budget_bytes
         return pool

@@ -20,12 +20,12 @@ import time
 
 import torch
 
+from engine.core.ledger import CacheLease
 from engine.core.schedule import FIRST_SIDE_CHUNK, SIDE_MIN_TOKENS, next_side_chunk
 from engine.events import PrefillProgress
 from engine.generate import ChunkedPrefill
 from engine.kernels import allowed_cpus
 from engine.loader import LoadedModel
-from engine.prefix_cache import CacheLease
 from engine.side_thread import SideWorker
 
 

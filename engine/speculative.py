@@ -27,8 +27,8 @@ from typing import Protocol
 
 import torch
 
+from engine.core.ledger import common_prefix_len
 from engine.params import SamplingParams
-from engine.prefix_cache import common_prefix_len
 from engine.sampling import apply_repetition_penalty, check_logits, filtered_probs
 
 DRAFT_TOKENS = 6

@@ -20,6 +20,7 @@ import torch
 from engine import runtimes
 from engine.batching import batchable
 from engine.core.batch import alternative_cache_key
+from engine.core.ledger import KvLedger
 from engine.draft import DraftModel
 from engine.errors import ContextOverflowError, ModelLoadError, PhasewiseError
 from engine.events import (
@@ -38,7 +39,6 @@ from engine.events import (
 from engine.listeners import EventSource
 from engine.metrics import RequestTimeline, now_ns
 from engine.params import GenerationRequest
-from engine.prefix_cache import PrefixCache
 from engine.protocol import SPECULATIVE_METHODS, Backend, Capabilities, RequestHandle
 
 if TYPE_CHECKING:
@@ -153,7 +153,7 @@ class Engine(EventSource, Backend):
         self._init_listeners()
         self._thread = threading.Thread(target=self._run, name="phasewise-engine", daemon=True)
         self._loaded: runtimes.Model | None = None  # a torch LoadedModel or a LlamaCppModel
-        self._prefix_cache: PrefixCache | None = None
+        self._prefix_cache: KvLedger[Any] | None = None
         # for speculative="draft", on the model's runtime; dropped on model change
         self._draft: DraftModel | LlamaDraftModel | None = None
         self._cache_budget = cache_budget_bytes
@@ -195,7 +195,7 @@ class Engine(EventSource, Backend):
         return replace(LOCAL_CAPABILITIES, shared_prefill_alternatives=self._batching)
 
     @property
-    def prefix_cache(self) -> PrefixCache | None:
+    def prefix_cache(self) -> KvLedger[Any] | None:
         """For tests and benchmarks; read it only while the engine is idle."""
         return self._prefix_cache
 

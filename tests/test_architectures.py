@@ -24,6 +24,7 @@ from engine.layer_progress import LayerProgress, decoder_layers
 from engine.prefix_cache import (
     PrefixCache,
     RollbackError,
+    checkpoint_if_due,
     crop_to,
     cut_to,
     model_rollback_blocker,
@@ -203,7 +204,7 @@ def test_cache_crops_back_past_the_window_exactly(arch: Arch) -> None:
     with torch.inference_mode():
         model(input_ids=torch.tensor([ids[:-1]]), cache=lease.cache, use_cache=True)
         lease.ids.extend(ids[:-1])
-        lease.fed()
+        checkpoint_if_due(lease)
         keep = TINY_WINDOW // 2
         if not arch.rolls_back:
             with pytest.raises(RollbackError, match="recurrent_state"):

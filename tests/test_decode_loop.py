@@ -210,10 +210,10 @@ def test_prefill_chunk_size_per_device_and_override(monkeypatch: pytest.MonkeyPa
 
 
 def test_a_taken_token_is_stamped_on_the_timeline(tiny: LoadedModel) -> None:
+    from engine.core.ledger import CacheLease
     from engine.core.prompt import PreparedPrompt
     from engine.core.reply import DetachedJob, Reply
     from engine.generate import torch_vocabulary
-    from engine.prefix_cache import CacheLease
 
     request = GenerationRequest([], SamplingParams(temperature=0.0, max_tokens=5),
                                 prompt_token_ids=[1, 2, 3])

@@ -15,10 +15,11 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from engine import prefix_cache
+from engine.core.ledger import common_prefix_len
 from engine.detok import IncrementalDetokenizer, StopMatcher
 from engine.errors import SamplingError
 from engine.params import SamplingParams
-from engine.prefix_cache import PrefixCache, common_prefix_len
+from engine.prefix_cache import PrefixCache
 from engine.sampling import filtered_probs, make_generator, sample_token
 from ui.markdown import is_safe_link, render_markdown
 

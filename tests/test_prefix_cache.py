@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from engine import ChatMessage, Engine, GenerationRequest, SamplingParams, TokenEmitted
+from engine.core.ledger import common_prefix_len
 from engine.loader import load_model
-from engine.prefix_cache import PrefixCache, cache_nbytes, common_prefix_len
+from engine.prefix_cache import PrefixCache, cache_nbytes
 from tests.support.prefix_cache import assert_cached_matches_cold, feed
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
@@ -251,7 +252,7 @@ def test_a_prompt_of_one_token_reuses_nothing() -> None:
 
 
 def test_an_edit_reuses_up_to_the_edit_and_names_where_it_was() -> None:
-    from engine.prefix_cache import PromptLayout
+    from engine.core.ledger import PromptLayout
 
     pool = PrefixCache(None, budget_bytes=1 << 20)
     old = [1, 2, 3, 4, 5, 6, 7, 8, 9]
@@ -276,7 +277,7 @@ def test_an_edited_reply_is_named_where_its_span_is() -> None:
     """Spans of replies whose text changed since their model produced them (the encoder
     flags them) say edited_reply, the last reply's or an earlier one's; elsewhere the reasons
     stay as they were."""
-    from engine.prefix_cache import PromptLayout
+    from engine.core.ledger import PromptLayout
 
     pool = PrefixCache(None, budget_bytes=1 << 20)
     old = [1, 2, 3, 4, 5, 6, 7, 8, 9]
@@ -292,7 +293,7 @@ def test_an_edited_reply_is_named_where_its_span_is() -> None:
 
 
 def test_an_edit_with_no_generated_span_is_an_edit() -> None:
-    from engine.prefix_cache import PromptLayout
+    from engine.core.ledger import PromptLayout
 
     pool = PrefixCache(None, budget_bytes=1 << 20)
     run_turn(pool, "c", [1, 2, 3, 4])
@@ -301,7 +302,7 @@ def test_an_edit_with_no_generated_span_is_an_edit() -> None:
 
 
 def test_dropped_old_turns_is_named_unless_it_is_the_first_turn() -> None:
-    from engine.prefix_cache import PromptLayout
+    from engine.core.ledger import PromptLayout
 
     pool = PrefixCache(None, budget_bytes=1 << 20)
     dropped = PromptLayout(dropped_messages=2)
@@ -570,7 +571,7 @@ def test_drop_forgets_a_chat_entry() -> None:
 
 
 def test_chunk_limit_ends_a_chunk_where_a_checkpoint_is_due() -> None:
-    from engine.prefix_cache import CacheLease
+    from engine.core.ledger import CacheLease
 
     lease = CacheLease("c", [1, 2, 3], None, 3, "none", checkpoint_at=10)
     assert [lease.chunk_limit(n) for n in (1, 6, 7, 8, 100)] == [1, 6, 7, 7, 7]
@@ -579,19 +580,20 @@ def test_chunk_limit_ends_a_chunk_where_a_checkpoint_is_due() -> None:
     assert CacheLease("c", [1], None, 1, "none").chunk_limit(64) == 64
 
 
-def test_fed_takes_the_checkpoint_only_at_its_length() -> None:
+def test_a_checkpoint_is_taken_only_at_its_length_only_at_its_length() -> None:
     from transformers import DynamicCache
 
-    from engine.prefix_cache import CacheLease
+    from engine.core.ledger import CacheLease
+    from engine.prefix_cache import checkpoint_if_due
 
     lease = CacheLease("c", [1, 2], DynamicCache(), 2, "none", checkpoint_at=3)
-    lease.fed()
+    checkpoint_if_due(lease)
     assert lease.checkpoint is None
     lease.ids.append(3)
-    lease.fed()
+    checkpoint_if_due(lease)
     assert lease.checkpoint is not None and lease.checkpoint.length == 3
     plain = CacheLease("c", [1, 2], DynamicCache(), 2, "none")
-    plain.fed()
+    checkpoint_if_due(plain)
     assert plain.checkpoint is None
 
 
@@ -599,19 +601,21 @@ def test_a_rolled_sliding_window_cache_lends_nothing_it_cannot_cut_back_to() -> 
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
-    from engine.prefix_cache import CacheEntry, Checkpoint
+    from engine.core.ledger import CacheEntry
+    from engine.prefix_cache import Checkpoint
 
     cache = DynamicCache()
     cache.layers = [DynamicSlidingWindowLayer(sliding_window=3)]
     values = torch.zeros(1, 1, 5, 1)
     cache.update(values, values.clone(), 0)
     entry = CacheEntry([1, 2, 3, 4, 5], cache, 0)
-    assert entry.reach(5) == 5 and entry.reach(7) == 7  # no cut needed
-    assert entry.reach(4) == 0
+    reach = PrefixCache(None, budget_bytes=1 << 20)._reach
+    assert reach(entry, 5) == 5 and reach(entry, 7) == 7  # no cut needed
+    assert reach(entry, 4) == 0
     entry.checkpoint = Checkpoint(3, [])
-    assert (entry.reach(4), entry.reach(3), entry.reach(2)) == (3, 3, 0)
+    assert (reach(entry, 4), reach(entry, 3), reach(entry, 2)) == (3, 3, 0)
     rollable = CacheEntry([1, 2, 3, 4, 5], DynamicCache(), 0)
-    assert rollable.reach(2) == 2
+    assert reach(rollable, 2) == 2
 
 
 def recurrent_config() -> object:

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from engine import ChatMessage, Engine, GenerationRequest, GenerationResult, SamplingParams
 from engine.chat_template import encode_chat_layout
-from engine.prefix_cache import common_prefix_len
+from engine.core.ledger import common_prefix_len
 from tests.support.split_reply import first_split_reply, reply_body
 
 FIRST = [ChatMessage("user", "Hello there")]

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
+from engine.core.ledger import KvLedger
 from engine.core.reply import Reply, ReplyJob
 from engine.core.schedule import MAX_BATCH
 from engine.events import EngineEvent, FinishReason, GenerationResult
 from engine.metrics import now_ns
-from engine.prefix_cache import PrefixCache
 
 ALT_CACHE_SUFFIX = "~alt"  # prefix-cache key of alternative i >= 1: f"{conversation}~alt{i}"
 
@@ -32,7 +33,7 @@ class BatchCore(ABC):
     supplies how a prompt is read (_prefill), how an alternative forks its source's cache
     (_sibling), how rows' KV joins and leaves the batch, and the forward over the rows."""
 
-    def __init__(self, prefix_cache: PrefixCache, emit: Emit, done: Done) -> None:
+    def __init__(self, prefix_cache: KvLedger[Any], emit: Emit, done: Done) -> None:
         self.prefix_cache = prefix_cache
         self._emit = emit
         self._done = done

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.chat_template import FALLBACK_STOPS, encode_chat_layout
+from engine.core.ledger import PromptLayout
 from engine.errors import ContextOverflowError, InvalidRequestError
 from engine.events import ModelInfo
 from engine.params import ChatMessage, GenerationRequest
-from engine.prefix_cache import PromptLayout
 
 
 class ChatModel(Protocol):

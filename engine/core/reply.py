@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
+from engine.core.ledger import CacheLease, KvLedger
 from engine.core.prompt import ChatModel, PreparedPrompt, prepare_prompt
 from engine.detok import IncrementalDetokenizer, StopMatcher
 from engine.events import (
@@ -31,7 +32,6 @@ from engine.events import (
 )
 from engine.metrics import RequestTimeline, compute_metrics, now_ns
 from engine.params import GenerationRequest
-from engine.prefix_cache import CacheLease, PrefixCache
 from engine.sampling import make_generator, sample_token, sampler_view
 from engine.speculative import SpecStats, verify_sampled
 
@@ -180,7 +180,7 @@ class Reply:
             spec_proposed=self.spec.proposed, spec_accepted=self.spec.accepted)
 
 
-def open_reply(model: ChatModel, cache: PrefixCache, job: ReplyJob, vocab: Vocabulary,
+def open_reply(model: ChatModel, cache: KvLedger[Any], job: ReplyJob, vocab: Vocabulary,
                emit: EmitEvent, device: torch.device | str = "cpu") -> Reply:
     """Start a request: its prompt, a lease on the longest cached prefix of it (an empty one
     when the request must not reuse the cache), and the PrefillStarted event."""

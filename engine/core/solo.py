@@ -9,17 +9,17 @@ trimmed from the cache). Runs only on the engine thread.
 from __future__ import annotations
 
 import threading
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
+from engine.core.ledger import CacheLease, KvLedger
 from engine.core.prompt import ChatModel
 from engine.core.reply import DetachedJob, EmitEvent, Reply, Vocabulary, open_reply
 from engine.errors import InvalidRequestError
 from engine.events import GenerationResult
 from engine.metrics import RequestTimeline, now_ns
 from engine.params import GenerationRequest
-from engine.prefix_cache import CacheLease, PrefixCache
 from engine.speculative import DraftProposer, PromptLookup, TokenProposer
 
 
@@ -109,7 +109,7 @@ def decode_alone(runner: SoloRunner, reply: Reply, drafter: Proposer | None) -> 
 class SoloSession:
     """Runs one request to completion on the engine thread, on any runtime's SoloRunner."""
 
-    def __init__(self, model: ChatModel, runner: SoloRunner, cache: PrefixCache,
+    def __init__(self, model: ChatModel, runner: SoloRunner, cache: KvLedger[Any],
                  vocab: Vocabulary, draft: TokenProposer | None,
                  device: torch.device | str) -> None:
         self.model = model

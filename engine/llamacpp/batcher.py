@@ -21,6 +21,7 @@ from functools import partial
 import torch
 
 from engine.core.batch import BatchCore, Done, Emit, alternative_cache_key
+from engine.core.ledger import CacheLease
 from engine.core.reply import Reply, ReplyJob, open_reply, sibling_reply
 from engine.core.schedule import FIRST_MIXED_CHUNK, STEP_STALL
 from engine.events import FinishReason
@@ -32,7 +33,6 @@ from engine.llamacpp.session import llama_vocabulary
 from engine.llamacpp.side_prefill import SidePrefill, can_prefill_beside, set_threads
 from engine.metrics import now_ns
 from engine.prefill_progress import PrefillReporter
-from engine.prefix_cache import CacheLease
 from engine.side_thread import step_rows_beside
 
 
@@ -230,7 +230,7 @@ class LlamaBatcher(BatchCore):
         lease = row.lease
         length = min(row.kv_len, len(lease.ids))
         if len(lease.ids) > length:
-            self.prefix_cache.crop(lease.cache, length)
+            self.prefix_cache.store.cut(lease.cache, None, length)
             del lease.ids[length:]
         self.prefix_cache.release(lease)
         self._report(row)

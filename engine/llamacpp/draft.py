@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
+from engine.core.ledger import common_prefix_len
 from engine.draft import PROBE_TEXT, VOCAB_SAMPLE, VocabularyMismatchError
 from engine.llamacpp.model import LlamaCppModel, Progress, load_gguf, warm_up_llama
-from engine.prefix_cache import common_prefix_len
 from engine.speculative import TokenProposer
 
 SEQ = 0  # the draft context's only sequence

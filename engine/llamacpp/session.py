@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.core.ledger import CacheLease
 from engine.core.prompt import template_stops
 from engine.core.reply import Reply, Vocabulary
 from engine.core.solo import SoloSession
@@ -20,7 +21,6 @@ from engine.llamacpp.draft import LlamaDraftModel
 from engine.llamacpp.model import LlamaCppModel
 from engine.llamacpp.prefix_pool import SeqPrefixCache
 from engine.prefill_progress import PrefillReporter
-from engine.prefix_cache import CacheLease
 
 
 def eos_ids(loaded: LlamaCppModel) -> set[int]:
@@ -58,7 +58,7 @@ class LlamaRunner:
 
     def trim(self, lease: CacheLease, length: int) -> None:
         if len(lease.ids) > length:
-            self.pool.crop(lease.cache, length)
+            self.pool.store.cut(lease.cache, None, length)
             del lease.ids[length:]
 
 

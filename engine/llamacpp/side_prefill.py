@@ -24,13 +24,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.core.ledger import CacheLease
 from engine.core.schedule import FIRST_SIDE_CHUNK, SIDE_MIN_TOKENS, next_side_chunk
 from engine.errors import PhasewiseError
 from engine.fit import free_memory
 from engine.llamacpp.decode import ABORTED, BatchWriter, prefill_meter
 from engine.llamacpp.model import LlamaCppModel
 from engine.llamacpp.prefix_pool import KvFullError, SeqPrefixCache
-from engine.prefix_cache import CacheLease
 from engine.side_thread import SideWorker
 
 CONTEXT_PAD = 256  # the side context's tokens, rounded up (as llama.cpp pads n_ctx)
@@ -141,7 +141,7 @@ class SidePrefill(SideWorker):
             return None
         while not self._copy_seq(self._ctx, SIDE_SEQ, self.loaded.ctx, self.lease.cache,
                                  must_fit=False):
-            if pool.evict_oldest(keep=self.lease.cache):
+            if pool.evict_oldest(keep=self.lease.conversation_id):
                 continue
             if stopped:  # keep nothing rather than fail a Stop; the failed copy emptied it
                 self.lease.ids.clear()

@@ -18,12 +18,13 @@ import torch
 
 from engine import prefill_progress
 from engine.core.batch import BatchCore, Done, Emit
+from engine.core.ledger import CacheLease
 from engine.core.prompt import ChatModel
 from engine.core.reply import DetachedJob, Reply, ReplyJob, Vocabulary, open_reply
 from engine.core.solo import SoloRunner
 from engine.events import EngineEvent, GenerationResult, PrefillProgress
 from engine.params import GenerationRequest, SamplingParams
-from engine.prefix_cache import CacheLease, PrefixCache
+from engine.prefix_cache import PrefixCache
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 SMALL_CHUNK = 5  # tokens per lone prefill chunk where a check wants many chunks
@@ -376,5 +377,5 @@ def llama_kit(loaded: Any, assert_close: Callable[[torch.Tensor, torch.Tensor, s
         return LlamaBatcher(loaded, pool, emit, done, interleave=False, lone_chunk=lone_chunk)
 
     return RunnerKit("llama.cpp", loaded, pool, llama_vocabulary(loaded),
-                     LlamaRunner(loaded, pool), batcher, lambda lease: pool.seq_length(lease.cache),
+                     LlamaRunner(loaded, pool), batcher, lambda lease: pool.store.length(lease.cache),
                      assert_close, fixed_prompt_ids(loaded, 64))
