@@ -15,7 +15,7 @@ Runs only on the engine thread.
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -33,14 +33,21 @@ from engine.generate import ChunkedPrefill, default_prefill_chunk, torch_vocabul
 from engine.loader import LoadedModel
 from engine.metrics import now_ns
 from engine.params import GenerationRequest
-from engine.prefix_cache import PrefixCache, crop_to, new_cache
+from engine.prefix_cache import (
+    LayerKV,
+    PrefixCache,
+    attention_only,
+    build_cache,
+    crop_to,
+    layer_kv,
+    new_cache,
+)
 from engine.side_prefill import SidePrefill, can_prefill_beside
 from engine.side_thread import step_rows_beside
 
 if TYPE_CHECKING:  # transformers is not imported at run time here: the llama.cpp batcher
     from transformers import DynamicCache  # imports this module and never needs it
 
-LayerKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values (1, H, T, D)
 
 
 def batchable(request: GenerationRequest) -> bool:
@@ -51,10 +58,7 @@ def batchable(request: GenerationRequest) -> bool:
 def cache_supports_batching(loaded: LoadedModel) -> bool:
     """Only plain full-size attention layers (sliding-window ones included, see new_cache) can
     be padded and concatenated row-wise."""
-    from transformers.cache_utils import DynamicLayer
-
-    layers = new_cache(loaded.model.config).layers
-    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+    return attention_only(new_cache(loaded.model.config))
 
 
 class Batcher(BatchCore):
@@ -163,7 +167,7 @@ class Batcher(BatchCore):
 
     def _join(self, joining: list[Reply], ended: list[Reply], source: Reply) -> None:
         """Alternatives share source's prefill KV: each joins (or ends) with a view of it."""
-        kv = _layer_kv(source.lease.cache) if source.lease.cache.get_seq_length() else []
+        kv = layer_kv(source.lease.cache) if source.lease.cache.get_seq_length() else []
         for reply in ended:
             self._finish(reply, None if reply is source else kv)
         if joining:
@@ -236,7 +240,7 @@ class Batcher(BatchCore):
     def _row_kv(self, i: int) -> LayerKV:
         """Row i's KV with its left padding stripped (views into the batch)."""
         pad = self._pads[i]
-        return [(k[i : i + 1, :, pad:], v[i : i + 1, :, pad:]) for k, v in _layer_kv(self._cache)]
+        return [(k[i : i + 1, :, pad:], v[i : i + 1, :, pad:]) for k, v in layer_kv(self._cache)]
 
     def _repack(self, joining: list[tuple[Reply, LayerKV]]) -> None:
         """Rebuild the batched KV from the current rows plus `joining`, left-padded to the
@@ -271,15 +275,8 @@ def _left_pad(t: torch.Tensor, pad: int) -> torch.Tensor:
     return F.pad(t, (0, 0, pad, 0)) if pad else t
 
 
-def _layer_kv(cache: Any) -> LayerKV:
-    return [(layer.keys, layer.values) for layer in cache.layers]
-
-
 def _build_cache(loaded: LoadedModel, layers: LayerKV) -> DynamicCache:
-    cache = new_cache(loaded.model.config)
-    for i, (keys, values) in enumerate(layers):
-        cache.update(keys, values, i)
-    return cache
+    return build_cache(loaded.model.config, layers)
 
 
 def _sync(t: torch.Tensor) -> None:

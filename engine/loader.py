@@ -410,6 +410,19 @@ def quick_fingerprint(path: Path, size: int, sample: int = 1 << 16, samples: int
     return digest.hexdigest()
 
 
+def content_fingerprint(path: Path) -> str:
+    """quick_fingerprint of a model's file, or of every weight and config file of its folder
+    ("" for what is not on this disk, e.g. a hub id)."""
+    if path.is_file():
+        files = [path]
+    elif path.is_dir():
+        kinds = {".safetensors", ".gguf", ".bin", ".json", ".model"}
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in kinds)
+    else:
+        return ""
+    return "-".join(quick_fingerprint(f, f.stat().st_size) for f in files)
+
+
 def converted_gguf(gguf: Path, notify: Progress, dtype: torch.dtype = torch.float32,
                    counted: Counted | None = None) -> Path:
     """A safetensors folder of this GGUF in `dtype`, converting it on first use.

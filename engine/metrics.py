@@ -10,7 +10,10 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.core.snapshots import Restored
 
 NS = 1e-9
 
@@ -82,6 +85,10 @@ class RequestMetrics:
     # False when a remote server did not report the count (the number above is then 0).
     prompt_tokens_known: bool = True
     cached_tokens_known: bool = True
+    # The cached prefix read back from a snapshot on disk (0: none): tokens, bytes, seconds.
+    restored_tokens: int = 0
+    restored_bytes: int = 0
+    restore_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -96,6 +103,7 @@ def compute_metrics(
     weight_bytes_per_step: int,
     cache_miss_reason: str,
     prefilled_tokens: int | None = None,
+    restored: Restored | None = None,
 ) -> RequestMetrics:
     """Turn a finished request's stamps into the metrics of docs/architecture.md.
 
@@ -142,4 +150,7 @@ def compute_metrics(
         itl_p99_s=itl_p99,
         cache_miss_reason=cache_miss_reason,
         prefill_complete=complete,
+        restored_tokens=restored.tokens if restored else 0,
+        restored_bytes=restored.nbytes if restored else 0,
+        restore_s=restored.seconds if restored else 0.0,
     )

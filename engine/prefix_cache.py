@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.core.ledger import CacheLease, KvCheckpoint, KvLedger
+from engine.core.snapshots import Payload
 
 if TYPE_CHECKING:
+    import torch
     from transformers import DynamicCache
 
 
@@ -182,6 +184,49 @@ def crop_to(cache: Any, length: int) -> None:
             DynamicLayer.crop(layer, -extra)  # type: ignore[arg-type]  # any layer with keys
 
 
+LayerKV = list[tuple["torch.Tensor", "torch.Tensor"]]  # per layer: keys, values (B, H, T, D)
+
+
+def layer_kv(cache: Any) -> LayerKV:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def build_cache(config: Any, layers: LayerKV) -> DynamicCache:
+    """A cache for this model holding these layers' keys and values."""
+    cache = new_cache(config)
+    for i, (keys, values) in enumerate(layers):
+        cache.update(keys, values, i)
+    return cache
+
+
+def attention_only(cache: Any) -> bool:
+    """Whether every layer is plain attention (keys and values): such a cache can be batched
+    row-wise and written to a snapshot; a recurrent or convolution state cannot (yet)."""
+    from transformers.cache_utils import DynamicLayer
+
+    return bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+def kv_to_bytes(layers: LayerKV) -> bytes:
+    """safetensors bytes of a cache's keys and values (no pickle)."""
+    from safetensors.torch import save
+
+    tensors = {}
+    for i, (keys, values) in enumerate(layers):
+        tensors[f"{i}.k"], tensors[f"{i}.v"] = keys.contiguous().cpu(), values.contiguous().cpu()
+    return save(tensors)
+
+
+def kv_from_bytes(data: bytes, device: Any) -> LayerKV:
+    from safetensors.torch import load
+
+    tensors = load(data)
+    count = len(tensors) // 2
+    if set(tensors) != {f"{i}.{kind}" for i in range(count) for kind in "kv"}:
+        raise ValueError("not a KV snapshot of this runtime")
+    return [(tensors[f"{i}.k"].to(device), tensors[f"{i}.v"].to(device)) for i in range(count)]
+
+
 def checkpoint_if_due(lease: CacheLease) -> None:
     """After each prefill forward: take the checkpoint if the cache has reached it."""
     if lease.checkpoint_at is not None and len(lease.ids) == lease.checkpoint_at:
@@ -198,8 +243,9 @@ class TorchKvStore:
 
     can_lend = True
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, device: Any = "cpu") -> None:
         self.config = config
+        self.device = device
         self.takes_checkpoints = model_rollback_blocker(config) == "recurrent_state"
 
     def fresh(self) -> DynamicCache:
@@ -225,17 +271,34 @@ class TorchKvStore:
     def free(self, handle: Any) -> None:
         """Nothing to do: the garbage collector frees a cache no one holds."""
 
+    def export(self, handle: Any) -> Payload | None:
+        """The cache's bytes, made on the shelf's writer thread: a cache's tensors are never
+        written in place (an update concatenates, a cut slices), so the references taken here
+        keep this moment's KV while the engine goes on."""
+        if not attention_only(handle):
+            return None
+        layers = layer_kv(handle)
+        return lambda: kv_to_bytes(layers)
+
+    def restore(self, data: bytes) -> Any:
+        layers = kv_from_bytes(data, self.device)
+        cache = build_cache(self.config, layers)
+        if len(cache.layers) != len(layers) or not attention_only(cache):
+            raise ValueError("the snapshot does not fit this model's layers")
+        return cache
+
 
 class PrefixCache(KvLedger[Any]):
     """The torch engine's prefix cache: the core's ledger over transformers caches."""
 
     store: TorchKvStore
 
-    def __init__(self, config: Any, budget_bytes: int) -> None:
-        super().__init__(TorchKvStore(config), budget_bytes)
+    def __init__(self, config: Any, budget_bytes: int, device: Any = "cpu") -> None:
+        super().__init__(TorchKvStore(config, device), budget_bytes)
 
-    def reset(self, *, model_changed: bool = False, config: Any = None) -> None:
+    def reset(self, *, model_changed: bool = False, config: Any = None,
+              device: Any = "cpu") -> None:
         """Drop every entry; with `config`, new caches are made for that model."""
         if config is not None:
-            self.store = TorchKvStore(config)
+            self.store = TorchKvStore(config, device)
         super().reset(model_changed=model_changed)

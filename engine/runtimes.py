@@ -103,7 +103,7 @@ def new_prefix_cache(loaded: Model, budget_bytes: int) -> KvLedger[Any]:
         from engine.llamacpp.prefix_pool import SeqPrefixCache
 
         return SeqPrefixCache(loaded, budget_bytes)
-    return PrefixCache(loaded.model.config, budget_bytes)
+    return PrefixCache(loaded.model.config, budget_bytes, loaded.device)
 
 
 def new_session(loaded: Model, prefix_cache: Any, draft: Any = None) -> Any:
@@ -166,6 +166,28 @@ def close(loaded: Model | None) -> None:
         loaded.close()
 
 
+def snapshot_key(loaded: Model) -> str:
+    """What a KV snapshot must match to be restored: the model's content, the runtime and its
+    build, and how the model runs (dtype, kernel, device)."""
+    from pathlib import Path
+
+    from engine.core.snapshots import shelf_key
+    from engine.loader import content_fingerprint
+
+    info = loaded.info
+    if is_llama_cpp(loaded):
+        import llama_cpp
+
+        build = f"llama-cpp-python {llama_cpp.__version__}"
+    else:
+        import torch
+        import transformers
+
+        build = f"torch {torch.__version__} transformers {transformers.__version__}"
+    return shelf_key(info.identity, info.dtype, info.kernel, info.device, build,
+                     content_fingerprint(Path(info.path)))
+
+
 def switch_prefix_cache(pool: KvLedger[Any] | None, old: Model | None, loaded: Model,
                         budget_bytes: int) -> KvLedger[Any]:
     """The prefix cache for a newly loaded model. Every old entry goes (each chat's next turn
@@ -174,7 +196,7 @@ def switch_prefix_cache(pool: KvLedger[Any] | None, old: Model | None, loaded: M
     if pool is None:
         return new_prefix_cache(loaded, budget_bytes)
     if isinstance(pool, PrefixCache) and old is not None and not is_llama_cpp(loaded):
-        pool.reset(model_changed=True, config=loaded.model.config)
+        pool.reset(model_changed=True, config=loaded.model.config, device=loaded.device)
         pool.budget_bytes = budget_bytes
         return pool
     pool.reset(model_changed=old is not None)  # frees an old llama.cpp pool's sequences

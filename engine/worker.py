@@ -13,6 +13,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,6 +22,8 @@ from engine import runtimes
 from engine.batching import batchable
 from engine.core.batch import alternative_cache_key
 from engine.core.ledger import KvLedger
+from engine.core.snapshots import DEFAULT_BUDGET_BYTES as DEFAULT_SNAPSHOT_BUDGET
+from engine.core.snapshots import KvShelf
 from engine.draft import DraftModel
 from engine.errors import ContextOverflowError, ModelLoadError, PhasewiseError
 from engine.events import (
@@ -45,6 +48,7 @@ if TYPE_CHECKING:
     from engine.llamacpp.draft import LlamaDraftModel
 
 log = logging.getLogger(__name__)
+SHELF_CLOSE_TIMEOUT_S = 10.0  # at quit, snapshots still being written get this long
 
 
 LOCAL_CAPABILITIES = Capabilities(
@@ -148,7 +152,10 @@ def _done_ns(job: _Job) -> int:
 class Engine(EventSource, Backend):
     """One long-lived worker thread that owns the model; everything else talks to it here."""
 
-    def __init__(self, cache_budget_bytes: int | None = None) -> None:
+    def __init__(self, cache_budget_bytes: int | None = None, *,
+                 snapshot_dir: Path | None = None,
+                 snapshot_budget_bytes: int = DEFAULT_SNAPSHOT_BUDGET) -> None:
+        """snapshot_dir: where chats' KV snapshots are kept across restarts (None: nowhere)."""
         self._inbox: queue.Queue[Any] = queue.Queue()
         self._init_listeners()
         self._thread = threading.Thread(target=self._run, name="phasewise-engine", daemon=True)
@@ -157,6 +164,7 @@ class Engine(EventSource, Backend):
         # for speculative="draft", on the model's runtime; dropped on model change
         self._draft: DraftModel | LlamaDraftModel | None = None
         self._cache_budget = cache_budget_bytes
+        self._snapshot_dir, self._snapshot_budget = snapshot_dir, snapshot_budget_bytes
         self._active: dict[str, _Job] = {}
         self._batching = False  # the loaded model's cache can be batched row-wise
         self._lock = threading.Lock()
@@ -316,10 +324,17 @@ class Engine(EventSource, Backend):
                     self._handle_command(current)
             except Exception:  # never let the engine thread die
                 log.exception("engine thread error")
+        self._close_shelf()
         self._prefix_cache = None
         self._draft = None
         runtimes.close(self._loaded)
         self._loaded = None
+
+    def _close_shelf(self) -> None:
+        """Let the snapshots put so far reach the disk (bounded: quitting must not hang)."""
+        if self._prefix_cache is not None and self._prefix_cache.shelf is not None:
+            self._prefix_cache.shelf.close(SHELF_CLOSE_TIMEOUT_S)
+            self._prefix_cache.shelf = None
 
     def _handle_command(self, item: Any) -> None:
         if isinstance(item, LoadModel):
@@ -410,8 +425,12 @@ class Engine(EventSource, Backend):
             self._draft = None
             self._broadcast(DraftModelChanged(now_ns(), None))
         budget = self._cache_budget or default_cache_budget(loaded.device.type)
+        self._close_shelf()
         self._prefix_cache = runtimes.switch_prefix_cache(self._prefix_cache, old, loaded,
                                                           budget)
+        if self._snapshot_dir is not None:
+            self._prefix_cache.shelf = KvShelf(self._snapshot_dir, runtimes.snapshot_key(loaded),
+                                               self._snapshot_budget)
         if old is not loaded:
             runtimes.close(old)
         self._broadcast(ModelLoaded(now_ns(), loaded.info, time.perf_counter() - start))

@@ -9,13 +9,11 @@ from typing import Any
 
 import torch
 
-from engine.core.ledger import KvLedger
+from engine.core.ledger import ALT_CACHE_SUFFIX, KvLedger
 from engine.core.reply import Reply, ReplyJob
 from engine.core.schedule import MAX_BATCH
 from engine.events import EngineEvent, FinishReason, GenerationResult
 from engine.metrics import now_ns
-
-ALT_CACHE_SUFFIX = "~alt"  # prefix-cache key of alternative i >= 1: f"{conversation}~alt{i}"
 
 Emit = Callable[[ReplyJob, EngineEvent], None]
 Done = Callable[[ReplyJob, GenerationResult | None, BaseException | None], None]

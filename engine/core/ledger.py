@@ -18,7 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
+from engine.core.snapshots import KvShelf, Payload, Restored
 from engine.errors import PhasewiseError
+from engine.metrics import now_ns
 
 MISS_REASONS = (
     "none",
@@ -33,7 +35,10 @@ MISS_REASONS = (
     "disabled",
     "sliding_window",  # a rolling sliding-window layer no longer holds the shared prefix
     "recurrent_state",  # a recurrent (linear-attention) state cannot go back to the prefix
+    "restored_from_disk",  # nothing in memory: the chat's snapshot on disk was read back
 )
+ANONYMOUS_PREFIX = "anon-"
+ALT_CACHE_SUFFIX = "~alt"  # prefix-cache key of alternative i >= 1: f"{conversation}~alt{i}"
 _anonymous = itertools.count(1)
 
 Handle = TypeVar("Handle")
@@ -45,7 +50,12 @@ class KvFullError(PhasewiseError):
 
 def _conversation(conversation_id: str | None) -> str:
     """The cache key of a request's chat; a request outside any chat gets one of its own."""
-    return conversation_id or f"anon-{next(_anonymous)}"
+    return conversation_id or f"{ANONYMOUS_PREFIX}{next(_anonymous)}"
+
+
+def _is_chat(conv: str) -> bool:
+    """A chat's own key: worth a snapshot (not a one-off request or an alternative)."""
+    return not conv.startswith(ANONYMOUS_PREFIX) and ALT_CACHE_SUFFIX not in conv
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -111,6 +121,16 @@ class KvStore(Protocol[Handle]):
         """The ledger will not use this handle again."""
         ...
 
+    def export(self, handle: Handle) -> Payload | None:
+        """What a snapshot of this handle will hold (made into bytes off the engine thread),
+        or None when this KV has no snapshot format."""
+        ...
+
+    def restore(self, data: bytes) -> Handle | None:
+        """A handle holding a snapshot's KV; None when none is free; ValueError if the bytes
+        are not this runtime's."""
+        ...
+
 
 @dataclass
 class CacheEntry(Generic[Handle]):
@@ -131,6 +151,7 @@ class CacheLease:
     miss_reason: str
     checkpoint: KvCheckpoint | None = None
     checkpoint_at: int | None = None  # recurrent caches: take a checkpoint at this length
+    restored: Restored | None = None  # the prefix came from a snapshot on disk
 
     def chunk_limit(self, tokens: int) -> int:
         """A prefill chunk's size: at most `tokens`, ending where a checkpoint is due."""
@@ -158,6 +179,8 @@ class KvLedger(Generic[Handle]):
         self._model_changed: set[str] = set()
         self._leased: set[str] = set()  # handed out and not yet back (lost if a request failed)
         self.evictions = 0
+        self.shelf: KvShelf | None = None  # snapshots on disk, when the engine keeps them
+        self._on_shelf: dict[str, int] = {}  # tokens of each chat's last snapshot put
 
     @property
     def used_bytes(self) -> int:
@@ -230,8 +253,11 @@ class KvLedger(Generic[Handle]):
         own_len = self._reach(own, shared) if own else 0
         donor_id, donor_len = self._best_donor(prompt_ids, limit)
         own_blocker = self.store.blocker(own.cache) if own is not None else None
-        checkpoint = None
-        if own is not None and own_len > 0 and own_len >= donor_len:
+        checkpoint, restored = None, None
+        shelved = self._from_shelf(conv, prompt_ids, limit, donor_len) if own is None else None
+        if shelved is not None:
+            handle, ids, restored = shelved
+        elif own is not None and own_len > 0 and own_len >= donor_len:
             handle, ids, checkpoint = own.cache, own.ids[:own_len], own.checkpoint
             self.store.cut(handle, checkpoint, own_len)
         else:
@@ -244,10 +270,12 @@ class KvLedger(Generic[Handle]):
                 handle, ids = self._fresh(), []
         blocked = own_blocker if len(ids) < shared else None  # what it shares, out of reach
         reason = self._miss_reason(conv, own, prompt_ids, shared, limit, layout, blocked)
+        if restored is not None:
+            reason = "restored_from_disk"
         if checkpoint is not None and checkpoint.length > len(ids):
             checkpoint = None
         due = limit if self.store.takes_checkpoints and limit > len(ids) else None
-        return CacheLease(conv, ids, handle, len(ids), reason, checkpoint, due)
+        return CacheLease(conv, ids, handle, len(ids), reason, checkpoint, due, restored)
 
     def cold_lease(self, conversation_id: str | None) -> CacheLease:
         """An empty cache for a request that must not reuse anything."""
@@ -279,6 +307,7 @@ class KvLedger(Generic[Handle]):
         self._entries[conv] = CacheEntry(list(lease.ids), lease.cache, nbytes, checkpoint)
         self._evicted.discard(conv)
         self._model_changed.discard(conv)
+        self._shelve(conv, lease)
         self._evict_to_budget()
 
     def discard(self, lease: CacheLease) -> None:
@@ -289,6 +318,51 @@ class KvLedger(Generic[Handle]):
         lease.cache = None
         self._leased.discard(lease.conversation_id)
         self._evicted.add(lease.conversation_id)
+
+    # ----- snapshots on disk ---------------------------------------------------------------
+    def _shelve(self, conv: str, lease: CacheLease) -> None:
+        """Put a chat's KV on the shelf when it holds more than the last snapshot put."""
+        if self.shelf is None or not _is_chat(conv):
+            return
+        if self._on_shelf.get(conv) == len(lease.ids):
+            return
+        payload = self.store.export(lease.cache)
+        if payload is not None:
+            self.shelf.put(conv, lease.ids, payload)
+            self._on_shelf[conv] = len(lease.ids)
+
+    def _from_shelf(self, conv: str, prompt_ids: Sequence[int], limit: int,
+                    better_than: int) -> tuple[Handle, list[int], Restored] | None:
+        """The chat's snapshot read back, cut to what the prompt shares with it, when that is
+        more than memory can lend; None otherwise (a bad snapshot is dropped: the turn runs
+        as if there were none)."""
+        if self.shelf is None or not _is_chat(conv):
+            return None
+        shelved = self.shelf.find(conv)
+        shared = min(common_prefix_len(shelved.ids, prompt_ids), limit) if shelved else 0
+        if shelved is None or shared <= better_than:
+            return None
+        start = now_ns()
+        data = self.shelf.load(shelved)
+        if data is None:
+            return None
+        try:
+            while (handle := self.store.restore(data)) is None:
+                if not self.evict_oldest():
+                    return None
+        except ValueError as exc:
+            self.shelf.drop(shelved, str(exc))
+            return None
+        whole = self.store.length(handle) == len(shelved.ids)
+        if not whole or (shared < len(shelved.ids) and self.store.blocker(handle) is not None):
+            self.store.free(handle)
+            if not whole:
+                self.shelf.drop(shelved, "it holds another length than its header says")
+            return None
+        self.store.cut(handle, None, shared)
+        self._on_shelf[conv] = len(shelved.ids)
+        return handle, list(prompt_ids[:shared]), Restored(shared, len(data),
+                                                           (now_ns() - start) / 1e9)
 
     # ----- inside --------------------------------------------------------------------------
     def _fresh(self, keep: str | None = None) -> Handle:

@@ -172,7 +172,8 @@ class Reply:
         metrics = compute_metrics(
             timeline, prompt_tokens=prompt, cached_tokens=cached,
             parameters=info.parameters, weight_bytes_per_step=info.weight_bytes_per_step,
-            cache_miss_reason=self.lease.miss_reason, prefilled_tokens=in_cache - cached)
+            cache_miss_reason=self.lease.miss_reason, prefilled_tokens=in_cache - cached,
+            restored=self.lease.restored)
         return GenerationResult(
             request_id=request.request_id, text=self.stopper.emitted, finish_reason=finish,
             token_ids=list(self.generated), prompt_token_ids=self.prompt_ids, metrics=metrics,

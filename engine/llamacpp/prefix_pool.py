@@ -12,7 +12,10 @@ this object.
 
 from __future__ import annotations
 
+import ctypes
+
 from engine.core.ledger import KvCheckpoint, KvFullError, KvLedger
+from engine.core.snapshots import Payload
 from engine.errors import PhasewiseError
 from engine.llamacpp.model import LlamaCppModel
 
@@ -67,6 +70,31 @@ class LlamaKvStore:
     def free(self, handle: int) -> None:
         self._clear(handle)
         self._taken.discard(handle)
+
+    def export(self, handle: int) -> Payload | None:
+        """A copy of the sequence's state, taken now (the context is the engine thread's
+        alone); the shelf's writer thread only hands the bytes on."""
+        ctx = self.loaded.ctx
+        size = int(self._lib.llama_state_seq_get_size(ctx, handle))
+        data = bytearray(size)  # one copy, straight from llama.cpp's cells
+        view = (ctypes.c_uint8 * size).from_buffer(data)
+        written = int(self._lib.llama_state_seq_get_data(ctx, view, size, handle))
+        del view
+        if written <= 0:
+            return None
+        del data[written:]
+        return lambda: bytes(data)
+
+    def restore(self, data: bytes) -> int | None:
+        """A sequence holding a snapshot's state; None when no sequence is free."""
+        seq = self.fresh()
+        if seq is None:
+            return None
+        buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if int(self._lib.llama_state_seq_set_data(self.loaded.ctx, buffer, len(data), seq)) <= 0:
+            self.free(seq)
+            raise ValueError("llama.cpp could not read the snapshot")
+        return seq
 
     def _clear(self, seq: int) -> None:
         self._lib.llama_memory_seq_rm(self._memory, seq, -1, -1)

@@ -1,0 +1,171 @@
+"""KV snapshots on disk (engine/core/snapshots.py under the ledger): a chat's next turn after a
+restart reads its prefix back from disk instead of the prompt, and says so; its reply is the
+cold one. Every bad snapshot is dropped and the turn runs cold with the same reply.
+
+The llama.cpp cases run the engine in a child process per "app start" (a real restart)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine import ChatMessage, Engine, GenerationRequest, SamplingParams
+from engine.core.snapshots import SUFFIX, KvShelf
+from tests.support.child import CHILD_TIMEOUT_S, needs_llama_cpp, run_in_child
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+SYSTEM = ChatMessage("system", "You are a careful assistant who answers in full sentences.")
+FIRST = [SYSTEM, ChatMessage("user", "Tell me about the sea and the ships that sail on it.")]
+
+
+def _turn(engine: Engine, conv: str, messages: list[ChatMessage], **kw: Any) -> Any:
+    return engine.submit(GenerationRequest(list(messages), GREEDY, conversation_id=conv,
+                                           **kw)).wait(120)
+
+
+def _chat_after_restart(spec: str, shelf: Path, *, engine: str = "torch",
+                        damage: str | None = None) -> dict[str, Any]:
+    """Turn 1 in one engine (snapshot written at its end and flushed at shutdown), then, in a
+    new engine, turn 2 of the same chat and the same turn 2 cold in another chat."""
+    with Engine(snapshot_dir=shelf) as first:
+        first.load_model_sync(spec, engine=engine, kernel="fp32-eager" if engine == "torch"
+                              else "auto")
+        r1 = _turn(first, "chat", FIRST)
+    second = [*FIRST, r1.as_message(), ChatMessage("user", "And what about the storms?")]
+    files = sorted(shelf.rglob(f"*{SUFFIX}"))
+    if damage is not None:
+        _damage(files, damage)
+    with Engine(snapshot_dir=shelf) as again:
+        again.load_model_sync(spec, engine=engine, kernel="fp32-eager" if engine == "torch"
+                              else "auto")
+        warm = _turn(again, "chat", second)
+        cold = _turn(again, "other", second, reuse_cache=False)
+    m = warm.metrics
+    return {"files": len(files), "prompt": m.prompt_tokens, "cached": m.cached_tokens,
+            "reason": m.cache_miss_reason, "restored": m.restored_tokens,
+            "restored_bytes": m.restored_bytes, "warm": warm.token_ids, "cold": cold.token_ids,
+            "left": len(list(shelf.rglob(f"*{SUFFIX}"))),
+            "first_prompt": r1.metrics.prompt_tokens + len(r1.token_ids)}
+
+
+def _damage(files: list[Path], how: str) -> None:
+    (path,) = files
+    data = bytearray(path.read_bytes())
+    if how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "corrupt":
+        data[-100] ^= 0xFF
+        path.write_bytes(data)
+    elif how == "other_model":  # a snapshot filed under another model's key
+        other = path.parent.parent / ("0" * 24)
+        other.mkdir()
+        shutil.move(path, other / path.name)
+    elif how == "garbage":
+        path.write_bytes(b"not a snapshot at all")
+
+
+def test_a_chat_resumes_from_disk_after_a_restart(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = _chat_after_restart(str(tiny_model_dir), tmp_path / "kv")
+    assert out["files"] == 1
+    assert out["reason"] == "restored_from_disk"
+    # everything of turn 1 but its last token (generated, never fed) came from disk
+    assert out["restored"] == out["cached"] == out["first_prompt"] - 1
+    assert out["restored_bytes"] > 0
+    assert out["warm"] == out["cold"]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupt", "other_model", "garbage"])
+def test_a_bad_snapshot_is_dropped_and_the_turn_runs_cold(
+        tiny_model_dir: Path, tmp_path: Path, damage: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    out = _chat_after_restart(str(tiny_model_dir), tmp_path / "kv", damage=damage)
+    assert (out["reason"], out["restored"], out["cached"]) == ("first_turn", 0, 0)
+    assert out["warm"] == out["cold"]
+    if damage != "other_model":  # another model's file is not looked at, so not dropped
+        assert "KV snapshot" in caplog.text and "dropped" in caplog.text
+        assert out["left"] == 2  # dropped; then turn 2's own and the cold chat's written
+
+
+def test_a_changed_model_file_finds_no_snapshot(tiny_model_dir: Path, tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    shelf = tmp_path / "kv"
+    with Engine(snapshot_dir=shelf) as first:
+        first.load_model_sync(str(model), kernel="fp32-eager")
+        r1 = _turn(first, "chat", FIRST)
+    config = model / "config.json"
+    config.write_text(config.read_text() + "\n")  # the same model, but its files changed
+    with Engine(snapshot_dir=shelf) as again:
+        again.load_model_sync(str(model), kernel="fp32-eager")
+        second = [*FIRST, r1.as_message(), ChatMessage("user", "And then?")]
+        assert _turn(again, "chat", second).metrics.cache_miss_reason == "first_turn"
+
+
+def test_the_shelf_keeps_to_its_budget_least_recently_used_first(tmp_path: Path) -> None:
+    shelf = KvShelf(tmp_path, "k" * 24, budget_bytes=10_000)
+    for conv in ("a", "b", "c"):
+        shelf.put(conv, [1, 2, 3], lambda: b"x" * 4_000)
+        assert shelf.flush(10)
+    assert shelf.find("a") is None  # the oldest went to make room for c
+    assert shelf.find("b") is not None and shelf.find("c") is not None
+    assert shelf.used_bytes() <= 10_000
+    shelf.close(10)
+
+
+def test_a_full_disk_writes_nothing_and_keeps_the_chat_running(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    shelf = KvShelf(tmp_path, "k" * 24)
+    real_fsync = os.fsync
+
+    def full(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    shelf.put("a", [1, 2], lambda: b"x" * 100)
+    assert shelf.flush(10)
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert "No space left on device" in caplog.text
+    assert list(tmp_path.rglob("*")) == [tmp_path / ("k" * 24)]  # no partial file left
+    shelf.close(10)
+
+
+def test_a_snapshot_of_another_chat_under_this_chats_name_is_refused(tmp_path: Path) -> None:
+    shelf = KvShelf(tmp_path, "k" * 24)
+    shelf.put("a", [1, 2, 3], lambda: b"payload")
+    assert shelf.flush(10)
+    (path,) = tmp_path.rglob(f"*{SUFFIX}")
+    shutil.copy(path, shelf._path("b"))
+    assert shelf.find("b") is None and not shelf._path("b").exists()
+    found = shelf.find("a")
+    assert found is not None and found.ids == [1, 2, 3] and shelf.load(found) == b"payload"
+    shelf.close(10)
+
+
+# ----- llama.cpp, each start in its own process -------------------------------------------------
+def _llama_start(shelf: str, conv: str, messages: list[ChatMessage], cold_too: bool) -> dict:
+    with Engine(snapshot_dir=Path(shelf)) as engine:
+        engine.load_model_sync("default", engine="llama.cpp")
+        warm = _turn(engine, conv, messages)
+        cold = _turn(engine, "cold", messages, reuse_cache=False) if cold_too else None
+    m = warm.metrics
+    return {"message": warm.as_message(), "reason": m.cache_miss_reason,
+            "restored": m.restored_tokens, "cached": m.cached_tokens,
+            "fed": m.prompt_tokens + len(warm.token_ids) - 1,
+            "ids": warm.token_ids, "cold": cold.token_ids if cold else None}
+
+
+@needs_llama_cpp
+@pytest.mark.timeout(2 * CHILD_TIMEOUT_S + 60)
+def test_llama_cpp_resumes_a_chat_from_disk_in_a_new_process(tmp_path: Path) -> None:
+    shelf = str(tmp_path / "kv")
+    first = run_in_child(_llama_start, shelf, "chat", FIRST, False)
+    assert first["reason"] == "first_turn"
+    second = [*FIRST, first["message"], ChatMessage("user", "And what about the storms?")]
+    out = run_in_child(_llama_start, shelf, "chat", second, True)
+    assert out["reason"] == "restored_from_disk"
+    assert out["restored"] == out["cached"] == first["fed"]
+    assert out["ids"] == out["cold"]
