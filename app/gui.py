@@ -46,13 +46,17 @@ def has_display() -> bool:
 
 
 def build_backend(local: Engine | None = None,
-                  loop: asyncio.AbstractEventLoop | None = None) -> BackendRouter:
+                  loop: asyncio.AbstractEventLoop | None = None,
+                  snapshot_dir: Path | None = None) -> BackendRouter:
     """What the window talks to: a router over the local engine (and, once loaded, a remote
-    backend), not started. Tests pass their own engine with the tiny model loaded."""
+    backend), not started. Tests pass their own engine with the tiny model loaded. Chats' KV
+    snapshots live in the user cache (snapshot_dir overrides it)."""
     from engine import Engine
     from engine.backends import BackendRouter
+    from engine.loader import kv_snapshot_dir
 
-    return BackendRouter(local or Engine(), loop=loop)
+    engine = local or Engine(snapshot_dir=snapshot_dir or kv_snapshot_dir())
+    return BackendRouter(engine, loop=loop)
 
 
 def build_window(backend: Backend, store: ChatStore, settings: QSettings, *,
@@ -118,7 +122,8 @@ def _run_window(loop: asyncio.AbstractEventLoop, model: str, backend: str | None
     else:
         store = ChatStore()
         settings = QSettings()
-    engine = build_backend(loop=loop).start()  # local models and remote backends
+    kv = Path(scratch.name) / "kv-snapshots" if scratch is not None else None
+    engine = build_backend(loop=loop, snapshot_dir=kv).start()  # local models and remotes
     try:
         window = build_window(engine, store, settings, load_options=load_options)
         window.show()

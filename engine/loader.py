@@ -410,6 +410,11 @@ def quick_fingerprint(path: Path, size: int, sample: int = 1 << 16, samples: int
     return digest.hexdigest()
 
 
+def kv_snapshot_dir() -> Path:
+    """Where chats' KV snapshots live (engine/core/snapshots.py): a cache, safe to delete."""
+    return cache_root() / "kv-snapshots"
+
+
 def content_fingerprint(path: Path) -> str:
     """quick_fingerprint of a model's file, or of every weight and config file of its folder
     ("" for what is not on this disk, e.g. a hub id)."""

@@ -169,3 +169,50 @@ def test_llama_cpp_resumes_a_chat_from_disk_in_a_new_process(tmp_path: Path) -> 
     assert out["reason"] == "restored_from_disk"
     assert out["restored"] == out["cached"] == first["fed"]
     assert out["ids"] == out["cold"]
+
+
+# ----- what the user sees ---------------------------------------------------------------------
+def test_the_hud_says_what_came_from_disk_and_what_reading_it_would_cost() -> None:
+    from engine.hud_model import Breakdown, advise
+    from engine.metrics import RequestMetrics
+
+    fields = {name: 0 for name in RequestMetrics.__dataclass_fields__} | {
+        "prefill_complete": True, "prompt_tokens_known": True, "cached_tokens_known": True}
+    m = RequestMetrics(**{**fields, "itl_s": [], "queue_s": 0.01, "prefill_s": 0.5,
+                          "ttft_s": 0.52, "e2e_s": 0.6, "decode_s": 0.08, "prompt_tokens": 6_100,
+                          "cached_tokens": 6_000, "prefilled_tokens": 100, "output_tokens": 5,
+                          "cache_miss_reason": "restored_from_disk", "restored_tokens": 6_000,
+                          "restored_bytes": 1 << 27, "restore_s": 0.2})
+    b = Breakdown.from_metrics(m)
+    assert b.prefill_detail() == ("6,100 prompt tokens, 6,000 cached "
+                                  "(6,000 restored from disk in 200.0 ms)")
+    # 100 tokens read in 0.3 s (0.5 s of prefill less 0.2 s of restore): 6,000 would take 18 s
+    assert advise(b).startswith("6,000 tokens restored from disk in 200 ms; reading them would "
+                                "take ~18 s. Prefill owns 83% (100 new prompt tokens x 3.0 ms")
+
+
+def test_the_picker_shows_the_space_saved_chats_take_and_clears_it(
+        qtbot, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.loader import kv_snapshot_dir
+    from ui.model_picker import ModelPickerDialog
+
+    monkeypatch.setenv("PHASEWISE_CACHE_DIR", str(tmp_path / "cache"))
+    shelf = KvShelf(kv_snapshot_dir(), "k" * 24)
+    for conv in ("a", "b"):
+        shelf.put(conv, [1, 2], lambda: b"x" * 3_000_000)
+    assert shelf.flush(10)
+    shelf.close(10)
+    answers: list[bool] = []
+    monkeypatch.setattr("ui.saved_caches.confirm", lambda *_a: answers.pop(0))
+    dialog = ModelPickerDialog()
+    qtbot.addWidget(dialog)
+    line = dialog.saved_caches
+    assert line.label.text() == "Chats saved for a fast resume: 6 MB (2)"
+    answers.append(False)
+    line.clear.click()
+    assert len(list(kv_snapshot_dir().rglob(f"*{SUFFIX}"))) == 2
+    answers.append(True)
+    line.clear.click()
+    assert not list(kv_snapshot_dir().rglob(f"*{SUFFIX}"))
+    assert line.label.text() == "Chats saved for a fast resume: none yet · 6 MB freed"
+    assert not line.clear.isEnabled()

@@ -40,8 +40,10 @@ from PySide6.QtWidgets import (
 from engine import ModelInfo, fit, runtimes
 from engine.converted import ConvertedModel, converted_models, in_use, remove_converted
 from engine.errors import PhasewiseError
+from engine.loader import kv_snapshot_dir
 from engine.remote import REMOTE_SPEC, RemoteError, normalize_base_url, store_api_key
 from ui.about import confirm
+from ui.saved_caches import SavedCaches
 
 ENGINE_KEY = "model_engine/"  # QSettings: the engine chosen for a model spec
 
@@ -281,6 +283,9 @@ class ModelPickerDialog(QDialog):
         layout.insertWidget(2, self.local)  # after the "in use" line and the sources
         layout.insertWidget(3, self.converted)
         self.converted.setVisible(self.converted.list.count() > 0 and not self.draft)
+        self.saved_caches = SavedCaches(kv_snapshot_dir())
+        layout.insertWidget(4, self.saved_caches)
+        self.saved_caches.setVisible(not self.draft)
         self.group.buttonToggled.connect(self._source_toggled)
         for edit in (self.folder_path, self.gguf_path, self.hub_id):
             edit.textChanged.connect(lambda _t: self._spec_changed())

@@ -61,6 +61,34 @@ class Shelved:
 Payload = Callable[[], bytes]  # runs on the writer thread: the runtime's bytes of one KV
 
 
+def shelf_usage(root: Path) -> tuple[int, int]:
+    """(snapshots, bytes) kept under a snapshot root, every model's."""
+    sizes = [size for _, size, _ in _snapshot_files(root)]
+    return len(sizes), sum(sizes)
+
+
+def clear_shelf(root: Path) -> int:
+    """Remove every snapshot under root; the bytes freed. A chat's next turn reads its prompt
+    again (and writes a new snapshot)."""
+    freed = 0
+    for path, size, _ in _snapshot_files(root):
+        path.unlink(missing_ok=True)
+        freed += size
+    return freed
+
+
+def _snapshot_files(root: Path) -> list[tuple[Path, int, float]]:
+    """Every snapshot of every model under the root: (path, bytes, last used)."""
+    found = []
+    for path in root.glob(f"*/*{SUFFIX}"):
+        try:
+            stat = path.stat()
+        except OSError:
+            continue
+        found.append((path, stat.st_size, stat.st_mtime))
+    return found
+
+
 def shelf_key(*parts: str) -> str:
     """A short, stable name for what a snapshot must match to be restored."""
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
@@ -132,12 +160,7 @@ class KvShelf:
         self._wake.put(False)
 
     def used_bytes(self) -> int:
-        return sum(size for _, size, _ in self._files())
-
-    def clear(self) -> None:
-        """Remove every snapshot of every model (the settings' Clear)."""
-        self.flush(5.0)
-        shutil.rmtree(self.root, ignore_errors=True)
+        return shelf_usage(self.root)[1]
 
     # ----- inside ----------------------------------------------------------------------
     def _path(self, conversation_id: str) -> Path:
@@ -199,25 +222,15 @@ class KvShelf:
             log.warning("KV snapshot of a chat not written: %s", str(exc).splitlines()[0])
             tmp.unlink(missing_ok=True)
 
-    def _files(self) -> list[tuple[Path, int, float]]:
-        """Every snapshot of every model under the root: (path, bytes, last used)."""
-        found = []
-        for path in self.root.glob(f"*/*{SUFFIX}"):
-            try:
-                stat = path.stat()
-            except OSError:
-                continue
-            found.append((path, stat.st_size, stat.st_mtime))
-        return found
-
     def _make_room(self, nbytes: int, keep: Path) -> None:
         """Evict least recently used snapshots until `nbytes` more fit the budget, which is
         never more than a share of the free space; OSError if they cannot."""
+        existing = next(p for p in (self.root, *self.root.parents) if p.exists())
         try:
-            free = shutil.disk_usage(self.root if self.root.exists() else self.root.parent).free
+            free = shutil.disk_usage(existing).free
         except OSError:
             free = 0
-        files = sorted((f for f in self._files() if f[0] != keep), key=lambda f: f[2])
+        files = sorted((f for f in _snapshot_files(self.root) if f[0] != keep), key=lambda f: f[2])
         used = sum(size for _, size, _ in files)
         limit = min(self.budget_bytes, int((free + used) * FREE_SPACE_SHARE))
         while files and used + nbytes > limit:

@@ -377,5 +377,6 @@ def llama_kit(loaded: Any, assert_close: Callable[[torch.Tensor, torch.Tensor, s
         return LlamaBatcher(loaded, pool, emit, done, interleave=False, lone_chunk=lone_chunk)
 
     return RunnerKit("llama.cpp", loaded, pool, llama_vocabulary(loaded),
-                     LlamaRunner(loaded, pool), batcher, lambda lease: pool.store.length(lease.cache),
-                     assert_close, fixed_prompt_ids(loaded, 64))
+                     LlamaRunner(loaded, pool), batcher,
+                     lambda lease: pool.store.length(lease.cache), assert_close,
+                     fixed_prompt_ids(loaded, 64))
