@@ -16,7 +16,7 @@ from typing import Any
 from engine.events import TERMINAL_EVENTS, EngineEvent, ModelInfo, ModelLoaded
 from engine.listeners import EventSource
 from engine.params import GenerationRequest
-from engine.protocol import Backend, Capabilities, RequestHandle
+from engine.protocol import Backend, Capabilities, PrefixPeek, RequestHandle
 from engine.remote import REMOTE_SPEC, RemoteConfig, RemoteEngine, resolve_api_key
 from engine.worker import Engine
 
@@ -137,6 +137,9 @@ class BackendRouter(EventSource, Backend):
 
     def keep_alternative(self, conversation_id: str, index: int, count: int) -> None:
         self.local.keep_alternative(conversation_id, index, count)
+
+    def peek_prefix(self, request: GenerationRequest) -> PrefixPeek | None:
+        return self._active.peek_prefix(request)
 
     # ----- events (backend threads) --------------------------------------------------------
     def _forward(self, backend: Engine | RemoteEngine, event: EngineEvent) -> None:

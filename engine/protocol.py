@@ -35,6 +35,19 @@ SPECULATIVE_METHODS: tuple[Speculative, ...] = ("ngram", "draft")
 
 
 @dataclass(frozen=True)
+class PrefixPeek:
+    """How much of a prompt is cached right now (a forecast, not a promise)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    from_disk: bool = False  # the cached part would be read back from a snapshot on disk
+
+    @property
+    def new_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+
+@dataclass(frozen=True)
 class Capabilities:
     """What a backend can do beyond submit/cancel (every backend can do those)."""
 
@@ -172,6 +185,11 @@ class Backend(Protocol):
     def cancel_all(self) -> None: ...
 
     # ----- conversations' caches -------------------------------------------------------------
+    def peek_prefix(self, request: GenerationRequest) -> PrefixPeek | None:
+        """How much of this request's prompt a turn sent now would find cached (any thread;
+        for the wait forecast); None where that is not known (a remote server, no model)."""
+        ...
+
     def keep_alternative(self, conversation_id: str, index: int, count: int) -> None:
         """The user kept alternative `index` of `count`: its cached prefix becomes the
         conversation's own."""

@@ -48,7 +48,7 @@ from engine.events import (
 from engine.listeners import EventSource
 from engine.metrics import RequestMetrics, RequestTimeline, compute_metrics
 from engine.params import GenerationRequest, SamplingParams
-from engine.protocol import Backend, Capabilities, RequestHandle
+from engine.protocol import Backend, Capabilities, PrefixPeek, RequestHandle
 
 log = logging.getLogger(__name__)
 now_ns = time.perf_counter_ns  # the clock every engine event is stamped on
@@ -437,6 +437,10 @@ class RemoteEngine(EventSource, Backend):
 
     def keep_alternative(self, conversation_id: str, index: int, count: int) -> None:
         """The server owns its cache; there is nothing to adopt here."""
+
+    def peek_prefix(self, request: GenerationRequest) -> PrefixPeek | None:
+        """The server owns its cache: what it holds is not known here."""
+        return None
 
     # ----- the loop thread ---------------------------------------------------------------
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:

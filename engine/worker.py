@@ -22,6 +22,7 @@ from engine import runtimes
 from engine.batching import batchable
 from engine.core.batch import alternative_cache_key
 from engine.core.ledger import KvLedger
+from engine.core.prompt import prepare_prompt
 from engine.core.snapshots import DEFAULT_BUDGET_BYTES as DEFAULT_SNAPSHOT_BUDGET
 from engine.core.snapshots import KvShelf
 from engine.draft import DraftModel
@@ -42,7 +43,13 @@ from engine.events import (
 from engine.listeners import EventSource
 from engine.metrics import RequestTimeline, now_ns
 from engine.params import GenerationRequest
-from engine.protocol import SPECULATIVE_METHODS, Backend, Capabilities, RequestHandle
+from engine.protocol import (
+    SPECULATIVE_METHODS,
+    Backend,
+    Capabilities,
+    PrefixPeek,
+    RequestHandle,
+)
 
 if TYPE_CHECKING:
     from engine.llamacpp.draft import LlamaDraftModel
@@ -303,6 +310,20 @@ class Engine(EventSource, Backend):
                                        conversation_id))
         for key in siblings:
             self._inbox.put(DropConversation(key))
+
+    def peek_prefix(self, request: GenerationRequest) -> PrefixPeek | None:
+        """Tokenizes the prompt on the calling thread (the tokenizers are safe to share) and
+        asks the ledger's published index: the engine thread is never waited for."""
+        loaded, pool = self._loaded, self._prefix_cache
+        if loaded is None or pool is None:
+            return None
+        try:
+            prompt = prepare_prompt(loaded, request)
+        except PhasewiseError:
+            return None  # too long: the send will say so
+        cached, from_disk = pool.peek(request.conversation_id, prompt.ids) \
+            if request.reuse_cache else (0, False)
+        return PrefixPeek(len(prompt.ids), cached, from_disk)
 
     # ----- engine thread ---------------------------------------------------------------
     def _run(self) -> None:

@@ -180,6 +180,8 @@ class KvLedger(Generic[Handle]):
         self._leased: set[str] = set()  # handed out and not yet back (lost if a request failed)
         self.evictions = 0
         self.shelf: KvShelf | None = None  # snapshots on disk, when the engine keeps them
+        # What each entry holds, replaced whole on every change: read from any thread (peek).
+        self._index: dict[str, list[int]] = {}
         self._on_shelf: dict[str, int] = {}  # tokens of each chat's last snapshot put
 
     @property
@@ -196,6 +198,7 @@ class KvLedger(Generic[Handle]):
             self._model_changed |= set(self._entries) | self._evicted
         self._free_entries()
         self._evicted.clear()
+        self._publish()
 
     def inherit_ledger(self, previous: KvLedger[Any]) -> None:
         """Take over which chats lost their cache in `previous` (the pool this one replaces,
@@ -209,6 +212,7 @@ class KvLedger(Generic[Handle]):
         self.evictions += len(self._entries)
         self._evicted |= set(self._entries) | self._leased
         self._free_entries()
+        self._publish()
 
     def evict_oldest(self, keep: str | None = None) -> bool:
         """Evict the least recently used entry (not chat `keep`'s); False if there is none.
@@ -219,6 +223,7 @@ class KvLedger(Generic[Handle]):
                 self.store.free(entry.cache)
                 self._evicted.add(conv)
                 self.evictions += 1
+                self._publish()
                 return True
         return False
 
@@ -226,6 +231,7 @@ class KvLedger(Generic[Handle]):
         entry = self._entries.pop(conversation_id, None)
         if entry is not None:
             self.store.free(entry.cache)
+            self._publish()
 
     def adopt(self, source: str, target: str) -> None:
         """Make source's entry target's own (a kept alternative becomes its chat's cache, so
@@ -237,6 +243,28 @@ class KvLedger(Generic[Handle]):
         self._entries[target] = entry
         self._evicted.discard(target)
         self._model_changed.discard(target)
+        self._publish()
+
+    def peek(self, conversation_id: str | None,
+             prompt_ids: Sequence[int]) -> tuple[int, bool]:
+        """How many leading tokens of prompt_ids a turn now would find cached, and whether
+        they would come from disk. Safe from any thread (a forecast: an entry may go before
+        the turn runs; a lease running now is counted as its last entry)."""
+        index, limit = self._index, len(prompt_ids) - 1
+        lenders = [ids for conv, ids in index.items()
+                   if conv == conversation_id or self.store.can_lend]
+        best = max((min(common_prefix_len(ids, prompt_ids), limit) for ids in lenders),
+                   default=0)
+        shelf = self.shelf
+        if conversation_id is None or conversation_id in index or shelf is None:
+            return best, False
+        shelved = shelf.find(conversation_id)
+        shared = min(common_prefix_len(shelved.ids, prompt_ids), limit) if shelved else 0
+        return (shared, True) if shared > best else (best, False)
+
+    def _publish(self) -> None:
+        """Replace the index `peek` reads (entries' id lists are never changed in place)."""
+        self._index = {conv: entry.ids for conv, entry in self._entries.items()}
 
     # ----- leases --------------------------------------------------------------------------
     def acquire(
@@ -309,6 +337,7 @@ class KvLedger(Generic[Handle]):
         self._model_changed.discard(conv)
         self._shelve(conv, lease)
         self._evict_to_budget()
+        self._publish()
 
     def discard(self, lease: CacheLease) -> None:
         """A failed request's lease: its KV is in an unknown state and goes; its chat's next
