@@ -9,8 +9,9 @@ line within one prefill). Reading positions c..p therefore costs
 
 and each finished reply is one observation of (c, p, prefill seconds). The three weights are
 fitted by least squares over this session's replies (the newest MAX_OBSERVATIONS); no figure
-until MIN_OBSERVATIONS replies with distinct sizes have been seen, or when the fit comes out
-non-physical (a negative per-token cost): then only the token counts are said.
+until MIN_OBSERVATIONS replies with distinct sizes have been seen (only the token counts are
+said). A fit that comes out non-physical (a negative weight) gives way to the plain rate:
+seconds per token read over the same replies.
 """
 
 from __future__ import annotations
@@ -33,24 +34,35 @@ class PrefillCost:
     def __init__(self) -> None:
         self._seen: deque[tuple[int, int, float]] = deque(maxlen=MAX_OBSERVATIONS)
         self._weights: tuple[float, float, float] | None = None
+        self._restore_s_per_token: float | None = None  # the last restore from disk's
 
     def clear(self) -> None:
         """Another model: its costs are another line."""
         self._seen.clear()
         self._weights = None
+        self._restore_s_per_token = None
 
-    def add(self, cached: int, prompt: int, seconds: float) -> None:
+    def add(self, cached: int, prompt: int, seconds: float, restored: int = 0,
+            restore_s: float = 0.0) -> None:
+        """A finished prefill: `seconds` in all, of which `restore_s` read `restored` of the
+        cached tokens back from disk."""
+        if restored > 0 and restore_s > 0:
+            self._restore_s_per_token = restore_s / restored
+        seconds -= restore_s
         if prompt - cached < MIN_READ_TOKENS or seconds <= 0:
             return
         self._seen.append((cached, prompt, seconds))
         self._weights = self._fit()
 
-    def seconds(self, cached: int, prompt: int) -> float | None:
-        """The forecast prefill time, or None while the fit is not trusted."""
+    def seconds(self, cached: int, prompt: int, from_disk: bool = False) -> float | None:
+        """The forecast prefill time, or None while the fit is not trusted (a restore from
+        disk adds the last one's time per token, once one was seen)."""
         if self._weights is None:
             return None
         a, b, d = self._weights
-        return d + a * (prompt - cached) + b * (prompt * prompt - cached * cached) / 2
+        reading = d + a * (prompt - cached) + b * (prompt * prompt - cached * cached) / 2
+        restoring = cached * (self._restore_s_per_token or 0.0) if from_disk else 0.0
+        return reading + restoring
 
     def _fit(self) -> tuple[float, float, float] | None:
         sizes = {p - c for c, p, _ in self._seen}
@@ -62,10 +74,12 @@ class PrefillCost:
         scale = x.abs().amax(dim=0).clamp(min=1.0)  # columns of very different sizes
         solution = torch.linalg.lstsq(x / scale, y).solution.squeeze(1) / scale
         a, b, d = (float(v) for v in solution)
-        if a <= 0:
-            return None
-        # A slope the data cannot pin down may come out slightly negative: no slope then.
-        return a, max(b, 0.0), max(d, 0.0)
+        if a <= 0 or b < 0 or d < 0:
+            # Noise the line cannot explain (tiny prefills, a busy machine): the session's
+            # plain rate, seconds per token read, is the honest figure then.
+            read = sum(p - c for c, p, _ in self._seen)
+            return sum(s for _, _, s in self._seen) / read, 0.0, 0.0
+        return a, b, d
 
 
 def forecast_text(peek: PrefixPeek, seconds: float | None) -> str:

@@ -133,6 +133,7 @@ class Breakdown:
     read_tokens: int | None = None
     restored_tokens: int = 0  # of the cached ones, read back from a snapshot on disk
     restore_s: float = 0.0
+    forecast_ttft_s: float | None = None  # what the window forecast before it was sent
 
     @property
     def other_s(self) -> float:
@@ -221,6 +222,7 @@ class ReplyRecord:
     number: int
     queued_ns: int
     settings: dict[str, object] = field(default_factory=dict)
+    forecast_ttft_s: float | None = None  # the wait forecast shown when it was sent
     prefill_ns: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -306,7 +308,9 @@ class ReplyRecord:
 
     def breakdown(self) -> Breakdown | None:
         if self.metrics is not None:
-            return Breakdown.from_metrics(self.metrics)
+            b = Breakdown.from_metrics(self.metrics)
+            b.forecast_ttft_s = self.forecast_ttft_s
+            return b
         if not self.token_ns or not self.prefill_ns:
             return None
         # Live estimate from engine stamps; prefill here includes the first sample.
@@ -451,13 +455,23 @@ def advise(b: Breakdown | None) -> str:
     phases = {"queue": b.queue_s, "prefill": b.prefill_s, "decode": b.decode_s}
     phase, seconds = max(phases.items(), key=lambda kv: kv[1])
     share = b.share(seconds)
-    restored = _restored_sentence(b)
+    told = " ".join(t for t in (_forecast_sentence(b), _restored_sentence(b)) if t)
     if share < DOMINANT_SHARE:
-        return restored
+        return told
     advice = {"decode": _advise_decode, "prefill": _advise_prefill, "queue": _advise_queue}[
         phase
     ](b, share)
-    return f"{restored} {advice}" if restored else advice
+    return f"{told} {advice}" if told else advice
+
+
+def _forecast_sentence(b: Breakdown) -> str:
+    """The forecast set against what happened: "Forecast ~9.0 s to first token; it took
+    8.4 s (x0.93 of the forecast)."."""
+    if b.forecast_ttft_s is None or not b.has_first_token or b.forecast_ttft_s <= 0:
+        return ""
+    ratio = b.ttft_s / b.forecast_ttft_s
+    return (f"Forecast ~{fmt_seconds(b.forecast_ttft_s)} to first token; it took "
+            f"{fmt_seconds(b.ttft_s)} (x{ratio:.2f} of the forecast).")
 
 
 def _restored_sentence(b: Breakdown) -> str:
@@ -527,6 +541,12 @@ class SessionModel:
         # live replies (by the chat and turn the window gave them) append to them.
         self.chat: SavedChat | None = None
         self._chat_of: dict[str, tuple[str, int]] = {}  # request id -> (chat id, turn)
+        self._next_forecast: float | None = None
+
+    def expect_ttft(self, seconds: float | None) -> None:
+        """The wait forecast of the message being sent: the next reply keeps it, to set
+        against its real time to first token."""
+        self._next_forecast = seconds
 
     # -- folding events --
     def apply(self, event: EngineEvent) -> ReplyRecord | None:
@@ -562,7 +582,8 @@ class SessionModel:
 
     def _queued(self, event: RequestQueued) -> ReplyRecord:
         reply = ReplyRecord(event.request_id, len(self.replies) + 1, event.t_ns,
-                            settings=dict(self.settings))
+                            settings=dict(self.settings), forecast_ttft_s=self._next_forecast)
+        self._next_forecast = None
         self.replies[event.request_id] = reply
         self._order.append(reply)
         return reply

@@ -329,6 +329,8 @@ class Engine(EventSource, Backend):
     def _run(self) -> None:
         item: Any = None  # an item the batch loop took from the inbox but could not serve
         while True:
+            if item is None:
+                self._shelve_while_idle()
             item = self._inbox.get() if item is None else item
             if isinstance(item, Shutdown):
                 break
@@ -351,11 +353,23 @@ class Engine(EventSource, Backend):
         runtimes.close(self._loaded)
         self._loaded = None
 
+    def _shelve_while_idle(self) -> None:
+        """Snapshot chats to disk while nothing waits: one at a time, each time looking
+        whether a request came in."""
+        pool = self._prefix_cache
+        while pool is not None and self._inbox.empty() and pool.shelve_one():
+            pass
+
     def _close_shelf(self) -> None:
-        """Let the snapshots put so far reach the disk (bounded: quitting must not hang)."""
-        if self._prefix_cache is not None and self._prefix_cache.shelf is not None:
-            self._prefix_cache.shelf.close(SHELF_CLOSE_TIMEOUT_S)
-            self._prefix_cache.shelf = None
+        """Snapshot what is left and let it reach the disk (bounded: quitting must not hang;
+        a model switch writes the old model's chats before its KV goes)."""
+        pool = self._prefix_cache
+        if pool is None or pool.shelf is None:
+            return
+        while pool.shelve_one():
+            pass
+        pool.shelf.close(SHELF_CLOSE_TIMEOUT_S)
+        pool.shelf = None
 
     def _handle_command(self, item: Any) -> None:
         if isinstance(item, LoadModel):

@@ -88,3 +88,41 @@ def test_the_forecast_line_reads_as_the_issue_says() -> None:
     assert forecast_text(PrefixPeek(40, 0), None) == "~40 new tokens"
     assert forecast_text(PrefixPeek(6_000, 5_990, from_disk=True), 0.25) == (
         "~10 new tokens · ~250 ms to first token · 5,990 from disk")
+
+
+# ----- in the window ----------------------------------------------------------------------------
+def test_the_window_forecasts_the_wait_as_the_user_types_and_keeps_it_for_the_hud(
+        qtbot, make_window) -> None:
+    window = make_window()
+    composer = window.composer
+    composer.set_text("Hello there, how are you?")
+    qtbot.waitUntil(lambda: composer.forecast.text().startswith("~"), timeout=5_000)
+    assert "new tokens" in composer.forecast.text()
+    assert "to first token" not in composer.forecast.text()  # no prefill seen yet: no time
+    window.controls.max_tokens.setValue(8)  # the tiny model's context is short
+    for i in range(3):  # prompts of different lengths, each a new chat: the cost line
+        window.new_chat()
+        composer.set_text("Tell me more. " * (4 * i + 3))
+        assert window.send(composer.text())
+        qtbot.waitUntil(lambda: not window.session.running(window.session.conversation_id),
+                        timeout=30_000)
+    composer.set_text("And one more question about the weather tomorrow?")
+    qtbot.waitUntil(lambda: "to first token" in composer.forecast.text(), timeout=5_000)
+    assert "from cache" in composer.forecast.text()  # the chat so far
+    expected = window.forecast.seconds
+    assert expected is not None and expected > 0
+    assert window.send(composer.text())
+    qtbot.waitUntil(lambda: not window.session.running(window.session.conversation_id),
+                    timeout=30_000)
+    reply = window.hud.model.latest()
+    assert reply is not None and reply.forecast_ttft_s == expected
+    assert window.hud.advice_text().startswith("Forecast ~")
+    composer.clear()
+    qtbot.waitUntil(lambda: not composer.forecast.isVisible(), timeout=5_000)
+
+
+def test_noise_no_line_explains_falls_back_to_the_plain_rate() -> None:
+    line = PrefillCost()
+    for c, p, s in ((0, 100, 0.5), (0, 200, 0.4), (0, 300, 0.9)):  # no line with a, b, d >= 0
+        line.add(c, p, s)
+    assert line.seconds(0, 600) == pytest.approx(600 * 1.8 / 600)

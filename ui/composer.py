@@ -75,6 +75,11 @@ class Composer(QWidget):
         self.edit_banner = QLabel()
         self.edit_banner.setObjectName("editBanner")
         self.edit_banner.hide()
+        self.forecast = QLabel()
+        self.forecast.setObjectName("forecastLabel")
+        self.forecast.setAlignment(Qt.AlignmentFlag.AlignRight)
+        self.forecast.setToolTip("The wait before the first token, forecast from what is "
+                                 "cached and this session's measured prefill speed.")
         self.editor.sig_enter.connect(self._send)
         self.editor.sig_escape.connect(self.escape)
         self._busy = False
@@ -91,9 +96,15 @@ class Composer(QWidget):
         layout.setContentsMargins(12, 6, 12, 12)
         layout.addWidget(self.edit_banner)
         layout.addLayout(row)
+        layout.addWidget(self.forecast)
 
     def text(self) -> str:
         return self.editor.toPlainText()
+
+    def set_forecast(self, line: str) -> None:
+        """The wait forecast for the text in the box ("" hides it)."""
+        self.forecast.setText(line)
+        self.forecast.setVisible(bool(line))
 
     def set_text(self, text: str) -> None:
         self.editor.setPlainText(text)

@@ -38,6 +38,7 @@ from ui.composer import Composer
 from ui.controls import ControlsPanel
 from ui.dock_widths import DockWidths, dock_column
 from ui.drafts import Drafts
+from ui.forecast import WaitForecast
 from ui.hud import HudWidget
 from ui.model_loads import ModelLoads
 from ui.session import (
@@ -183,6 +184,13 @@ class MainWindow(QMainWindow):
         self.loads = ModelLoads(self, self.engine, self.bridge, self.status, self.controls,
                                 self.pane, self.load_options, self.settings)
         self.chat.sig_action.connect(self._on_message_action)
+        self.forecast = WaitForecast(
+            self.engine, lambda text: self.session.forecast_request(text, self.reply_options()),
+            self.composer.set_forecast, self)
+        self.composer.editor.textChanged.connect(
+            lambda: self.forecast.text_changed(self.composer.text()))
+        self.bridge.sig_request_finished.connect(self.forecast.finished)
+        self.bridge.sig_model_loaded.connect(self.forecast.model_loaded)
         self.composer.sig_send.connect(self.send)
         self.composer.sig_stop.connect(self.stop)
         self.composer.sig_cancel_edit.connect(self._cancel_edit)
@@ -286,7 +294,11 @@ class MainWindow(QMainWindow):
         editing = self.session.editing_message_id
         if editing is not None and text.strip() and not self._confirm_resend(editing):
             return False
-        return self.session.send(text, self.reply_options())
+        self.hud.model.expect_ttft(self.forecast.seconds if editing is None else None)
+        sent = self.session.send(text, self.reply_options())
+        if not sent:
+            self.hud.model.expect_ttft(None)
+        return sent
 
     def _confirm_resend(self, message_id: int) -> bool:
         """Resending an edited earlier message drops the turns after it: asked first, once

@@ -219,6 +219,20 @@ class ChatSession:
                 history.append(message)
         return history
 
+    def forecast_request(self, text: str, options: ReplyOptions) -> GenerationRequest | None:
+        """What sending `text` now would ask, for the wait forecast; None while an earlier
+        message is being edited (the prompt would be another) or no model is loaded."""
+        if self.editing_message_id is not None or self.model_info is None:
+            return None
+        conv = self.conversation_id
+        if conv is not None:
+            history = self.history(conv)
+        else:
+            system = options.system_prompt
+            history = [ChatMessage("system", system)] if system.strip() else []
+        return GenerationRequest([*history, ChatMessage("user", text)], options.params,
+                                 conversation_id=conv, overflow=options.overflow)
+
     # ----- starting replies -------------------------------------------------------------------
     def send(self, text: str, options: ReplyOptions) -> bool:
         """Send text (or resend an edited message). False if refused (the view was told)."""

@@ -183,6 +183,7 @@ class KvLedger(Generic[Handle]):
         # What each entry holds, replaced whole on every change: read from any thread (peek).
         self._index: dict[str, list[int]] = {}
         self._on_shelf: dict[str, int] = {}  # tokens of each chat's last snapshot put
+        self._unshelved: set[str] = set()  # chats whose entry is newer than their snapshot
 
     @property
     def used_bytes(self) -> int:
@@ -335,7 +336,8 @@ class KvLedger(Generic[Handle]):
         self._entries[conv] = CacheEntry(list(lease.ids), lease.cache, nbytes, checkpoint)
         self._evicted.discard(conv)
         self._model_changed.discard(conv)
-        self._shelve(conv, lease)
+        if self.shelf is not None and _is_chat(conv) and self._on_shelf.get(conv) != len(lease.ids):
+            self._unshelved.add(conv)
         self._evict_to_budget()
         self._publish()
 
@@ -349,16 +351,21 @@ class KvLedger(Generic[Handle]):
         self._evicted.add(lease.conversation_id)
 
     # ----- snapshots on disk ---------------------------------------------------------------
-    def _shelve(self, conv: str, lease: CacheLease) -> None:
-        """Put a chat's KV on the shelf when it holds more than the last snapshot put."""
-        if self.shelf is None or not _is_chat(conv):
-            return
-        if self._on_shelf.get(conv) == len(lease.ids):
-            return
-        payload = self.store.export(lease.cache)
-        if payload is not None:
-            self.shelf.put(conv, lease.ids, payload)
-            self._on_shelf[conv] = len(lease.ids)
+    def shelve_one(self) -> bool:
+        """Put one chat's entry, newer than its snapshot, on the shelf; False when none is
+        left. The engine calls this only while idle: copying a long chat's KV out takes tens
+        of milliseconds on llama.cpp, which no streaming reply should wait for."""
+        while self._unshelved:
+            conv = self._unshelved.pop()
+            entry = self._entries.get(conv)
+            if entry is None or self.shelf is None:  # evicted or leased again since
+                continue
+            payload = self.store.export(entry.cache)
+            if payload is not None:
+                self.shelf.put(conv, entry.ids, payload)
+                self._on_shelf[conv] = len(entry.ids)
+            return True
+        return False
 
     def _from_shelf(self, conv: str, prompt_ids: Sequence[int], limit: int,
                     better_than: int) -> tuple[Handle, list[int], Restored] | None:
