@@ -141,6 +141,9 @@ class BackendRouter(EventSource, Backend):
     def peek_prefix(self, request: GenerationRequest) -> PrefixPeek | None:
         return self._active.peek_prefix(request)
 
+    def count_tokens(self, text: str) -> int | None:
+        return self._active.count_tokens(text)
+
     # ----- events (backend threads) --------------------------------------------------------
     def _forward(self, backend: Engine | RemoteEngine, event: EngineEvent) -> None:
         if isinstance(event, ModelLoaded):

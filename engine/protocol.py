@@ -190,6 +190,11 @@ class Backend(Protocol):
         for the wait forecast); None where that is not known (a remote server, no model)."""
         ...
 
+    def count_tokens(self, text: str) -> int | None:
+        """How many tokens the loaded model reads `text` as, inside a message (any thread);
+        None where not known (a remote server, no model)."""
+        ...
+
     def keep_alternative(self, conversation_id: str, index: int, count: int) -> None:
         """The user kept alternative `index` of `count`: its cached prefix becomes the
         conversation's own."""

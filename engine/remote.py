@@ -442,6 +442,10 @@ class RemoteEngine(EventSource, Backend):
         """The server owns its cache: what it holds is not known here."""
         return None
 
+    def count_tokens(self, text: str) -> int | None:
+        """The server's tokenizer is not here."""
+        return None
+
     # ----- the loop thread ---------------------------------------------------------------
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = self._loop.create_task(coro)

@@ -325,6 +325,12 @@ class Engine(EventSource, Backend):
             if request.reuse_cache else (0, False)
         return PrefixPeek(len(prompt.ids), cached, from_disk)
 
+    def count_tokens(self, text: str) -> int | None:
+        loaded = self._loaded
+        if loaded is None:
+            return None
+        return len(loaded.tokenizer.encode(text, add_special_tokens=False))
+
     # ----- engine thread ---------------------------------------------------------------
     def _run(self) -> None:
         item: Any = None  # an item the batch loop took from the inbox but could not serve

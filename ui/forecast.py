@@ -34,21 +34,31 @@ class WaitForecast(QObject):
         self._timer.setSingleShot(True)
         self._timer.setInterval(DEBOUNCE_MS)
         self._timer.timeout.connect(self.refresh)
+        self._stopped = False
+
+    def stop(self) -> None:
+        """The window is closing: no forecast after this (the chat store closes)."""
+        self._timer.stop()
+        self._stopped = True
 
     def text_changed(self, text: str) -> None:
         self._text = text
-        self._timer.start()
+        self._restart()
 
     def finished(self, event: RequestFinished) -> None:
         m = event.result.metrics
         if m.prefill_complete and m.prompt_tokens_known and m.cached_tokens_known:
             self.cost.add(m.cached_tokens, m.prompt_tokens, m.prefill_s, m.restored_tokens,
                           m.restore_s)
-        self._timer.start()  # the cache changed too
+        self._restart()  # the cache changed too
 
     def model_loaded(self, _info: ModelInfo) -> None:
         self.cost.clear()
-        self._timer.start()
+        self._restart()
+
+    def _restart(self) -> None:
+        if not self._stopped:
+            self._timer.start()
 
     def refresh(self) -> None:
         request = self._request(self._text) if self._text.strip() else None

@@ -451,6 +451,7 @@ class MainWindow(QMainWindow):
         """Cancel running replies, keep their partial text (marked stopped), save settings.
         Alternatives nobody kept are discarded. The HUD's calibration thread is joined."""
         self.session.close()
+        self.forecast.stop()
         self.hud.stop_calibration()
         self.bridge.detach()
         self.drafts.stash()
