@@ -319,8 +319,10 @@ class Engine(EventSource, Backend):
             return None
         try:
             prompt = prepare_prompt(loaded, request)
+        except ContextOverflowError as exc:  # too long: the count says so, nothing is cached
+            return PrefixPeek(exc.prompt_tokens, 0)
         except PhasewiseError:
-            return None  # too long: the send will say so
+            return None
         cached, from_disk = pool.peek(request.conversation_id, prompt.ids) \
             if request.reuse_cache else (0, False)
         return PrefixPeek(len(prompt.ids), cached, from_disk)

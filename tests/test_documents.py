@@ -87,3 +87,60 @@ def test_the_same_document_in_a_new_chat_is_a_cached_prefix(tiny_engine: Engine,
     document_tokens = tiny_engine.count_tokens(doc.block())
     assert document_tokens is not None
     assert r.metrics.cached_tokens > document_tokens  # the system prompt and the document
+
+
+# ----- in the window ----------------------------------------------------------------------------
+def _drop(editor, paths: list[Path]) -> None:
+    """What a drag and drop of files onto the message box hands it."""
+    from PySide6.QtCore import QMimeData, QUrl
+
+    data = QMimeData()
+    data.setUrls([QUrl.fromLocalFile(str(p)) for p in paths])
+    assert editor.canInsertFromMimeData(data)
+    editor.insertFromMimeData(data)
+
+
+def test_documents_are_attached_as_chips_sent_first_and_kept_with_the_chat(
+        qtbot, make_window, tmp_path: Path) -> None:
+    window = make_window()
+    composer = window.composer
+    pdf = write_pdf(tmp_path / "report.pdf", ["The harbor opens at dawn."])
+    notes = tmp_path / "notes.md"
+    notes.write_text("# Notes\nBring a lantern.\n")
+    _drop(composer.editor, [pdf, notes])
+    assert composer.editor.toPlainText() == ""  # attached, not pasted as text
+    labels = composer.chips.labels()
+    assert len(labels) == 2 and labels[0].startswith("report.pdf · ")
+    assert labels[0].endswith(" tokens")
+    composer.chips.buttons[1].click()  # × on notes.md
+    assert [d.name for d in composer.chips.documents] == ["report.pdf"]
+    composer.set_text("When does it open?")
+    qtbot.waitUntil(lambda: composer.forecast.text().startswith("~"), timeout=5_000)
+    assert window.send(composer.text())
+    assert not composer.chips.isVisible() and not composer.chips.documents
+    qtbot.waitUntil(lambda: not window.session.running(window.session.conversation_id),
+                    timeout=30_000)
+    assert "📎 report.pdf" in window.chat.toPlainText()
+    assert "The harbor opens at dawn." not in window.chat.toPlainText()  # read, not shown
+    conv = window.session.conversation_id
+    window.close()
+    again = make_window()  # a restart: the document is saved with the chat
+    again.open_conversation(conv)
+    assert "📎 report.pdf" in again.chat.toPlainText()
+    user = next(m for m in again.store.messages(conv) if m.role == "user")
+    assert split_documents(user.content)[1] == "When does it open?"
+    assert "The harbor opens at dawn." in split_documents(user.content)[0][0][1]
+
+
+def test_a_file_that_cannot_be_attached_or_does_not_fit_says_why(
+        qtbot, make_window, tmp_path: Path) -> None:
+    window = make_window()
+    scan = write_pdf(tmp_path / "scan.pdf", [None])
+    _drop(window.composer.editor, [scan])
+    assert "scan.pdf has no text layer" in window.pane.notice_label.text()
+    big = tmp_path / "big.txt"
+    big.write_text("lantern harbor meadow " * 200)  # far beyond the tiny model's 256 tokens
+    _drop(window.composer.editor, [big])
+    notice = window.pane.notice_label.text()
+    assert "big.txt does not fit" in notice and "the model reads at most 256" in notice
+    assert not window.composer.chips.documents

@@ -33,6 +33,7 @@ from PySide6.QtGui import (
 )
 from PySide6.QtWidgets import QMenu, QTextBrowser, QWidget
 
+from engine.documents import split_documents
 from ui.markdown import COPY_SCHEME, Theme, is_safe_link, render_markdown, render_plain
 from ui.session import PromptReading
 from ui.store import DONE, Message
@@ -143,13 +144,16 @@ class ChatView(QTextBrowser):
 
     def _message_html(self, message: Message, theme: Theme, last_reply: bool) -> str:
         who = "You" if message.role == "user" else "Assistant"
+        documents, content = split_documents(message.content) if message.role == "user" \
+            else ([], message.content)
         if self.plain_text:
-            body = render_plain(message.content)
+            body = render_plain(content)
         else:
-            rendered = render_markdown(message.content, message.id, theme)
+            rendered = render_markdown(content, message.id, theme)
             body = rendered.html
             for i, code in enumerate(rendered.code_blocks):
                 self._code_blocks[(message.id, i)] = code
+        body = _documents_html(documents, theme) + body
         actions = ["copy"]
         if message.role == "user":
             actions.append("edit")
@@ -431,6 +435,16 @@ class ChatView(QTextBrowser):
         super().changeEvent(event)
         if event.type() == event.Type.PaletteChange and not self._streams:
             self.show_messages(self._messages, self._alternatives)
+
+
+def _documents_html(documents: list[tuple[str, str]], theme: Theme) -> str:
+    """A message's attached documents as a quiet line of names and sizes (the text the model
+    read is in the message; showing it whole would bury the question)."""
+    if not documents:
+        return ""
+    chips = " &nbsp; ".join(
+        f"📎 {html.escape(name)} · {len(text):,} characters" for name, text in documents)
+    return f'<p style="color:{theme.muted}">{chips}</p>'
 
 
 def _select_back(cursor: QTextCursor, count: int) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt, Signal
+from pathlib import Path
+
+from PySide6.QtCore import QMimeData, Qt, Signal
 from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import (
     QHBoxLayout,
@@ -10,11 +12,13 @@ from PySide6.QtWidgets import (
     QPlainTextEdit,
     QPushButton,
     QSpinBox,
+    QToolButton,
     QVBoxLayout,
     QWidget,
 )
 
 from engine.params import MAX_ALTERNATIVES
+from ui.attachments import AttachmentChips
 
 ALTERNATIVES_TIP = ("Replies per message: more than one generates that many alternatives at "
                     "once (one shared prefill); keep one")
@@ -29,6 +33,18 @@ class _Editor(QPlainTextEdit):
     """Enter without Shift was pressed."""
     sig_escape = Signal()
     """Esc was pressed."""
+    sig_files_dropped = Signal(list)
+    """Local files were dropped on the box (list[Path]): they are attached, not pasted."""
+
+    def canInsertFromMimeData(self, source: QMimeData) -> bool:
+        return bool(_local_files(source)) or super().canInsertFromMimeData(source)
+
+    def insertFromMimeData(self, source: QMimeData) -> None:
+        files = _local_files(source)
+        if files:
+            self.sig_files_dropped.emit(files)
+        else:
+            super().insertFromMimeData(source)
 
     def keyPressEvent(self, event: QKeyEvent) -> None:
         key = event.key()
@@ -44,6 +60,12 @@ class _Editor(QPlainTextEdit):
         super().keyPressEvent(event)
 
 
+def _local_files(source: QMimeData) -> list[Path]:
+    if not source.hasUrls():
+        return []
+    return [Path(url.toLocalFile()) for url in source.urls() if url.isLocalFile()]
+
+
 class Composer(QWidget):
     """Text box plus a Send/Stop button; also shows the 'editing a message' banner."""
 
@@ -53,6 +75,10 @@ class Composer(QWidget):
     """The user asked to stop the running reply (Esc or the Stop button)."""
     sig_cancel_edit = Signal()
     """The user left edit mode without resending."""
+    sig_attach = Signal(list)
+    """Attach these files (list[Path]): dropped on the box, or chosen after the paperclip."""
+    sig_attach_clicked = Signal()
+    """The paperclip was clicked: the window asks which files."""
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -75,6 +101,14 @@ class Composer(QWidget):
         self.edit_banner = QLabel()
         self.edit_banner.setObjectName("editBanner")
         self.edit_banner.hide()
+        self.chips = AttachmentChips()
+        self.attach = QToolButton()
+        self.attach.setObjectName("attachButton")
+        self.attach.setText("📎")
+        self.attach.setToolTip("Attach text, Markdown, source code or PDF files (or drop "
+                               "them on the message box)")
+        self.attach.clicked.connect(self.sig_attach_clicked)
+        self.editor.sig_files_dropped.connect(self.sig_attach)
         self.forecast = QLabel()
         self.forecast.setObjectName("forecastLabel")
         self.forecast.setAlignment(Qt.AlignmentFlag.AlignRight)
@@ -89,12 +123,14 @@ class Composer(QWidget):
         row.addWidget(self.editor, 1)
         side = QVBoxLayout()
         side.addStretch(1)
+        side.addWidget(self.attach)
         side.addWidget(self.alternatives)
         side.addWidget(self.button)
         row.addLayout(side)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(12, 6, 12, 12)
         layout.addWidget(self.edit_banner)
+        layout.addWidget(self.chips)
         layout.addLayout(row)
         layout.addWidget(self.forecast)
 

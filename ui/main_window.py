@@ -14,11 +14,13 @@ import itertools
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import QSettings, Signal
 from PySide6.QtGui import QCloseEvent, QGuiApplication
 from PySide6.QtWidgets import (
+    QFileDialog,
     QMainWindow,
     QMenu,
     QSizePolicy,
@@ -27,8 +29,10 @@ from PySide6.QtWidgets import (
 )
 
 from engine import GenerationResult, ModelInfo
-from engine.protocol import Backend
+from engine.documents import Document, split_documents, with_documents
+from engine.protocol import Backend, PrefixPeek
 from ui.about import confirm
+from ui.attach_flow import FILE_FILTER, DocumentAttacher
 from ui.bridge import EngineBridge
 from ui.chat_export import STATUS_MS, ChatExports
 from ui.chat_feed import ChatFeed
@@ -185,10 +189,17 @@ class MainWindow(QMainWindow):
                                 self.pane, self.load_options, self.settings)
         self.chat.sig_action.connect(self._on_message_action)
         self.forecast = WaitForecast(
-            self.engine, lambda text: self.session.forecast_request(text, self.reply_options()),
+            self.engine, lambda text: self.session.forecast_request(
+                with_documents(text, self.composer.chips.documents), self.reply_options()),
             self.composer.set_forecast, self)
         self.composer.editor.textChanged.connect(
             lambda: self.forecast.text_changed(self.composer.text()))
+        self.composer.chips.sig_changed.connect(
+            lambda: self.forecast.text_changed(self.composer.text()))
+        self.attacher = DocumentAttacher(self.engine, self.composer.chips, self._prompt_with,
+                                         self.notify)
+        self.composer.sig_attach.connect(self.attacher.attach)
+        self.composer.sig_attach_clicked.connect(self.choose_documents)
         self.bridge.sig_request_finished.connect(self.forecast.finished)
         self.bridge.sig_model_loaded.connect(self.forecast.model_loaded)
         self.composer.sig_send.connect(self.send)
@@ -295,10 +306,23 @@ class MainWindow(QMainWindow):
         if editing is not None and text.strip() and not self._confirm_resend(editing):
             return False
         self.hud.model.expect_ttft(self.forecast.seconds if editing is None else None)
-        sent = self.session.send(text, self.reply_options())
-        if not sent:
+        sent = self.session.send(with_documents(text, self.composer.chips.documents),
+                                 self.reply_options())
+        if sent:
+            self.composer.chips.clear()
+        else:
             self.hud.model.expect_ttft(None)
         return sent
+
+    def choose_documents(self) -> None:
+        """The paperclip: pick files to attach to the message being written."""
+        paths, _ = QFileDialog.getOpenFileNames(self, "Attach documents", "", FILE_FILTER)
+        self.attacher.attach([Path(p) for p in paths])
+
+    def _prompt_with(self, documents: list[Document]) -> PrefixPeek | None:
+        request = self.session.forecast_request(
+            with_documents(self.composer.text(), documents), self.reply_options())
+        return self.engine.peek_prefix(request) if request is not None else None
 
     def _confirm_resend(self, message_id: int) -> bool:
         """Resending an edited earlier message drops the turns after it: asked first, once
@@ -335,8 +359,13 @@ class MainWindow(QMainWindow):
     def edit(self, message_id: int) -> None:
         """Put a user message back in the composer; sending replaces it and what followed
         (asked at the resend when later turns would go: nothing is lost until then)."""
-        text = self.session.begin_edit(message_id)
-        if text is not None:
+        content = self.session.begin_edit(message_id)
+        if content is not None:
+            documents, text = split_documents(content)
+            self.composer.chips.clear()
+            for name, body in documents:  # the message's documents come back as chips
+                document = Document(name, len(body.encode()), body)
+                self.composer.chips.add(document, self.engine.count_tokens(document.block()))
             self.composer.set_text(text)
             self.composer.set_editing(True)
             self.composer.focus()
