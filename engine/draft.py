@@ -18,51 +18,28 @@ from typing import Any
 import torch
 
 from engine.core.ledger import common_prefix_len
-from engine.errors import ModelLoadError
+from engine.core.vocab import VocabularyFacts
+from engine.core.vocab import check_same_vocabulary as check_vocabularies
 from engine.loader import LoadedModel, load_model
 from engine.prefix_cache import RollbackError, crop_to, new_cache
 from engine.speculative import TokenProposer
 
-VOCAB_SAMPLE = 64  # evenly spaced token ids compared between the two vocabularies
-PROBE_TEXT = "The capital of France is Paris.\ndef main():\n    print('hi')  # café 😀 你好"
 
-
-class VocabularyMismatchError(ModelLoadError):
-    """The draft model's tokenizer does not match the target's: its tokens would mean
-    something else to the target."""
-
-
-def vocabulary_difference(draft: Any, target: Any) -> str | None:
-    """A one-line reason why two tokenizers differ, or None if they look the same:
-    size, special token ids, a sample of ids across the vocabulary, and one encoded text."""
-    size = len(target)
-    if len(draft) != size:
-        return f"{len(draft)} tokens vs the model's {size}"
-    for name in ("eos_token_id", "bos_token_id", "pad_token_id", "unk_token_id"):
-        if getattr(draft, name, None) != getattr(target, name, None):
-            return f"{name} is {getattr(draft, name, None)} vs the model's " \
-                   f"{getattr(target, name, None)}"
-    ids = set(range(0, size, max(1, size // VOCAB_SAMPLE))) | {size - 1}
-    ids |= {i for i in (*draft.all_special_ids, *target.all_special_ids) if 0 <= i < size}
-    ids_sorted = sorted(ids)
-    ours = draft.convert_ids_to_tokens(ids_sorted)
-    theirs = target.convert_ids_to_tokens(ids_sorted)
-    for token_id, a, b in zip(ids_sorted, ours, theirs, strict=True):
-        if a != b:
-            return f"token {token_id} is {a!r} vs the model's {b!r}"
-    if draft.encode(PROBE_TEXT, add_special_tokens=False) != target.encode(
-            PROBE_TEXT, add_special_tokens=False):
-        return "the same text splits into different tokens"
-    return None
+def tokenizer_facts(tokenizer: Any) -> VocabularyFacts:
+    """What the vocabulary comparison reads of a Hugging Face tokenizer."""
+    special = tuple((name, getattr(tokenizer, name, None)) for name in
+                    ("eos_token_id", "bos_token_id", "pad_token_id", "unk_token_id"))
+    return VocabularyFacts(
+        size=len(tokenizer), special=special,
+        piece=lambda i: str(tokenizer.convert_ids_to_tokens(i)),
+        encode=lambda text: list(tokenizer.encode(text, add_special_tokens=False)),
+        special_ids=frozenset(tokenizer.all_special_ids))
 
 
 def check_same_vocabulary(draft: LoadedModel, target: LoadedModel) -> None:
     """Raise VocabularyMismatchError (one line) unless draft can propose tokens for target."""
-    reason = vocabulary_difference(draft.tokenizer, target.tokenizer)
-    if reason is not None:
-        raise VocabularyMismatchError(
-            f"draft model {draft.info.name} does not share the vocabulary of "
-            f"{target.info.name} ({reason}); pick a draft from the same model family")
+    check_vocabularies(draft.info.name, tokenizer_facts(draft.tokenizer), target.info.name,
+                       tokenizer_facts(target.tokenizer))
 
 
 class DraftModel(TokenProposer):

@@ -29,6 +29,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from engine.gguf_header import Shape, read_gguf
+from engine.memory import free_memory
 
 MIN_CONTEXT = 512  # a smaller context is not worth offering
 TORCH_OVERHEAD = 0.05  # of the weights: allocator slack, embeddings' copies, small buffers
@@ -88,27 +89,6 @@ def size(n: int | None) -> str:
     """Bytes for people: '470 MB', '3.1 GB'."""
     n = n or 0
     return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:,.0f} MB"
-
-
-def free_memory(device: str = "cpu") -> int | None:
-    """Bytes that can be allocated now: the GPU's free memory, or the system's MemAvailable."""
-    if device.startswith("cuda"):
-        import torch
-
-        free, _total = torch.cuda.mem_get_info(torch.device(device))
-        return int(free)
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        import psutil
-    except ImportError:
-        return None
-    return int(psutil.virtual_memory().available)
 
 
 # ----- the estimate ------------------------------------------------------------------------

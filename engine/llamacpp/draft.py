@@ -21,7 +21,11 @@ from pathlib import Path
 import torch
 
 from engine.core.ledger import common_prefix_len
-from engine.draft import PROBE_TEXT, VOCAB_SAMPLE, VocabularyMismatchError
+from engine.core.vocab import (
+    VocabularyFacts,
+    VocabularyMismatchError,
+    check_same_vocabulary,
+)
 from engine.llamacpp.model import LlamaCppModel, Progress, load_gguf, warm_up_llama
 from engine.speculative import TokenProposer
 
@@ -109,29 +113,16 @@ class _Writer:
 
 
 
-def vocabulary_difference(draft: LlamaCppModel, target: LlamaCppModel) -> str | None:
-    """A one-line reason why two GGUF vocabularies differ, or None if they look the same:
-    size, BOS/EOS, end-of-generation tokens, a sample of token pieces across the vocabulary,
-    and one encoded text."""
-    ours, theirs = draft.tokenizer, target.tokenizer
-    if draft.n_vocab != target.n_vocab:
-        return f"{draft.n_vocab} tokens vs the model's {target.n_vocab}"
-    if ours.bos_token_id != theirs.bos_token_id:
-        return f"BOS is token {ours.bos_token_id} vs the model's {theirs.bos_token_id}"
-    if ours.eos_token_id != theirs.eos_token_id:
-        return f"EOS is token {ours.eos_token_id} vs the model's {theirs.eos_token_id}"
-    if ours.end_of_generation_ids() != (target.eog_ids or theirs.end_of_generation_ids()):
-        return "different end-of-generation tokens"
-    size = target.n_vocab
-    ids = set(range(0, size, max(1, size // VOCAB_SAMPLE))) | {size - 1}
-    for token in sorted(ids):
-        a, b = ours.token_to_piece(token, True), theirs.token_to_piece(token, True)
-        if a != b:
-            return f"token {token} is {a.decode('utf-8', 'replace')!r} vs the model's " \
-                   f"{b.decode('utf-8', 'replace')!r}"
-    if ours.encode(PROBE_TEXT) != theirs.encode(PROBE_TEXT):
-        return "the same text splits into different tokens"
-    return None
+def gguf_facts(loaded: LlamaCppModel) -> VocabularyFacts:
+    """What the vocabulary comparison reads of a GGUF's vocabulary."""
+    tokenizer = loaded.tokenizer
+    eog = tuple(sorted(loaded.eog_ids or tokenizer.end_of_generation_ids()))
+    special = (("BOS", tokenizer.bos_token_id), ("EOS", tokenizer.eos_token_id),
+               ("the end-of-generation tokens", eog))
+    return VocabularyFacts(
+        size=loaded.n_vocab, special=special,
+        piece=lambda i: tokenizer.token_to_piece(i, True).decode("utf-8", "replace"),
+        encode=lambda text: list(tokenizer.encode(text)))
 
 
 def load_llama_draft(path: Path, target: LlamaCppModel, *, name: str, source: str,
@@ -141,11 +132,10 @@ def load_llama_draft(path: Path, target: LlamaCppModel, *, name: str, source: st
     loaded = load_gguf(path, name=name, source=source,
                        context_length=target.info.context_length,
                        n_threads=target.n_threads, progress=progress)
-    reason = vocabulary_difference(loaded, target)
-    if reason is not None:
+    try:
+        check_same_vocabulary(name, gguf_facts(loaded), target.info.name, gguf_facts(target))
+    except VocabularyMismatchError:
         loaded.close()
-        raise VocabularyMismatchError(
-            f"draft model {name} does not share the vocabulary of {target.info.name} "
-            f"({reason}); pick a draft from the same model family")
+        raise
     warm_up_llama(loaded)
     return LlamaDraftModel(loaded, vocab_limit=target.n_vocab)

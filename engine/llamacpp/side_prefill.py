@@ -27,10 +27,10 @@ import torch
 from engine.core.ledger import CacheLease
 from engine.core.schedule import FIRST_SIDE_CHUNK, SIDE_MIN_TOKENS, next_side_chunk
 from engine.errors import PhasewiseError
-from engine.fit import free_memory
 from engine.llamacpp.decode import ABORTED, BatchWriter, prefill_meter
 from engine.llamacpp.model import LlamaCppModel
 from engine.llamacpp.prefix_pool import KvFullError, SeqPrefixCache
+from engine.memory import free_memory
 from engine.side_thread import SideWorker
 
 CONTEXT_PAD = 256  # the side context's tokens, rounded up (as llama.cpp pads n_ctx)
