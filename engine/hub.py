@@ -154,10 +154,18 @@ class Hub:
     def search(self, text: str, limit: int = 10) -> list[HubRepo]:
         """GGUF repositories whose id matches `text`, most downloaded first."""
         with self._errors(f"searching for {text!r}", ""):
+            self._reach()
             found = list(self.api.list_models(search=text, filter="gguf", sort="downloads",
                                               limit=limit))
         return [HubRepo(m.id, int(m.downloads or 0), int(m.likes or 0), bool(m.gated))
                 for m in found]
+
+    def _reach(self) -> None:
+        """Fail at once when the hub cannot be reached: huggingface_hub's search retries a
+        refused connection five times with backoff (23 s, a warning per try) before failing."""
+        from huggingface_hub.utils import get_session
+
+        get_session().head(f"{self.endpoint}/", timeout=READ_TIMEOUT_S)
 
     def files(self, repo: str, revision: str | None = None) -> list[RemoteFile]:
         """The repository's .gguf model files with sizes and checksums, largest first."""

@@ -192,12 +192,16 @@ def test_missing_file_is_one_line(client: Hub, fake: FakeHub, tmp_path: Path) ->
     assert "\n" not in str(info.value)
 
 
-def test_no_network_and_offline_mode_are_one_line(fake: FakeHub, tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_network_and_offline_mode_are_one_line(fake: FakeHub,
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
     nowhere = Hub(endpoint="http://127.0.0.1:9")  # discard port: nothing listens
     with pytest.raises(HubError, match=r"connection to the hub failed") as info:
         nowhere.files(REPO)
     assert "\n" not in str(info.value)
+    with pytest.raises(HubError, match="connection to the hub failed"):
+        nowhere.search("tiny")
+    assert not [r for r in caplog.records if "Retry" in r.getMessage()]  # no 23 s of retries
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(HubError, match=r"offline: HF_HUB_OFFLINE is set"):
         Hub(endpoint=fake.endpoint).files(REPO)

@@ -1,8 +1,8 @@
 """A fake Hugging Face hub on loopback for engine/hub.py's tests: the API routes huggingface_hub
 calls (model search, a repository's files with sizes and LFS sha256) and the file route
 (HEAD and GET of /{repo}/resolve/{revision}/{file}, with Range), with the headers the real hub
-sends. Faults are queued per file and consumed by its next GETs: a status code, or "drop:N"
-(the headers promise the whole body, N bytes are sent, the connection closes).
+sends. Faults are queued per file and consumed by its next GETs: a status code, "drop:N"
+(the headers promise the whole body, N bytes are sent, the connection closes), or "ok".
 
 It records every request and the body bytes it sent per file, so a test can assert that only
 a header was read.
