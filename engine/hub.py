@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
+from urllib.parse import quote
 
 from engine.errors import PhasewiseError
 from engine.fit import Estimate, gguf_estimate, size
@@ -196,9 +197,11 @@ class Hub:
                        f"{repo}:FILE")
 
     def url(self, file: RemoteFile) -> str:
-        from huggingface_hub import hf_hub_url
-
-        return hf_hub_url(file.repo, file.name, revision=file.revision, endpoint=self.endpoint)
+        """The file's resolve URL on this hub. Not hf_hub_url(endpoint=...): that swaps in
+        the endpoint only where its template starts with huggingface_hub's ENDPOINT setting,
+        so with that setting changed after import the bytes were asked of huggingface.co."""
+        return (f"{self.endpoint}/{file.repo}/resolve/{quote(file.revision, safe='')}/"
+                f"{quote(file.name)}")
 
     # ----- the header, read by range ----------------------------------------------------
     def header(self, file: RemoteFile, first_read: int = HEADER_FIRST_READ) -> GGUFHeader:

@@ -287,3 +287,13 @@ def test_local_models_and_remove(tmp_path: Path, model_bytes: bytes) -> None:
     assert hub.remove_local(b) == 4
     assert not part.exists() and not record.exists()
     assert [m.name for m in hub.local_models(tmp_path)] == ["a.gguf"]
+
+
+def test_the_endpoint_setting_decides_where_file_bytes_come_from(
+        fake: FakeHub, monkeypatch: pytest.MonkeyPatch) -> None:
+    """huggingface_hub's ENDPOINT changed after import: hf_hub_url kept huggingface.co in the
+    file URLs (only the API calls went to the endpoint)."""
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", fake.endpoint)
+    client = Hub()
+    assert client.url(q4(client)).startswith(f"{fake.endpoint}/{REPO}/resolve/{COMMIT}/")
+    assert client.header(q4(client)).shape().vocab == 3000
