@@ -2,7 +2,8 @@
 calls (model search, a repository's files with sizes and LFS sha256) and the file route
 (HEAD and GET of /{repo}/resolve/{revision}/{file}, with Range), with the headers the real hub
 sends. Faults are queued per file and consumed by its next GETs: a status code, "drop:N"
-(the headers promise the whole body, N bytes are sent, the connection closes), or "ok".
+(the headers promise the whole body, N bytes are sent, the connection closes), "hold:N"
+(N bytes are sent, the rest once the test sets `release`), or "ok".
 
 It records every request and the body bytes it sent per file, so a test can assert that only
 a header was read.
@@ -38,6 +39,7 @@ class FakeHub:
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range)
         self.sent: dict[str, int] = defaultdict(int)  # file name -> body bytes sent
         self.lock = threading.Lock()
+        self.release = threading.Event()  # lets a "hold:N" response go on
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,),
@@ -185,11 +187,19 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 return
             if fault is not None and fault.startswith("drop:"):
                 body = body[:int(fault[5:])]
+            held = int(fault[5:]) if fault is not None and fault.startswith("hold:") else None
             try:
-                self.wfile.write(body)
-                self.wfile.flush()
+                if held is not None:
+                    self._send(name, body[:held])
+                    hub.release.wait(timeout=60)  # a test that failed first: not forever
+                    body = body[held:]
+                self._send(name, body)
             except (BrokenPipeError, ConnectionResetError):
                 return  # the client stopped reading (a cancel, a file that is not a GGUF)
+
+        def _send(self, name: str, body: bytes) -> None:
+            self.wfile.write(body)
+            self.wfile.flush()
             with hub.lock:
                 hub.sent[name] += len(body)
 
