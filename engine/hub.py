@@ -151,6 +151,8 @@ class Hub:
         self.endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
         self.token = token
         self.api = HfApi(endpoint=self.endpoint, token=token)
+        self._headers: dict[RemoteFile, GGUFHeader] = {}  # a revision's file never changes
+        self._lock = threading.Lock()
 
     def search(self, text: str, limit: int = 10) -> list[HubRepo]:
         """GGUF repositories whose id matches `text`, most downloaded first."""
@@ -206,9 +208,20 @@ class Hub:
     # ----- the header, read by range ----------------------------------------------------
     def header(self, file: RemoteFile, first_read: int = HEADER_FIRST_READ) -> GGUFHeader:
         """The file's GGUF header from its first bytes only: one range request, and more
-        while the header runs past what was read (a large vocabulary)."""
+        while the header runs past what was read (a large vocabulary); read once per file
+        and revision."""
         if is_split(file.name):
             raise HubError(f"{file.local_name} is one part of a split model: not supported yet")
+        with self._lock:
+            known = self._headers.get(file)
+        if known is not None:
+            return known
+        header = self._read_header(file, first_read)
+        with self._lock:
+            self._headers[file] = header
+        return header
+
+    def _read_header(self, file: RemoteFile, first_read: int) -> GGUFHeader:
         data = b""
         want = min(first_read, file.size) if file.size else first_read
         while True:

@@ -84,6 +84,11 @@ def test_browse_search_fit_download_and_the_picker_takes_the_file(qtbot, make_wi
     assert [r[:2] for r in rows] == [["Q4_K_M", "tiny-Q4_K_M.gguf"], ["Q8_0", "tiny-Q8_0.gguf"]]
     assert all(r[2].endswith("MB") and r[3].startswith("Fits: needs ~") for r in rows), rows
     assert not browser.download.isEnabled()  # no file chosen yet
+    asked = len(fake.requests)
+    browser.context.setValue(2048)  # estimated again from what was read: no request
+    qtbot.waitUntil(lambda: not browser.busy() and "at 2,048 tokens" in
+                    browser.table.item(0, 3).text(), timeout=WAIT_MS)
+    assert len(fake.requests) == asked
     select_file(browser, "tiny-Q4_K_M.gguf")
     with qtbot.waitSignal(browser.sig_downloaded, timeout=WAIT_MS) as got:
         qtbot.mouseClick(browser.download, Qt.MouseButton.LeftButton)

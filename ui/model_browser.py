@@ -65,6 +65,8 @@ class ModelBrowserDialog(QDialog):
         self._cancel = threading.Event()  # the running job's: Cancel and closing set it
         self._job = ""  # "search", "files" or "download"
         self.files: list[RemoteFile] = []
+        self._listings: dict[str, list[RemoteFile]] = {}  # repo -> files: a new context
+        # re-estimates from these and the hub's cached headers, without the network
         self.consent = QCheckBox("Allow connecting to the Hugging Face hub (huggingface.co) to "
                                  "search and download")
         self.consent.setChecked(bool(settings is not None and
@@ -197,9 +199,12 @@ class ModelBrowserDialog(QDialog):
         context = self.context.value() or None
         self.status.setText(f"Reading {repo.id}'s files and one header…")
 
+        listed = self._listings.get(repo.id)
+
         def work(_cancel: threading.Event) -> tuple[str, list[tuple[RemoteFile, Any, str]]]:
             hub = self.hub()
-            files = sorted(hub.files(repo.id), key=lambda f: f.size)
+            files = listed if listed is not None else sorted(hub.files(repo.id),
+                                                             key=lambda f: f.size)
             return repo.id, list(iter_fits(hub, files, context))
 
         self._start("files", work)
@@ -259,7 +264,7 @@ class ModelBrowserDialog(QDialog):
                             if repos else "No GGUF repositories match.")
 
     def _show_files(self, repo: str, rows: list[tuple[RemoteFile, Any, str]]) -> None:
-        self.files = [f for f, _est, _why in rows]
+        self.files = self._listings[repo] = [f for f, _est, _why in rows]
         self.table.setRowCount(len(rows))
         for row, (f, est, why) in enumerate(rows):
             if est is not None:
