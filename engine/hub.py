@@ -25,6 +25,7 @@ import re
 import shutil
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ from engine.loader import models_dir
 
 HEADER_FIRST_READ = 1 << 18  # 256 KiB: the whole header of a model with a small vocabulary
 HEADER_MAX = 64 << 20  # a header larger than this is not a model we can estimate
+PROGRESS_EVERY_S = 0.1
 CHUNK = 1 << 20  # read at a time to hash a file
 READ_TIMEOUT_S = 30.0  # a stalled connection is given up after this (the partial is kept)
 DISK_MARGIN = 64 << 20  # left free after a download: a full disk breaks more than this app
@@ -334,7 +336,7 @@ class Hub:
                                        "(dropped)")
                     write_chunk(fh, chunk)
                     meter.add(len(chunk))
-                    if progress is not None:
+                    if progress is not None and meter.due():
                         progress(meter.progress())
 
     def _errors(self, what: str, repo: str) -> contextlib.AbstractContextManager[None]:
@@ -430,20 +432,29 @@ def write_chunk(fh: IO[bytes], chunk: bytes) -> None:
 
 
 class _Meter:
-    """Bytes done and the rate over the last few seconds."""
+    """Bytes done and the rate over the last few seconds; due() says when to report, at most
+    every PROGRESS_EVERY_S and at the end: a socket read can be a few KB, and a report per
+    read flooded the window with ~10,000 progress signals per 40 MB (30 s to paint them)."""
 
     WINDOW_S = 5.0
 
     def __init__(self, done: int, total: int) -> None:
         self.done, self.total = done, total
-        self.samples: list[tuple[float, int]] = [(time.monotonic(), done)]
+        self.samples: deque[tuple[float, int]] = deque([(time.monotonic(), done)])
+        self.reported = float("-inf")
 
     def add(self, n: int) -> None:
         self.done += n
+
+    def due(self) -> bool:
         now = time.monotonic()
+        if now - self.reported < PROGRESS_EVERY_S and self.done < self.total:
+            return False
+        self.reported = now
         self.samples.append((now, self.done))
         while len(self.samples) > 2 and now - self.samples[1][0] > self.WINDOW_S:
-            self.samples.pop(0)
+            self.samples.popleft()
+        return True
 
     def progress(self) -> Progress:
         (t0, d0), (t1, d1) = self.samples[0], self.samples[-1]

@@ -8,6 +8,7 @@ import errno
 import hashlib
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO
 
@@ -250,18 +251,18 @@ def test_not_enough_free_disk_refuses_before_downloading(client: Hub, fake: Fake
 
 
 def test_cancel_keeps_the_partial_and_resumes(client: Hub, fake: FakeHub, tmp_path: Path,
-                                              model_bytes: bytes,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+                                              model_bytes: bytes) -> None:
     cancel = threading.Event()
-
-    def cancel_at_third(p: Progress) -> None:
-        if p.done >= 3 << 16:
-            cancel.set()
-
-    with pytest.raises(DownloadCancelled, match=r"cancelled.*kept"):
-        client.download(q4(client), tmp_path, progress=cancel_at_third, cancel=cancel)
+    fake.fault("tiny-Q4_K_M.gguf", "hold:300000")  # 300,000 bytes, then more once released
+    with ThreadPoolExecutor(1) as pool:
+        pulling = pool.submit(client.download, q4(client), tmp_path, cancel=cancel)
+        assert fake.holding.wait(timeout=30)
+        cancel.set()
+        fake.release.set()  # the next bytes that arrive find the cancel
+        with pytest.raises(DownloadCancelled, match=r"cancelled.*kept"):
+            pulling.result(timeout=30)
     kept = (tmp_path / ".tiny-Q4_K_M.gguf.part").stat().st_size
-    assert 3 << 16 <= kept < len(model_bytes)
+    assert 300000 <= kept < len(model_bytes)
     assert client.download(q4(client), tmp_path).read_bytes() == model_bytes
 
 

@@ -3,7 +3,8 @@ calls (model search, a repository's files with sizes and LFS sha256) and the fil
 (HEAD and GET of /{repo}/resolve/{revision}/{file}, with Range), with the headers the real hub
 sends. Faults are queued per file and consumed by its next GETs: a status code, "drop:N"
 (the headers promise the whole body, N bytes are sent, the connection closes), "hold:N"
-(N bytes are sent, the rest once the test sets `release`), or "ok".
+(N bytes are sent, the rest once the test sets `release`), "rate:N" (N bytes a second: for
+screenshots of a download under way, never in a test), or "ok".
 
 It records every request and the body bytes it sent per file, so a test can assert that only
 a header was read.
@@ -15,6 +16,7 @@ import hashlib
 import json
 import re
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -40,6 +42,7 @@ class FakeHub:
         self.sent: dict[str, int] = defaultdict(int)  # file name -> body bytes sent
         self.lock = threading.Lock()
         self.release = threading.Event()  # lets a "hold:N" response go on
+        self.holding = threading.Event()  # a "hold:N" response sent its N bytes and waits
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,),
@@ -191,11 +194,21 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             try:
                 if held is not None:
                     self._send(name, body[:held])
+                    hub.holding.set()
                     hub.release.wait(timeout=60)  # a test that failed first: not forever
                     body = body[held:]
-                self._send(name, body)
+                if fault is not None and fault.startswith("rate:"):
+                    self._send_slowly(name, body, int(fault[5:]))
+                else:
+                    self._send(name, body)
             except (BrokenPipeError, ConnectionResetError):
                 return  # the client stopped reading (a cancel, a file that is not a GGUF)
+
+        def _send_slowly(self, name: str, body: bytes, rate: int) -> None:
+            piece = max(1, rate // 20)
+            for start in range(0, len(body), piece):
+                self._send(name, body[start:start + piece])
+                time.sleep(piece / rate)
 
         def _send(self, name: str, body: bytes) -> None:
             self.wfile.write(body)
