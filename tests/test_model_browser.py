@@ -109,10 +109,15 @@ def test_cancel_keeps_the_partial_and_download_again_resumes(qtbot, make_window,
     browser.consent.setChecked(True)
     search(qtbot, browser, "tiny")
     open_repo(qtbot, browser)
+    # A new context re-estimates on the worker. Not busy must mean its result was handled:
+    # handled during the download, it joined the download's thread and froze the window.
+    browser.context.setValue(2048)
+    qtbot.waitUntil(lambda: not browser.busy(), timeout=WAIT_MS)
     select_file(browser, "tiny-Q4_K_M.gguf")
     fake.fault("tiny-Q4_K_M.gguf", "hold:200000")
     qtbot.mouseClick(browser.download, Qt.MouseButton.LeftButton)
-    qtbot.waitUntil(lambda: browser.progress.value() > 0, timeout=WAIT_MS)
+    qtbot.waitUntil(lambda: fake.holding.is_set() and browser.progress.value() > 0,
+                    timeout=WAIT_MS)
     assert "of 1 MB" in browser.progress.format()
     assert browser.cancel.isEnabled() and not browser.download.isEnabled()
     qtbot.mouseClick(browser.cancel, Qt.MouseButton.LeftButton)

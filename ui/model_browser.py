@@ -22,7 +22,6 @@ from PySide6.QtWidgets import (
     QCheckBox,
     QDialog,
     QHBoxLayout,
-    QHeaderView,
     QLabel,
     QLineEdit,
     QListWidget,
@@ -47,8 +46,8 @@ class ModelBrowserDialog(QDialog):
     """Search, a repository's quants with size and fit, download with progress and Cancel."""
 
     sig_downloaded = Signal(str)  # the verified file's path
-    _sig_result = Signal(str, object)  # (job, result) from the worker thread
-    _sig_failed = Signal(str, str)  # (job, one line)
+    _sig_result = Signal(int, str, object)  # (job id, job, result) from the worker thread
+    _sig_failed = Signal(int, str, str)  # (job id, job, one line)
     _sig_progress = Signal(object)  # Progress
 
     def __init__(self, parent: QWidget | None = None, *, settings: QSettings | None = None,
@@ -61,7 +60,10 @@ class ModelBrowserDialog(QDialog):
         self.folder = folder  # None: the models folder
         self.hub_factory = hub_factory
         self._hub: Hub | None = None
+        # The job under way: its thread, until its result was handled here (so `busy` holds
+        # until then, and a new job never starts while an old result is still queued).
         self._thread: threading.Thread | None = None
+        self._job_id = 0
         self._cancel = threading.Event()  # the running job's: Cancel and closing set it
         self._job = ""  # "search", "files" or "download"
         self.files: list[RemoteFile] = []
@@ -87,7 +89,8 @@ class ModelBrowserDialog(QDialog):
         self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
         self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
-        self.table.horizontalHeader().setSectionResizeMode(3, QHeaderView.ResizeMode.Stretch)
+        self.table.horizontalHeader().setStretchLastSection(True)
+        self.table.verticalHeader().setVisible(False)
         self.download = QPushButton("Download")
         self.cancel = QPushButton("Cancel download")
         self.progress = QProgressBar()
@@ -133,7 +136,7 @@ class ModelBrowserDialog(QDialog):
 
     # ----- state ---------------------------------------------------------------------------
     def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None
 
     def selected_file(self) -> RemoteFile | None:
         rows = self.table.selectionModel().selectedRows()
@@ -164,17 +167,19 @@ class ModelBrowserDialog(QDialog):
         if self.busy() or not self.consent.isChecked():
             return
         self._job = job
+        self._job_id += 1
+        job_id = self._job_id
         cancel = self._cancel = threading.Event()
 
         def run() -> None:
             try:
                 result = work(cancel)
             except HubError as exc:
-                self._emit(self._sig_failed, job, str(exc))
+                self._emit(self._sig_failed, job_id, job, str(exc))
             except Exception as exc:  # a bug: still one line, and the dialog stays usable
-                self._emit(self._sig_failed, job, f"{type(exc).__name__}: {exc}")
+                self._emit(self._sig_failed, job_id, job, f"{type(exc).__name__}: {exc}")
             else:
-                self._emit(self._sig_result, job, result)
+                self._emit(self._sig_result, job_id, job, result)
 
         self._thread = start_worker(run, "hub")
         self._update_buttons()
@@ -190,6 +195,10 @@ class ModelBrowserDialog(QDialog):
             return
         self.status.setText(f"Searching the hub for {text!r}…")
         self._start("search", lambda _cancel: self.hub().search(text, limit=20))
+
+    def _current_repo(self) -> str | None:
+        item = self.repos.currentItem()
+        return item.data(Qt.ItemDataRole.UserRole).id if item is not None else None
 
     def start_files(self) -> None:
         item = self.repos.currentItem()
@@ -224,25 +233,33 @@ class ModelBrowserDialog(QDialog):
         self._start("download", work)
 
     # ----- results, in the GUI thread ---------------------------------------------------------
-    def _finish(self) -> None:
-        if self._thread is not None:
-            self._thread.join()  # it has emitted its last signal: ends at once
-            self._thread = None
+    def _finish(self, job_id: int) -> bool:
+        """The job's thread joined (it has emitted its last signal: it ends at once); False
+        for a result of a job no longer current (one that ran when the dialog closed)."""
+        if job_id != self._job_id or self._thread is None:
+            return False
+        self._thread.join()
+        self._thread = None
         self._update_buttons()
+        return True
 
-    def _on_result(self, job: str, result: Any) -> None:
-        self._finish()
+    def _on_result(self, job_id: int, job: str, result: Any) -> None:
+        if not self._finish(job_id) and job != "download":  # a finished download still counts
+            return
         if job == "search":
             self._show_repos(result)
         elif job == "files":
             self._show_files(*result)
+            if self._current_repo() != result[0]:  # chosen meanwhile (the list was busy)
+                self.start_files()
         elif job == "download":
             self.progress.setValue(1000)
             self.status.setText(f"Downloaded and verified: {result}")
             self.sig_downloaded.emit(result)
 
-    def _on_failed(self, job: str, message: str) -> None:
-        self._finish()
+    def _on_failed(self, job_id: int, job: str, message: str) -> None:
+        if not self._finish(job_id):
+            return
         self.status.setText(message)
         if job == "download" and "kept" in message:
             self.status.setText(f"{message}. Download again to resume.")
@@ -285,4 +302,5 @@ class ModelBrowserDialog(QDialog):
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._update_buttons()
         super().done(result)
