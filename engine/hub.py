@@ -154,6 +154,7 @@ class Hub:
         self.token = token
         self.api = HfApi(endpoint=self.endpoint, token=token)
         self._headers: dict[RemoteFile, GGUFHeader] = {}  # a revision's file never changes
+        self.progress_every_s = PROGRESS_EVERY_S  # 0: a report per read (tests)
         self._lock = threading.Lock()
 
     def search(self, text: str, limit: int = 10) -> list[HubRepo]:
@@ -314,7 +315,7 @@ class Hub:
             return
         headers = {**build_hf_headers(token=self.token), "Range": f"bytes={have}-",
                    "Accept-Encoding": "identity"}
-        meter = _Meter(have, total)
+        meter = _Meter(have, total, self.progress_every_s)
         with self._errors(file.local_name, file.repo), \
                 get_session().stream("GET", self.url(file), headers=headers,
                                      follow_redirects=True, timeout=READ_TIMEOUT_S) as response:
@@ -323,7 +324,7 @@ class Hub:
                 hf_raise_for_status(response)
             mode = "ab"
             if response.status_code == 200:  # the server ignored the range: from the start
-                mode, have, meter = "wb", 0, _Meter(0, total)
+                mode, have, meter = "wb", 0, _Meter(0, total, self.progress_every_s)
             with part.open(mode) as fh:
                 for chunk in response.iter_bytes():  # as it arrives: a drop loses none
                     if cancel is not None and cancel.is_set():
@@ -433,13 +434,13 @@ def write_chunk(fh: IO[bytes], chunk: bytes) -> None:
 
 class _Meter:
     """Bytes done and the rate over the last few seconds; due() says when to report, at most
-    every PROGRESS_EVERY_S and at the end: a socket read can be a few KB, and a report per
+    every `every_s` and at the end: a socket read can be a few KB, and a report per
     read flooded the window with ~10,000 progress signals per 40 MB (30 s to paint them)."""
 
     WINDOW_S = 5.0
 
-    def __init__(self, done: int, total: int) -> None:
-        self.done, self.total = done, total
+    def __init__(self, done: int, total: int, every_s: float) -> None:
+        self.done, self.total, self.every_s = done, total, every_s
         self.samples: deque[tuple[float, int]] = deque([(time.monotonic(), done)])
         self.reported = float("-inf")
 
@@ -448,7 +449,7 @@ class _Meter:
 
     def due(self) -> bool:
         now = time.monotonic()
-        if now - self.reported < PROGRESS_EVERY_S and self.done < self.total:
+        if now - self.reported < self.every_s and self.done < self.total:
             return False
         self.reported = now
         self.samples.append((now, self.done))

@@ -8,7 +8,6 @@ import errno
 import hashlib
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO
 
@@ -254,16 +253,19 @@ def test_cancel_keeps_the_partial_and_resumes(client: Hub, fake: FakeHub, tmp_pa
                                               model_bytes: bytes) -> None:
     cancel = threading.Event()
     fake.fault("tiny-Q4_K_M.gguf", "hold:300000")  # 300,000 bytes, then more once released
-    with ThreadPoolExecutor(1) as pool:
-        pulling = pool.submit(client.download, q4(client), tmp_path, cancel=cancel)
-        assert fake.holding.wait(timeout=30)
-        cancel.set()
-        fake.release.set()  # the next bytes that arrive find the cancel
-        with pytest.raises(DownloadCancelled, match=r"cancelled.*kept"):
-            pulling.result(timeout=30)
-    kept = (tmp_path / ".tiny-Q4_K_M.gguf.part").stat().st_size
-    assert 300000 <= kept < len(model_bytes)
+    client.progress_every_s = 0  # a report per read: one comes at 300,000 bytes
+
+    def cancel_when_held(p: Progress) -> None:
+        if p.done >= 300000 and not cancel.is_set():
+            cancel.set()
+            fake.release.set()  # the next bytes that arrive find the cancel
+
+    with pytest.raises(DownloadCancelled, match=r"cancelled.*kept"):
+        client.download(q4(client), tmp_path, progress=cancel_when_held, cancel=cancel)
+    assert (tmp_path / ".tiny-Q4_K_M.gguf.part").stat().st_size == 300000
     assert client.download(q4(client), tmp_path).read_bytes() == model_bytes
+    ranges = [rng for m, p, rng in fake.requests if m == "GET" and rng and rng.endswith("-")]
+    assert ranges == ["bytes=0-", "bytes=300000-"]
 
 
 def test_a_partial_of_another_revision_is_not_resumed(client: Hub, tmp_path: Path,
