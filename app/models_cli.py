@@ -67,7 +67,10 @@ def _hub(args: argparse.Namespace) -> Hub:
 
 def _fit_words(est: Any) -> str:
     verdict = "fits" if est.fits else "does not fit"
-    return f"{verdict}: needs ~{_size(est.needed_bytes)} at {est.context:,} tokens"
+    words = f"{verdict}: needs ~{_size(est.needed_bytes)} at {est.context:,} tokens"
+    if est.fitting_context:
+        words += f" (fits at {est.fitting_context:,})"
+    return words
 
 
 def _size(n: int | None) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,12 +46,19 @@ def test_search_lists_quants_with_size_and_fit(fake: FakeHub,
     assert "Gated" not in out
 
 
-def test_search_says_does_not_fit_when_memory_is_short(fake: FakeHub,
+def test_search_says_does_not_fit_when_memory_is_short(fake: FakeHub, tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fit, "free_memory", lambda _device="cpu": 1 << 20)
     assert models(fake, "search", "tiny") == 0
     assert capsys.readouterr().out.count("does not fit: needs ~") == 2
+    # with room for the weights and a shorter context, it says which context fits
+    est = fit.llama_cpp_estimate(tmp_path / "m.gguf", 8192, free=None)
+    room = est.weight_bytes + (est.needed_bytes - est.weight_bytes) // 2
+    monkeypatch.setattr(fit, "free_memory", lambda _device="cpu": room)
+    assert models(fake, "search", "tiny", "--context", "8192") == 0
+    assert "does not fit: needs ~" in (out := capsys.readouterr().out)
+    assert re.search(r"at 8,192 tokens \(fits at \d,\d{3}\)", out)
 
 
 def test_pull_list_rm(fake: FakeHub, tmp_path: Path,

@@ -22,6 +22,7 @@ from PySide6.QtWidgets import (
     QCheckBox,
     QDialog,
     QHBoxLayout,
+    QHeaderView,
     QLabel,
     QLineEdit,
     QListWidget,
@@ -89,7 +90,7 @@ class ModelBrowserDialog(QDialog):
         self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
         self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
-        self.table.horizontalHeader().setStretchLastSection(True)
+        self.table.horizontalHeader().setSectionResizeMode(3, QHeaderView.ResizeMode.Stretch)
         self.table.verticalHeader().setVisible(False)
         self.download = QPushButton("Download")
         self.cancel = QPushButton("Cancel download")
@@ -288,11 +289,14 @@ class ModelBrowserDialog(QDialog):
                 fit = (f"{'Fits' if est.fits else 'Does not fit'}: needs ~"
                        f"{size(est.needed_bytes)} at {est.context:,} tokens, "
                        f"{size(est.free_bytes)} free")
+                if est.fitting_context:
+                    fit += f"; fits at {est.fitting_context:,} tokens"
             else:
                 fit = why
             for col, text in enumerate([f.quant or "–", f.local_name, size(f.size), fit]):
                 self.table.setItem(row, col, QTableWidgetItem(text))
-        self.table.resizeColumnsToContents()
+        for col in range(3):  # the fit column takes the rest
+            self.table.resizeColumnToContents(col)
         self.status.setText(f"{repo}: {len(rows)} GGUF files" if rows
                             else f"{repo} has no GGUF model files")
 
