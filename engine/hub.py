@@ -266,25 +266,31 @@ class Hub:
         if is_split(file.name):
             raise HubError(f"{file.local_name} is one part of a split model: not supported yet")
         folder = folder or models_dir()
-        folder.mkdir(parents=True, exist_ok=True)
         target = folder / file.local_name
-        if target.exists():
-            raise HubError(f"{target} already exists: remove it first "
-                           f"(`phasewise models rm {target.name}`)")
         part, record = partial_paths(target)
-        expected = self._expected(file)
-        have = _resume_point(part, record, expected)
-        _check_disk(folder, expected["size"] - have, file)
-        record.write_text(json.dumps(expected), encoding="utf-8")
         try:
-            self._fetch(file, (part, record), have, expected["size"], progress, cancel)
-        except DownloadCancelled:
+            folder.mkdir(parents=True, exist_ok=True)
+            if target.exists():
+                raise HubError(f"{target} already exists: remove it first "
+                               f"(`phasewise models rm {target.name}`)")
+            expected = self._expected(file)
+            have = _resume_point(part, record, expected)
+            _check_disk(folder, expected["size"] - have, file)
+            record.write_text(json.dumps(expected), encoding="utf-8")
+            try:
+                self._fetch(file, (part, record), have, expected["size"], progress, cancel)
+            except DownloadCancelled:
+                raise
+            except HubError as exc:
+                raise HubError(f"{exc}; {_kept(part, expected['size'])}") from None
+            _verify(part, record, expected, file)
+            os.replace(part, target)
+            record.unlink(missing_ok=True)
+        except HubError:
             raise
-        except HubError as exc:
-            raise HubError(f"{exc}; {_kept(part, expected['size'])}") from None
-        _verify(part, record, expected, file)
-        os.replace(part, target)
-        record.unlink(missing_ok=True)
+        except OSError as exc:  # the models folder: not writable, an I/O error
+            raise HubError(f"{file.local_name}: cannot write to {folder}: "
+                           f"{exc.strerror or exc}; {_kept(part, file.size)}") from None
         return target
 
     def _expected(self, file: RemoteFile) -> dict[str, Any]:
@@ -325,6 +331,9 @@ class Hub:
             mode = "ab"
             if response.status_code == 200:  # the server ignored the range: from the start
                 mode, have, meter = "wb", 0, _Meter(0, total, self.progress_every_s)
+            elif not response.headers.get("Content-Range", "").startswith(f"bytes {have}-"):
+                raise HubError(f"{file.local_name}: the hub sent another part of the file "
+                               f"than the one asked for (from byte {have:,})")
             with part.open(mode) as fh:
                 for chunk in response.iter_bytes():  # as it arrives: a drop loses none
                     if cancel is not None and cancel.is_set():
@@ -517,7 +526,11 @@ def _drop(*paths: Path) -> None:
 
 
 def _kept(part: Path, total: int, have: int | None = None) -> str:
-    have = part.stat().st_size if have is None and part.exists() else (have or 0)
+    if have is None:
+        try:
+            have = part.stat().st_size
+        except OSError:
+            have = 0
     if not have:
         return "nothing kept"
     return (f"{size(have)} of {size(total)} kept in {part.parent}: the same pull resumes it "

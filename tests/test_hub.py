@@ -300,3 +300,33 @@ def test_the_endpoint_setting_decides_where_file_bytes_come_from(
     client = Hub()
     assert client.url(q4(client)).startswith(f"{fake.endpoint}/{REPO}/resolve/{COMMIT}/")
     assert client.header(q4(client)).shape().vocab == 3000
+
+
+def test_a_file_stored_in_git_is_checked_against_its_blob_sha1(client: Hub, fake: FakeHub,
+                                                               tmp_path: Path,
+                                                               model_bytes: bytes) -> None:
+    """No LFS sha256 in the listing: the ETag is the git blob's sha1, and that is checked."""
+    fake.add("someone/Small-GGUF", {"small.Q8_0.gguf": model_bytes}, in_git={"small.Q8_0.gguf"})
+    small = client.file("someone/Small-GGUF")
+    assert small.sha256 is None
+    assert client.download(small, tmp_path).read_bytes() == model_bytes
+
+
+def test_a_resume_answered_with_another_range_keeps_the_partial_intact(
+        client: Hub, fake: FakeHub, tmp_path: Path, model_bytes: bytes) -> None:
+    fake.fault("tiny-Q4_K_M.gguf", "drop:100000", "wrong-range")
+    with pytest.raises(HubError):
+        client.download(q4(client), tmp_path)
+    with pytest.raises(HubError, match=r"another part of the file.*from byte 100,000.*kept"):
+        client.download(q4(client), tmp_path)
+    assert (tmp_path / ".tiny-Q4_K_M.gguf.part").read_bytes() == model_bytes[:100000]
+    assert client.download(q4(client), tmp_path).read_bytes() == model_bytes
+
+
+def test_a_models_folder_that_cannot_be_written_is_one_line(client: Hub,
+                                                            tmp_path: Path) -> None:
+    blocked = tmp_path / "models"
+    blocked.write_text("a file where the folder should be", encoding="utf-8")
+    with pytest.raises(HubError, match=r"tiny-Q4_K_M.gguf: cannot write to .*models") as info:
+        client.download(q4(client), blocked)
+    assert "\n" not in str(info.value)

@@ -4,7 +4,8 @@ calls (model search, a repository's files with sizes and LFS sha256) and the fil
 sends. Faults are queued per file and consumed by its next GETs: a status code, "drop:N"
 (the headers promise the whole body, N bytes are sent, the connection closes), "hold:N"
 (N bytes are sent, the rest once the test sets `release`), "rate:N" (N bytes a second: for
-screenshots of a download under way, never in a test), or "ok".
+screenshots of a download under way, never in a test), "wrong-range" (a 206 of the file's first
+bytes, whatever range was asked), or "ok".
 
 It records every request and the body bytes it sent per file, so a test can assert that only
 a header was read.
@@ -32,6 +33,7 @@ class FakeRepo:
     gated: bool = False
     downloads: int = 0
     listed_sha256: dict[str, str] = field(default_factory=dict)  # overrides (a wrong sum)
+    in_git: set[str] = field(default_factory=set)  # stored in git, not LFS: ETag = blob sha1
 
 
 class FakeHub:
@@ -68,6 +70,10 @@ class FakeHub:
         self.server.shutdown()
         self.server.server_close()
         self.thread.join()
+
+    def git_sha1(self, repo: str, name: str) -> str:
+        data = self.repos[repo].files[name]
+        return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
     def sha256(self, repo: str, name: str) -> str:
         listed = self.repos[repo].listed_sha256.get(name)
@@ -147,8 +153,9 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 return
             r = hub.repos[repo]
             siblings = [{"rfilename": name, "size": len(data), "blobId": "b" * 40,
-                         "lfs": {"sha256": hub.sha256(repo, name), "size": len(data),
-                                 "pointerSize": 134}}
+                         **({} if name in r.in_git else {
+                             "lfs": {"sha256": hub.sha256(repo, name), "size": len(data),
+                                     "pointerSize": 134}})}
                         for name, data in r.files.items()]
             self._json({"id": repo, "modelId": repo, "sha": COMMIT, "private": False,
                         "gated": "auto" if r.gated else False, "tags": ["gguf"],
@@ -175,12 +182,18 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 if start >= len(data):
                     return self._error(416, None, "Range Not Satisfiable")
             body = data[start:end + 1]
-            sha = hub.sha256(repo, name)
+            if fault == "wrong-range":  # a range from 0 whatever was asked, labelled so
+                start, end = 0, len(body) - 1
+                body = data[:len(body)]
             self.send_response(206 if ranged else 200)
             self.send_header("X-Repo-Commit", COMMIT)
-            self.send_header("ETag", f'"{sha}"')
-            self.send_header("X-Linked-Etag", f'"{sha}"')
-            self.send_header("X-Linked-Size", str(len(data)))
+            if name in hub.repos[repo].in_git:
+                self.send_header("ETag", f'"{hub.git_sha1(repo, name)}"')
+            else:
+                sha = hub.sha256(repo, name)
+                self.send_header("ETag", f'"{sha}"')
+                self.send_header("X-Linked-Etag", f'"{sha}"')
+                self.send_header("X-Linked-Size", str(len(data)))
             self.send_header("Accept-Ranges", "bytes")
             self.send_header("Content-Length", str(len(body)))
             if ranged:
