@@ -168,7 +168,10 @@ def cmd_list(_args: argparse.Namespace) -> int:
     from engine.loader import models_dir
 
     folder = models_dir()
-    models = local_models(folder)
+    try:
+        models = local_models(folder)
+    except OSError as exc:
+        raise CliError(f"cannot read {folder}: {exc.strerror or exc}") from None
     print(f"models folder: {folder}")
     if not models:
         print("  no models yet: `phasewise models search TEXT`, then `phasewise models pull`")
@@ -187,7 +190,10 @@ def cmd_rm(args: argparse.Namespace) -> int:
     from engine.hub import find_local, remove_local
     from engine.loader import models_dir
 
-    found = find_local(args.name)
+    try:
+        found = find_local(args.name)
+    except OSError as exc:
+        raise CliError(f"cannot read {models_dir()}: {exc.strerror or exc}") from None
     if not found:
         raise CliError(f"no model {args.name} in {models_dir()}; `phasewise models list` "
                        "shows them")
