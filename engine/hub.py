@@ -271,8 +271,8 @@ class Hub:
         try:
             folder.mkdir(parents=True, exist_ok=True)
             if target.exists():
-                raise HubError(f"{target} already exists: remove it first "
-                               f"(`phasewise models rm {target.name}`)")
+                raise HubError(f"{target.name} is already in the models folder ({folder}): "
+                               "choose it, or remove it first to download it again")
             expected = self._expected(file)
             have = _resume_point(part, record, expected)
             _check_disk(folder, expected["size"] - have, file)

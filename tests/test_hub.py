@@ -54,12 +54,14 @@ def q4(client: Hub) -> RemoteFile:
     return client.file(REPO, "tiny-Q4_K_M.gguf")
 
 
-def test_search_lists_gguf_repositories_most_downloaded_first(client: Hub) -> None:
+def test_search_lists_gguf_repositories_most_downloaded_first(client: Hub,
+                                                              fake: FakeHub) -> None:
     found = client.search("gguf")
     assert [r.id for r in found] == ["someone/Other-GGUF", REPO, "meta/Gated-GGUF"]
     assert found[0].downloads == 900
     assert [r.id for r in client.search("tiny")] == [REPO]
     assert client.search("nothing-like-this") == []
+    assert fake.searches[0]["sort"] == ["downloads"] and fake.searches[0]["limit"] == ["10"]
 
 
 def test_files_are_the_model_ggufs_with_size_and_sha256(client: Hub, model_bytes: bytes) -> None:
@@ -126,7 +128,7 @@ def test_download_lands_verified_with_progress(client: Hub, tmp_path: Path,
     assert seen and seen[-1].done == seen[-1].total == len(model_bytes)
     assert [p.done for p in seen] == sorted(p.done for p in seen)
     assert "2 MB of 2 MB (100%)" in seen[-1].line()
-    with pytest.raises(HubError, match=r"already exists"):
+    with pytest.raises(HubError, match=r"tiny-Q4_K_M.gguf is already in the models folder"):
         client.download(q4(client), tmp_path)
 
 

@@ -42,6 +42,7 @@ class FakeHub:
         self.faults: dict[str, list[str]] = defaultdict(list)  # file name -> queued faults
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range)
         self.sent: dict[str, int] = defaultdict(int)  # file name -> body bytes sent
+        self.searches: list[dict[str, list[str]]] = []  # each /api/models query
         self.lock = threading.Lock()
         self.release = threading.Event()  # lets a "hold:N" response go on
         self.holding = threading.Event()  # a "hold:N" response sent its N bytes and waits
@@ -129,6 +130,10 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 self.wfile.write(data)
 
         def _search(self, query: dict[str, list[str]]) -> None:
+            with hub.lock:
+                hub.searches.append(query)
+            if query.get("filter") != ["gguf"]:  # the real hub would list every model
+                return self._json([])
             text = query.get("search", [""])[0].lower()
             found = [{"id": rid, "modelId": rid, "downloads": r.downloads, "likes": 0,
                       "tags": ["gguf"], "gated": "auto" if r.gated else False,
