@@ -113,7 +113,7 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 # ----- pull --------------------------------------------------------------------------------
 def cmd_pull(args: argparse.Namespace) -> int:
-    from engine.hub import HubError
+    from engine.hub import HubError, check_absent
 
     repo, _, name = args.spec.partition(":")
     if repo.count("/") != 1:
@@ -124,6 +124,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGINT, lambda *_: cancel.set())
     try:
         file = hub.file(repo, name or None)
+        check_absent(file)  # before reading its header
         est = hub.estimate(file, args.context)
         print(f"phasewise: {file.local_name} ({_size(file.size)}): {_fit_words(est)}, "
               f"{_size(est.free_bytes)} free", file=sys.stderr)

@@ -270,9 +270,7 @@ class Hub:
         part, record = partial_paths(target)
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            if target.exists():
-                raise HubError(f"{target.name} is already in the models folder ({folder}): "
-                               "choose it, or remove it first to download it again")
+            check_absent(file, folder)
             expected = self._expected(file)
             have = _resume_point(part, record, expected)
             _check_disk(folder, expected["size"] - have, file)
@@ -396,6 +394,14 @@ def hub_error_line(exc: BaseException, what: str, page: str) -> str | None:
 
 
 # ----- the models folder -------------------------------------------------------------------
+def check_absent(file: RemoteFile, folder: Path | None = None) -> None:
+    """HubError when the models folder has this file already (a download would not start)."""
+    folder = folder or models_dir()
+    if (folder / file.local_name).exists():
+        raise HubError(f"{file.local_name} is already in the models folder ({folder}): "
+                       "choose it, or remove it first to download it again")
+
+
 def partial_paths(target: Path) -> tuple[Path, Path]:
     """(".NAME.part", ".NAME.part.json") beside `target`."""
     part = target.with_name(f".{target.name}.part")

@@ -69,6 +69,10 @@ def test_pull_list_rm(fake: FakeHub, tmp_path: Path,
     assert out.strip() == str(target)
     assert target.read_bytes() == fake.repos[REPO].files["tiny-Q4_K_M.gguf"]
     assert "fits: needs ~" in err and "(100%)" in err and "verified" in err
+    asked = len(fake.requests)
+    assert models(fake, "pull", f"{REPO}:tiny-Q4_K_M.gguf") == 1  # there already
+    assert "already in the models folder" in capsys.readouterr().err
+    assert not [r for r in fake.requests[asked:] if "/resolve/" in r[1]]  # not even its header
     assert models(fake, "list") == 0
     assert "tiny-Q4_K_M.gguf" in capsys.readouterr().out
     assert models(fake, "rm", "tiny-Q4_K_M") == 1  # not a terminal: it needs --yes
