@@ -37,7 +37,7 @@ from engine.fit import Estimate, gguf_estimate, size
 from engine.gguf_header import GGUFHeader, TruncatedHeader, parse_gguf
 from engine.loader import models_dir
 
-HEADER_FIRST_READ = 1 << 18  # 256 KiB: the whole header of a model with a small vocabulary
+HEADER_FIRST_READ = 1 << 20  # 1 MiB: a small vocabulary's header; SmolLM2's (1.8 MB) in 2 reads
 HEADER_MAX = 64 << 20  # a header larger than this is not a model we can estimate
 PROGRESS_EVERY_S = 0.1
 CHUNK = 1 << 20  # read at a time to hash a file

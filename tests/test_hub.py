@@ -25,9 +25,9 @@ REPO = "someone/Tiny-GGUF"
 
 @pytest.fixture(scope="module")
 def model_bytes(tmp_path_factory: pytest.TempPathFactory) -> bytes:
-    """A GGUF of about 2 MB: a header with a vocabulary, then a weight table."""
+    """A GGUF of about 8 MB: a header with a vocabulary, then a weight table."""
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    return write_gguf(path, layers=2, kv_heads=2, rows=2048, vocab=3000).read_bytes()
+    return write_gguf(path, layers=2, kv_heads=2, rows=8192, vocab=3000).read_bytes()
 
 
 @pytest.fixture
@@ -127,7 +127,7 @@ def test_download_lands_verified_with_progress(client: Hub, tmp_path: Path,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-Q4_K_M.gguf"]  # no partial
     assert seen and seen[-1].done == seen[-1].total == len(model_bytes)
     assert [p.done for p in seen] == sorted(p.done for p in seen)
-    assert "2 MB of 2 MB (100%)" in seen[-1].line()
+    assert "8 MB of 8 MB (100%)" in seen[-1].line()
     with pytest.raises(HubError, match=r"tiny-Q4_K_M.gguf is already in the models folder"):
         client.download(q4(client), tmp_path)
 
@@ -246,7 +246,7 @@ def test_not_enough_free_disk_refuses_before_downloading(client: Hub, fake: Fake
         free = 10 << 20
 
     monkeypatch.setattr(hub.shutil, "disk_usage", lambda _p: Usage())
-    with pytest.raises(HubError, match=r"not enough disk space.*needs 2 MB more, 10 MB is free"):
+    with pytest.raises(HubError, match=r"not enough disk space.*needs 8 MB more, 10 MB is free"):
         client.download(q4(client), tmp_path)
     assert not [r for r in fake.requests if r[0] == "GET" and "/resolve/" in r[1]]
 
