@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import threading
 import time
 from collections import deque
@@ -267,28 +268,35 @@ class Hub:
             raise HubError(f"{file.local_name} is one part of a split model: not supported yet")
         folder = folder or models_dir()
         target = folder / file.local_name
-        part, record = partial_paths(target)
+        part, _record = partial_paths(target)
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            check_absent(file, folder)
-            expected = self._expected(file)
-            have = _resume_point(part, record, expected)
-            _check_disk(folder, expected["size"] - have, file)
-            record.write_text(json.dumps(expected), encoding="utf-8")
-            try:
-                self._fetch(file, (part, record), have, expected["size"], progress, cancel)
-            except DownloadCancelled:
-                raise
-            except HubError as exc:
-                raise HubError(f"{exc}; {_kept(part, expected['size'])}") from None
-            _verify(part, record, expected, file)
-            os.replace(part, target)
-            record.unlink(missing_ok=True)
+            with _exclusive(part.with_name(part.name + ".lock"), file.local_name):
+                return self._download(file, folder, target, progress, cancel)
         except HubError:
             raise
         except OSError as exc:  # the models folder: not writable, an I/O error
             raise HubError(f"{file.local_name}: cannot write to {folder}: "
                            f"{exc.strerror or exc}; {_kept(part, file.size)}") from None
+
+    def _download(self, file: RemoteFile, folder: Path, target: Path,
+                  progress: Callable[[Progress], None] | None,
+                  cancel: threading.Event | None) -> Path:
+        part, record = partial_paths(target)
+        check_absent(file, folder)
+        expected = self._expected(file)
+        have = _resume_point(part, record, expected)
+        _check_disk(folder, expected["size"] - have, file)
+        record.write_text(json.dumps(expected), encoding="utf-8")
+        try:
+            self._fetch(file, (part, record), have, expected["size"], progress, cancel)
+        except DownloadCancelled:
+            raise
+        except HubError as exc:
+            raise HubError(f"{exc}; {_kept(part, expected['size'])}") from None
+        _verify(part, record, expected, file)
+        os.replace(part, target)
+        record.unlink(missing_ok=True)
         return target
 
     def _expected(self, file: RemoteFile) -> dict[str, Any]:
@@ -436,8 +444,9 @@ def remove_local(model: LocalModel) -> int:
     """Delete a model file (or a partial download and its record); the bytes freed."""
     freed = model.size
     model.path.unlink()
-    if model.partial:
+    if model.partial:  # its record, and a lock file a crashed download left behind
         model.path.with_name(model.path.name + ".json").unlink(missing_ok=True)
+        model.path.with_name(model.path.name + ".lock").unlink(missing_ok=True)
     return freed
 
 
@@ -491,6 +500,28 @@ def _resume_point(part: Path, record: Path, expected: dict[str, Any]) -> int:
         _drop(part)
         return 0
     return have
+
+
+@contextlib.contextmanager
+def _exclusive(lock: Path, name: str) -> Iterator[None]:
+    """One download of a file at a time (another pull, another window): both would append to
+    one partial. An advisory lock (flock), so a crashed download leaves none behind; the lock
+    file goes when done. Windows has no flock: there the checksum still catches a mixed file."""
+    if sys.platform == "win32":
+        yield
+        return
+    import fcntl
+
+    with lock.open("a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise HubError(f"{name} is being downloaded already (by another pull or window); "
+                           "wait for that one, or stop it") from None
+        try:
+            yield
+        finally:
+            lock.unlink(missing_ok=True)
 
 
 def _check_disk(folder: Path, needed: int, file: RemoteFile) -> None:

@@ -8,6 +8,7 @@ import errno
 import hashlib
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO
 
@@ -332,3 +333,20 @@ def test_a_models_folder_that_cannot_be_written_is_one_line(client: Hub,
     with pytest.raises(HubError, match=r"tiny-Q4_K_M.gguf: cannot write to .*models") as info:
         client.download(q4(client), blocked)
     assert "\n" not in str(info.value)
+
+
+def test_a_second_download_of_the_same_file_is_refused_while_the_first_runs(
+        client: Hub, fake: FakeHub, tmp_path: Path, model_bytes: bytes) -> None:
+    """Both would append to one partial file (two pulls, or a pull and the window)."""
+    fake.fault("tiny-Q4_K_M.gguf", "hold:300000")
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(client.download, q4(client), tmp_path)
+        assert fake.holding.wait(timeout=30)
+        try:
+            with pytest.raises(HubError, match=r"being downloaded already") as info:
+                Hub(endpoint=fake.endpoint).download(q4(client), tmp_path)
+            assert "\n" not in str(info.value)
+        finally:
+            fake.release.set()
+        assert first.result(timeout=30).read_bytes() == model_bytes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-Q4_K_M.gguf"]  # no lock left
