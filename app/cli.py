@@ -1,4 +1,5 @@
-"""The `phasewise` command: the desktop app by default, plus `ask` and `bench`.
+"""The `phasewise` command: the desktop app by default, plus `ask`, `bench`, `serve` and
+`models` (app/models_cli.py).
 
 Bad input exits non-zero with one line on stderr, never a traceback.
 """
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from app import __version__
 from app.cli_error import CliError
+from app.models_cli import add_models_parser
 from app.remote_cli import (
     add_backend_options,
     add_serve_parser,
@@ -115,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     for command in (parser, ask, bench):
         add_backend_options(command)
     add_serve_parser(sub, add_model_options)
+    add_models_parser(sub)  # app/models_cli.py: search, pull, list, rm
     return parser
 
 

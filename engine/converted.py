@@ -1,6 +1,6 @@
 """The conversion cache: GGUF files the torch engine converted to safetensors, listed and removed.
 
-Each converted model is a folder under cache_root()/models holding its marker
+Each converted model is a folder under models_dir() (engine/loader.py) holding its marker
 (phasewise-converted.json: the source file's name, size and dtype). A folder still being
 written (".converting-*") is not listed. The model in use is never removed.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import PhasewiseError
-from engine.loader import CONVERTED_MARKER, cache_root
+from engine.loader import CONVERTED_MARKER, models_dir
 
 
 @dataclass(frozen=True)
@@ -28,10 +28,6 @@ class ConvertedModel:
     def label(self) -> str:
         dtype = self.dtype.removeprefix("torch.")
         return f"{self.source} ({dtype}, {self.size_bytes / 1e6:,.0f} MB)"
-
-
-def models_dir() -> Path:
-    return cache_root() / "models"
 
 
 def converted_models(root: Path | None = None) -> list[ConvertedModel]:

@@ -28,7 +28,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from engine.gguf_header import Shape, read_gguf
+from engine.gguf_header import GGUFHeader, Shape, read_gguf
 from engine.memory import free_memory
 
 MIN_CONTEXT = 512  # a smaller context is not worth offering
@@ -108,12 +108,18 @@ def llama_cpp_estimate(path: Path, context_length: int | None = None,
                        free: int | None = -1) -> Estimate:
     """As engine.llamacpp.model.load_gguf allocates: tensors mapped as stored, an f16 KV
     cache of n_ctx cells shared by all sequences, and the compute and output buffers."""
+    return gguf_estimate(read_gguf(path), path.stat().st_size, context_length, free)
+
+
+def gguf_estimate(header: GGUFHeader, file_size: int, context_length: int | None = None,
+                  free: int | None = -1) -> Estimate:
+    """llama_cpp_estimate from a header and the file's size: a local file, or a remote one
+    whose header alone was read (engine/hub.py)."""
     from engine.llamacpp.model import BATCH_TOKENS, DEFAULT_CONTEXT, N_SEQ_MAX
 
-    header = read_gguf(path)
     shape = header.shape()
     n_ctx = min(shape.context_length, context_length or DEFAULT_CONTEXT)
-    weights = path.stat().st_size - header.data_start
+    weights = file_size - header.data_start
 
     def buffers(ctx: int) -> int:
         batch = min(BATCH_TOKENS, ctx)

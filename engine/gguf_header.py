@@ -16,6 +16,8 @@ from typing import Any
 
 from engine.events import SamplingDefaults
 
+Buffer = bytes | mmap.mmap  # what the parser reads from: a mapped file or bytes
+
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
             11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
@@ -99,11 +101,28 @@ def _per_layer(value: Any, layers: int) -> list[int]:
     return [int(value)] * layers
 
 
+class TruncatedHeader(ValueError):
+    """The bytes given end inside the header: `needed` is at least how many it takes."""
+
+    def __init__(self, needed: int) -> None:
+        super().__init__(f"the GGUF header needs more than the {needed:,} bytes read")
+        self.needed = needed
+
+
 def read_gguf(path: Path) -> GGUFHeader:
     """Metadata and tensor shapes of a GGUF, from its header alone (milliseconds)."""
     with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
         if data[:4] != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file")
+        return parse_gguf(data)
+
+
+def parse_gguf(data: Buffer) -> GGUFHeader:
+    """The header from a GGUF's first bytes (a whole file mapped, or only its start, as read
+    from a remote file with an HTTP range request): TruncatedHeader when they end too soon."""
+    if data[:4] != b"GGUF":
+        raise ValueError("not a GGUF file")
+    try:
         n_tensors, n_kv = struct.unpack_from("<QQ", data, 8)
         pos = 24
         metadata: dict[str, Any] = {}
@@ -117,16 +136,20 @@ def read_gguf(path: Path) -> GGUFHeader:
             (n_dims,) = struct.unpack_from("<I", data, pos)
             dims[name] = struct.unpack_from(f"<{n_dims}Q", data, pos + 4)
             pos += 4 + 8 * n_dims + 4 + 8  # dims, type, offset
-        alignment = int(metadata.get("general.alignment", 32))
+    except struct.error:
+        raise TruncatedHeader(len(data)) from None
+    if pos > len(data):  # a skipped string array ran past the end without reading it
+        raise TruncatedHeader(pos)
+    alignment = int(metadata.get("general.alignment", 32))
     return GGUFHeader(metadata, dims, -(-pos // alignment) * alignment)
 
 
-def _string(data: mmap.mmap, pos: int) -> tuple[str, int]:
+def _string(data: Buffer, pos: int) -> tuple[str, int]:
     (n,) = struct.unpack_from("<Q", data, pos)
     return data[pos + 8 : pos + 8 + n].decode("utf-8", "replace"), pos + 8 + n
 
 
-def _value(data: mmap.mmap, pos: int, kind: int) -> tuple[Any, int]:
+def _value(data: Buffer, pos: int, kind: int) -> tuple[Any, int]:
     if kind in _SCALARS:
         fmt = _SCALARS[kind]
         return struct.unpack_from(fmt, data, pos)[0], pos + struct.calcsize(fmt)

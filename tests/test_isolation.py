@@ -24,12 +24,12 @@ def resolve() -> dict[str, str]:
     app's own functions; run here and in a child process."""
     import platformdirs
 
-    from engine import converted, kernels, loader
+    from engine import kernels, loader
     from ui.store import data_dir
 
     return {
         "cache_root": str(loader.cache_root()),
-        "converted models": str(converted.models_dir()),
+        "converted models": str(loader.models_dir()),
         "kernel probes": str(kernels.probe_cache_path()),
         "kernel smoke runs": str(kernels.smoke_cache_path()),
         "chats": str(data_dir()),

@@ -8,11 +8,16 @@ For a local model it also shows which engine runs it (auto, torch or llama.cpp, 
 reason auto chose; remembered per model) and whether it fits ("needs ~3.1 GB (...), 11.2 GB
 free", engine/fit.py): one that cannot fit is not accepted, and where a smaller context fits
 the dialog offers it. The GGUF files converted for torch are listed and can be removed.
+
+"Browse models online…" opens the hub browser (ui/model_browser.py); a file downloaded there
+is chosen here. The GGUF files in the models folder are listed (with partial downloads), can
+be chosen, and removed after asking (never the model in use).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import QSettings, Qt
@@ -40,9 +45,11 @@ from PySide6.QtWidgets import (
 from engine import ModelInfo, fit, runtimes
 from engine.converted import ConvertedModel, converted_models, in_use, remove_converted
 from engine.errors import PhasewiseError
+from engine.hub import LocalModel, local_models, remove_local
 from engine.loader import kv_snapshot_dir
 from engine.remote import REMOTE_SPEC, RemoteError, normalize_base_url, store_api_key
 from ui.about import confirm
+from ui.model_browser import ModelBrowserDialog
 from ui.saved_caches import SavedCaches
 
 ENGINE_KEY = "model_engine/"  # QSettings: the engine chosen for a model spec
@@ -152,6 +159,75 @@ class ConvertedModels(QGroupBox):
         self.refresh()
 
 
+class DownloadedModels(QGroupBox):
+    """The GGUF files in the models folder (downloaded from the hub) and partial downloads:
+    choosing one selects it as the .gguf file; Remove deletes one after asking, never the
+    model in use."""
+
+    def __init__(self, loaded_path: str | None, parent: QWidget | None = None) -> None:
+        super().__init__("Downloaded models", parent)
+        self.loaded_path = loaded_path
+        self.list = QListWidget()
+        self.list.setMaximumHeight(90)
+        self.remove = QPushButton("Remove…")
+        self.note = QLabel()
+        self.note.setObjectName("valueLabel")
+        self.note.setWordWrap(True)
+        self.remove.clicked.connect(self.remove_selected)
+        self.list.currentRowChanged.connect(lambda _row: self._update_button())
+        row = QHBoxLayout()
+        row.addWidget(self.note, 1)
+        row.addWidget(self.remove)
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.list)
+        layout.addLayout(row)
+        self.refresh()
+
+    def in_use(self, model: LocalModel) -> bool:
+        return self.loaded_path is not None and Path(self.loaded_path) == model.path
+
+    def refresh(self) -> None:
+        self.list.clear()
+        for model in local_models():
+            if model.partial:
+                total = f" of {fit.size(model.total)}" if model.total else ""
+                label = (f"{model.name} (partial: {fit.size(model.size)}{total}; Browse "
+                         "models online and download it again to resume)")
+            else:
+                used = "  (in use)" if self.in_use(model) else ""
+                label = f"{model.name} ({fit.size(model.size)}){used}"
+            item = QListWidgetItem(label)
+            item.setToolTip(str(model.path))
+            item.setData(Qt.ItemDataRole.UserRole, model)
+            self.list.addItem(item)
+        self.setVisible(self.list.count() > 0 or bool(self.note.text()))
+        self._update_button()
+
+    def selected(self) -> LocalModel | None:
+        item = self.list.currentItem()
+        return item.data(Qt.ItemDataRole.UserRole) if item is not None else None
+
+    def _update_button(self) -> None:
+        model = self.selected()
+        self.remove.setEnabled(model is not None and not self.in_use(model))
+
+    def remove_selected(self) -> None:
+        model = self.selected()
+        if model is None or self.in_use(model):
+            return
+        what = f"the partial download of {model.name}" if model.partial else model.name
+        if not confirm(self, "Remove model", f"Remove {what} ({fit.size(model.size)}) from "
+                                             "the models folder?"):
+            return
+        try:
+            freed = remove_local(model)
+        except OSError as exc:
+            self.note.setText(f"Cannot remove {model.name}: {exc.strerror or exc}")
+            return
+        self.note.setText(f"Removed {what}: {fit.size(freed)} freed")
+        self.refresh()
+
+
 class ModelPickerDialog(QDialog):
     """Modal picker; `choice()` is valid after it was accepted."""
 
@@ -209,6 +285,9 @@ class ModelPickerDialog(QDialog):
         self.fit_label.setWordWrap(True)
         self.estimate: fit.Estimate | None = None
         self.converted = ConvertedModels(loaded_path)
+        self.downloaded = DownloadedModels(loaded_path)
+        self.browse_hub = QPushButton("Browse models online…")
+        self.browser: ModelBrowserDialog | None = None
         self.in_use = QLabel()
         self.in_use.setObjectName("valueLabel")
         self.in_use.setWordWrap(True)
@@ -256,6 +335,8 @@ class ModelPickerDialog(QDialog):
         grid.addWidget(self.consent, 4, 1, 1, 2)
         grid.addWidget(self.radios[REMOTE_SPEC], 5, 0, 1, 3)
         grid.addWidget(self.remote, 6, 1, 1, 2)
+        grid.addWidget(self.browse_hub, 7, 0)
+        self.browse_hub.clicked.connect(self.browse_models)
         remote_edits = [(REMOTE_SPEC, edit) for edit in self.remote.edits()]
         for source, edit in [("folder", self.folder_path), ("gguf", self.gguf_path),
                              ("hub", self.hub_id), *remote_edits]:
@@ -281,10 +362,13 @@ class ModelPickerDialog(QDialog):
         layout = self.layout()
         assert isinstance(layout, QVBoxLayout)
         layout.insertWidget(2, self.local)  # after the "in use" line and the sources
-        layout.insertWidget(3, self.converted)
+        layout.insertWidget(3, self.downloaded)
+        layout.insertWidget(4, self.converted)
+        self.downloaded.list.itemActivated.connect(self._use_listed)
+        self.downloaded.list.currentItemChanged.connect(lambda item, _old: self._use_listed(item))
         self.converted.setVisible(self.converted.list.count() > 0 and not self.draft)
         self.saved_caches = SavedCaches(kv_snapshot_dir())
-        layout.insertWidget(4, self.saved_caches)
+        layout.insertWidget(5, self.saved_caches)
         self.saved_caches.setVisible(not self.draft)
         self.group.buttonToggled.connect(self._source_toggled)
         for edit in (self.folder_path, self.gguf_path, self.hub_id):
@@ -357,6 +441,27 @@ class ModelPickerDialog(QDialog):
         self.context.setValue(limit)
         self.context.blockSignals(blocked)
         return f"Context set to the model's limit, {limit:,} tokens ({asked:,} is more). "
+
+    def browse_models(self) -> ModelBrowserDialog:
+        """The hub browser, over this dialog; a file it downloads is chosen here."""
+        if self.browser is None:
+            self.browser = ModelBrowserDialog(self, settings=self.settings,
+                                              context=self.context.value())
+            self.browser.sig_downloaded.connect(self.use_downloaded)
+        self.browser.open()
+        return self.browser
+
+    def use_downloaded(self, path: str) -> None:
+        """A file downloaded in the browser: listed, and chosen as the .gguf file."""
+        self.downloaded.refresh()
+        self.gguf_path.setText(path)
+        self.radios["gguf"].setChecked(True)
+
+    def _use_listed(self, item: QListWidgetItem | None) -> None:
+        model = item.data(Qt.ItemDataRole.UserRole) if item is not None else None
+        if isinstance(model, LocalModel) and not model.partial:
+            self.gguf_path.setText(str(model.path))
+            self.radios["gguf"].setChecked(True)
 
     def _browse_folder(self) -> None:
         folder = QFileDialog.getExistingDirectory(self, "Model folder")

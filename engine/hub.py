@@ -1,0 +1,590 @@
+"""Models from the Hugging Face hub: search GGUF repositories, list a repository's quant files,
+estimate whether one fits from its header alone (an HTTP range read), and download one into
+the user's models folder with progress, cancel, resume and the hub's checksum.
+
+The hub's API goes through huggingface_hub (HfApi, get_hf_file_metadata); the file bytes
+through its HTTP session, with the hub's auth headers. Nothing here touches the network until
+a caller asks (the `phasewise models` commands, or the browser after the user agreed); with
+HF_HUB_OFFLINE set every call refuses in one line.
+
+Every failure is a HubError: one line, and nothing lost. A download writes to a hidden
+".NAME.part" beside its target, with ".NAME.part.json" naming the revision and checksum it
+belongs to; a cancel, a lost connection, a server error or a full disk keep it, and the next
+pull of the same file resumes from its end (an HTTP Range request). A file whose checksum does
+not match, or that is not a GGUF, is dropped. Only a verified file is moved into place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+from urllib.parse import quote
+
+from engine.errors import PhasewiseError
+from engine.fit import Estimate, gguf_estimate, size
+from engine.gguf_header import GGUFHeader, TruncatedHeader, parse_gguf
+from engine.loader import models_dir
+
+HEADER_FIRST_READ = 1 << 20  # 1 MiB: a small vocabulary's header; SmolLM2's (1.8 MB) in 2 reads
+HEADER_MAX = 64 << 20  # a header larger than this is not a model we can estimate
+PROGRESS_EVERY_S = 0.1
+CHUNK = 1 << 20  # read at a time to hash a file
+READ_TIMEOUT_S = 30.0  # a stalled connection is given up after this (the partial is kept)
+DISK_MARGIN = 64 << 20  # left free after a download: a full disk breaks more than this app
+_SPLIT = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)
+_QUANT = re.compile(r"(?:^|[-_.])((?:I?Q\d[A-Z0-9_]*?)|F16|BF16|F32)(?=\.gguf$|[-.])",
+                    re.IGNORECASE)
+
+
+class HubError(PhasewiseError):
+    """One line for the user: what failed, what was kept, what to do."""
+
+
+class DownloadCancelled(HubError):
+    """The caller cancelled a download; its partial file is kept for a resume."""
+
+
+@dataclass(frozen=True)
+class HubRepo:
+    id: str
+    downloads: int
+    likes: int
+    gated: bool
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """A .gguf file in a hub repository, as its listing describes it."""
+
+    repo: str
+    name: str  # path inside the repository
+    size: int
+    sha256: str | None  # the LFS object's sha256 (None: not stored with LFS)
+    revision: str  # the commit it was listed at: a download resumes only on the same one
+
+    @property
+    def quant(self) -> str:
+        """The quantization its name says ('Q4_K_M'), '' when it does not say."""
+        match = _QUANT.search(Path(self.name).name)
+        return match.group(1).upper() if match else ""
+
+    @property
+    def local_name(self) -> str:
+        return Path(self.name).name
+
+
+@dataclass(frozen=True)
+class Progress:
+    done: int  # bytes on disk
+    total: int
+    rate: float  # bytes per second over the last few seconds (0 until measured)
+
+    @property
+    def eta_s(self) -> float | None:
+        return (self.total - self.done) / self.rate if self.rate > 0 else None
+
+    def line(self) -> str:
+        """'312 MB of 1.2 GB (26%), 25 MB/s, 36 s left'."""
+        share = self.done / self.total if self.total else 1.0
+        text = f"{size(self.done)} of {size(self.total)} ({share:.0%})"
+        if self.rate > 0:
+            text += f", {size(int(self.rate))}/s"
+        eta = self.eta_s
+        if eta is not None:
+            text += f", {_duration(eta)} left"
+        return text
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds + 0.5)
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+@dataclass(frozen=True)
+class LocalModel:
+    """A GGUF in the models folder, or a partial download of one."""
+
+    path: Path
+    size: int
+    partial: bool
+    total: int = 0  # a partial's full size, from its record (0: unknown)
+
+    @property
+    def name(self) -> str:
+        return self.path.name.removeprefix(".").removesuffix(".part") if self.partial \
+            else self.path.name
+
+
+def is_split(name: str) -> bool:
+    """A shard of a model split over several files ('-00001-of-00003.gguf')."""
+    return bool(_SPLIT.search(name))
+
+
+def is_model_file(name: str) -> bool:
+    """A .gguf holding a model (not a vision projector, 'mmproj-*.gguf')."""
+    base = Path(name).name.lower()
+    return base.endswith(".gguf") and "mmproj" not in base
+
+
+# ----- the hub ---------------------------------------------------------------------------
+class Hub:
+    """The Hugging Face hub at `endpoint` (None: huggingface_hub's own, HF_ENDPOINT or
+    huggingface.co); `token` None uses the login (`hf auth login`) or HF_TOKEN."""
+
+    def __init__(self, endpoint: str | None = None, token: str | None = None) -> None:
+        from huggingface_hub import HfApi, constants
+
+        self.endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
+        self.token = token
+        self.api = HfApi(endpoint=self.endpoint, token=token)
+        self._headers: dict[RemoteFile, GGUFHeader] = {}  # a revision's file never changes
+        self.progress_every_s = PROGRESS_EVERY_S  # 0: a report per read (tests)
+        self._lock = threading.Lock()
+
+    def search(self, text: str, limit: int = 10) -> list[HubRepo]:
+        """GGUF repositories whose id matches `text`, most downloaded first."""
+        with self._errors(f"searching for {text!r}", ""):
+            self._reach()
+            found = list(self.api.list_models(search=text, filter="gguf", sort="downloads",
+                                              limit=limit))
+        return [HubRepo(m.id, int(m.downloads or 0), int(m.likes or 0), bool(m.gated))
+                for m in found]
+
+    def _reach(self) -> None:
+        """Fail at once when the hub cannot be reached: huggingface_hub's search retries a
+        refused connection five times with backoff (23 s, a warning per try) before failing."""
+        from huggingface_hub.utils import get_session
+
+        get_session().head(f"{self.endpoint}/", timeout=READ_TIMEOUT_S)
+
+    def files(self, repo: str, revision: str | None = None) -> list[RemoteFile]:
+        """The repository's .gguf model files with sizes and checksums, largest first."""
+        with self._errors(repo, repo):
+            info = self.api.model_info(repo, revision=revision, files_metadata=True)
+        commit = str(info.sha or revision or "main")
+        found = [RemoteFile(repo, s.rfilename, int(s.size or 0),
+                            s.lfs.sha256 if s.lfs is not None else None, commit)
+                 for s in info.siblings or [] if is_model_file(s.rfilename)]
+        return sorted(found, key=lambda f: -f.size)
+
+    def file(self, repo: str, name: str | None = None) -> RemoteFile:
+        """One model file of `repo`: `name`, or the repository's only one."""
+        files = self.files(repo)
+        if name is not None:
+            for f in files:
+                if name in (f.name, f.local_name):
+                    return f
+            raise HubError(f"{repo} has no file {name}; `phasewise models search {repo}` "
+                           "lists its files")
+        whole = [f for f in files if not is_split(f.name)]
+        if len(whole) == 1:
+            return whole[0]
+        if not whole:
+            raise HubError(f"{repo} has no single-file GGUF model")
+        quants = ", ".join(f.quant or f.local_name for f in sorted(whole, key=lambda f: f.size))
+        raise HubError(f"{repo} has {len(whole)} GGUF files ({quants}): name one as "
+                       f"{repo}:FILE")
+
+    def url(self, file: RemoteFile) -> str:
+        """The file's resolve URL on this hub. Not hf_hub_url(endpoint=...): that swaps in
+        the endpoint only where its template starts with huggingface_hub's ENDPOINT setting,
+        so with that setting changed after import the bytes were asked of huggingface.co."""
+        return (f"{self.endpoint}/{file.repo}/resolve/{quote(file.revision, safe='')}/"
+                f"{quote(file.name)}")
+
+    # ----- the header, read by range ----------------------------------------------------
+    def header(self, file: RemoteFile, first_read: int = HEADER_FIRST_READ) -> GGUFHeader:
+        """The file's GGUF header from its first bytes only: one range request, and more
+        while the header runs past what was read (a large vocabulary); read once per file
+        and revision."""
+        if is_split(file.name):
+            raise HubError(f"{file.local_name} is one part of a split model: not supported yet")
+        with self._lock:
+            known = self._headers.get(file)
+        if known is not None:
+            return known
+        header = self._read_header(file, first_read)
+        with self._lock:
+            self._headers[file] = header
+        return header
+
+    def _read_header(self, file: RemoteFile, first_read: int) -> GGUFHeader:
+        data = b""
+        want = min(first_read, file.size) if file.size else first_read
+        while True:
+            with self._errors(file.local_name, file.repo):
+                data += self._range(file, len(data), want - 1)
+            try:
+                return parse_gguf(data)
+            except TruncatedHeader as exc:
+                if len(data) < want or want >= HEADER_MAX:  # the file ended, or too large
+                    raise HubError(f"{file.local_name}: cannot read its GGUF header") from None
+                want = min(HEADER_MAX, max(exc.needed + 1, want * 2))
+            except ValueError:
+                raise HubError(f"{file.local_name} in {file.repo} is not a GGUF file") from None
+
+    def estimate(self, file: RemoteFile, context_length: int | None = None,
+                 header: GGUFHeader | None = None, free: int | None = -1) -> Estimate:
+        """Will it fit (engine/fit.py), from the remote header: `header` may be another
+        quant's of the same repository (same shape; the data offset differs by bytes)."""
+        return gguf_estimate(header or self.header(file), file.size, context_length, free)
+
+    def _range(self, file: RemoteFile, start: int, end: int) -> bytes:
+        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+        headers = {**build_hf_headers(token=self.token), "Range": f"bytes={start}-{end}"}
+        response = get_session().get(self.url(file), headers=headers, follow_redirects=True,
+                                     timeout=READ_TIMEOUT_S)
+        hf_raise_for_status(response)
+        body = response.content
+        if response.status_code == 200:  # the server ignored the range: take the part asked
+            body = body[start:end + 1]
+        return body
+
+    # ----- download -----------------------------------------------------------------------
+    def download(self, file: RemoteFile, folder: Path | None = None, *,
+                 progress: Callable[[Progress], None] | None = None,
+                 cancel: threading.Event | None = None) -> Path:
+        """The file in `folder` (the models folder), verified; resumes a partial download of
+        the same revision. HubError (DownloadCancelled) with one line otherwise."""
+        if is_split(file.name):
+            raise HubError(f"{file.local_name} is one part of a split model: not supported yet")
+        folder = folder or models_dir()
+        target = folder / file.local_name
+        part, _record = partial_paths(target)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with _exclusive(part.with_name(part.name + ".lock"), file.local_name):
+                return self._download(file, folder, target, progress, cancel)
+        except HubError:
+            raise
+        except OSError as exc:  # the models folder: not writable, an I/O error
+            raise HubError(f"{file.local_name}: cannot write to {folder}: "
+                           f"{exc.strerror or exc}; {_kept(part, file.size)}") from None
+
+    def _download(self, file: RemoteFile, folder: Path, target: Path,
+                  progress: Callable[[Progress], None] | None,
+                  cancel: threading.Event | None) -> Path:
+        part, record = partial_paths(target)
+        check_absent(file, folder)
+        expected = self._expected(file)
+        have = _resume_point(part, record, expected)
+        _check_disk(folder, expected["size"] - have, file)
+        record.write_text(json.dumps(expected), encoding="utf-8")
+        try:
+            self._fetch(file, (part, record), have, expected["size"], progress, cancel)
+        except DownloadCancelled:
+            raise
+        except HubError as exc:
+            raise HubError(f"{exc}; {_kept(part, expected['size'])}") from None
+        _verify(part, record, expected, file)
+        os.replace(part, target)
+        record.unlink(missing_ok=True)
+        return target
+
+    def _expected(self, file: RemoteFile) -> dict[str, Any]:
+        """What the finished file must be: size and checksum, from the listing and the
+        file's own headers (X-Linked-Etag: the LFS sha256; a git blob's sha1 otherwise)."""
+        from huggingface_hub import get_hf_file_metadata
+
+        with self._errors(file.local_name, file.repo):
+            meta = get_hf_file_metadata(self.url(file), token=self.token,
+                                        endpoint=self.endpoint)
+        etag = (meta.etag or "").strip('"').lower()
+        sha256 = file.sha256 or (etag if re.fullmatch(r"[0-9a-f]{64}", etag) else None)
+        sha1 = etag if sha256 is None and re.fullmatch(r"[0-9a-f]{40}", etag) else None
+        if sha256 is None and sha1 is None:
+            raise HubError(f"the hub gives no checksum for {file.local_name}: not downloaded")
+        total = int(meta.size if meta.size is not None else file.size)
+        return {"repo": file.repo, "file": file.name, "revision": file.revision,
+                "size": total, "sha256": sha256, "git_sha1": sha1}
+
+    def _fetch(self, file: RemoteFile, paths: tuple[Path, Path], have: int, total: int,
+               progress: Callable[[Progress], None] | None,
+               cancel: threading.Event | None) -> None:
+        """Append the bytes from `have` on to the partial file (paths: it and its record)."""
+        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+        part, record = paths
+        if have >= total:
+            return
+        headers = {**build_hf_headers(token=self.token), "Range": f"bytes={have}-",
+                   "Accept-Encoding": "identity"}
+        meter = _Meter(have, total, self.progress_every_s)
+        with self._errors(file.local_name, file.repo), \
+                get_session().stream("GET", self.url(file), headers=headers,
+                                     follow_redirects=True, timeout=READ_TIMEOUT_S) as response:
+            if response.status_code >= 400:
+                response.read()
+                hf_raise_for_status(response)
+            mode = "ab"
+            if response.status_code == 200:  # the server ignored the range: from the start
+                mode, have, meter = "wb", 0, _Meter(0, total, self.progress_every_s)
+            elif not response.headers.get("Content-Range", "").startswith(f"bytes {have}-"):
+                raise HubError(f"{file.local_name}: the hub sent another part of the file "
+                               f"than the one asked for (from byte {have:,})")
+            with part.open(mode) as fh:
+                for chunk in response.iter_bytes():  # as it arrives: a drop loses none
+                    if cancel is not None and cancel.is_set():
+                        raise DownloadCancelled(f"download of {file.local_name} cancelled; "
+                                                f"{_kept(part, total, fh.tell())}")
+                    if have == 0 and fh.tell() == 0 and chunk[:4] != b"GGUF"[:len(chunk)]:
+                        fh.close()
+                        _drop(part, record)
+                        raise HubError(f"{file.local_name} in {file.repo} is not a GGUF file "
+                                       "(dropped)")
+                    write_chunk(fh, chunk)
+                    meter.add(len(chunk))
+                    if progress is not None and meter.due():
+                        progress(meter.progress())
+
+    def _errors(self, what: str, repo: str) -> contextlib.AbstractContextManager[None]:
+        return _hub_errors(what, f"{self.endpoint}/{repo}")
+
+
+@contextlib.contextmanager
+def _hub_errors(what: str, page: str) -> Iterator[None]:
+    """Turns what huggingface_hub and its HTTP client raise into one HubError line."""
+    try:
+        yield
+    except HubError:
+        raise
+    except Exception as exc:
+        line = hub_error_line(exc, what, page)
+        if line is None:
+            raise
+        raise HubError(line) from exc
+
+
+def hub_error_line(exc: BaseException, what: str, page: str) -> str | None:
+    """One line for a hub failure (`page`: the repository's page); None for an exception that
+    is not one (a bug: re-raised as it is)."""
+    import httpx2
+    from huggingface_hub import errors
+
+    if isinstance(exc, errors.OfflineModeIsEnabled):
+        return "offline: HF_HUB_OFFLINE is set, so the hub is not contacted (unset it to search "\
+               "or download models)"
+    if isinstance(exc, errors.GatedRepoError):
+        return (f"{what}: the repository is gated: accept its license at {page}, then log in "
+                "with `hf auth login` (or set HF_TOKEN)")
+    if isinstance(exc, errors.RepositoryNotFoundError):
+        return (f"{what}: repository not found on the hub (if it is private or gated, log in "
+                "with `hf auth login` or set HF_TOKEN)")
+    if isinstance(exc, errors.RemoteEntryNotFoundError):
+        return f"{what}: file not found on the hub"
+    if isinstance(exc, errors.HfHubHTTPError):
+        status = exc.response.status_code if exc.response is not None else "an error"
+        return f"{what}: the hub answered {status}; try again later"
+    if isinstance(exc, httpx2.TransportError):
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return f"{what}: connection to the hub failed ({reason})"
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return f"{what}: the disk is full"
+    return None
+
+
+# ----- the models folder -------------------------------------------------------------------
+def check_absent(file: RemoteFile, folder: Path | None = None) -> None:
+    """HubError when the models folder has this file already (a download would not start)."""
+    folder = folder or models_dir()
+    if (folder / file.local_name).exists():
+        raise HubError(f"{file.local_name} is already in the models folder ({folder}): "
+                       "choose it, or remove it first to download it again")
+
+
+def partial_paths(target: Path) -> tuple[Path, Path]:
+    """(".NAME.part", ".NAME.part.json") beside `target`."""
+    part = target.with_name(f".{target.name}.part")
+    return part, part.with_name(part.name + ".json")
+
+
+def local_models(folder: Path | None = None) -> list[LocalModel]:
+    """The GGUF files in the models folder and the partial downloads, by name."""
+    folder = folder or models_dir()
+    found = []
+    for path in sorted(folder.iterdir()) if folder.is_dir() else []:
+        if not path.is_file():
+            continue
+        if path.name.startswith(".") and path.name.endswith(".gguf.part"):
+            total = 0
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                total = int(json.loads(path.with_name(path.name + ".json").read_text(
+                    encoding="utf-8"))["size"])
+            found.append(LocalModel(path, path.stat().st_size, True, total))
+        elif path.suffix.lower() == ".gguf" and not path.name.startswith("."):
+            found.append(LocalModel(path, path.stat().st_size, False))
+    return found
+
+
+def find_local(name: str, folder: Path | None = None) -> list[LocalModel]:
+    """Models named `name` (with or without '.gguf'): the file, its partial download, or both."""
+    wanted = {name, f"{name}.gguf"}
+    return [m for m in local_models(folder) if m.name in wanted]
+
+
+def remove_local(model: LocalModel) -> int:
+    """Delete a model file (or a partial download and its record); the bytes freed."""
+    freed = model.size
+    model.path.unlink()
+    if model.partial:  # its record, and a lock file a crashed download left behind
+        model.path.with_name(model.path.name + ".json").unlink(missing_ok=True)
+        model.path.with_name(model.path.name + ".lock").unlink(missing_ok=True)
+    return freed
+
+
+# ----- download helpers -------------------------------------------------------------------
+def write_chunk(fh: IO[bytes], chunk: bytes) -> None:
+    """One write of a download (its own function: the tests inject a full disk here)."""
+    fh.write(chunk)
+
+
+class _Meter:
+    """Bytes done and the rate over the last few seconds; due() says when to report, at most
+    every `every_s` and at the end: a socket read can be a few KB, and a report per
+    read flooded the window with ~10,000 progress signals per 40 MB (30 s to paint them)."""
+
+    WINDOW_S = 5.0
+
+    def __init__(self, done: int, total: int, every_s: float) -> None:
+        self.done, self.total, self.every_s = done, total, every_s
+        self.samples: deque[tuple[float, int]] = deque([(time.monotonic(), done)])
+        self.reported = float("-inf")
+
+    def add(self, n: int) -> None:
+        self.done += n
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now - self.reported < self.every_s and self.done < self.total:
+            return False
+        self.reported = now
+        self.samples.append((now, self.done))
+        while len(self.samples) > 2 and now - self.samples[1][0] > self.WINDOW_S:
+            self.samples.popleft()
+        return True
+
+    def progress(self) -> Progress:
+        (t0, d0), (t1, d1) = self.samples[0], self.samples[-1]
+        rate = (d1 - d0) / (t1 - t0) if t1 - t0 > 0.2 else 0.0
+        return Progress(self.done, self.total, rate)
+
+
+def _resume_point(part: Path, record: Path, expected: dict[str, Any]) -> int:
+    """Bytes of `part` that belong to `expected` (0: none, or another revision's: dropped)."""
+    if not part.exists():
+        return 0
+    try:
+        same = json.loads(record.read_text(encoding="utf-8")) == expected
+    except (OSError, ValueError):
+        same = False
+    have = part.stat().st_size
+    if not same or have > expected["size"]:
+        _drop(part)
+        return 0
+    return have
+
+
+@contextlib.contextmanager
+def _exclusive(lock: Path, name: str) -> Iterator[None]:
+    """One download of a file at a time (another pull, another window): both would append to
+    one partial. An advisory lock (flock), so a crashed download leaves none behind; the lock
+    file goes when done. Windows has no flock: there the checksum still catches a mixed file."""
+    if sys.platform == "win32":
+        yield
+        return
+    import fcntl
+
+    with lock.open("a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise HubError(f"{name} is being downloaded already (by another pull or window); "
+                           "wait for that one, or stop it") from None
+        try:
+            yield
+        finally:
+            lock.unlink(missing_ok=True)
+
+
+def _check_disk(folder: Path, needed: int, file: RemoteFile) -> None:
+    free = shutil.disk_usage(folder).free
+    if needed + DISK_MARGIN > free:
+        raise HubError(f"not enough disk space for {file.local_name}: it needs {size(needed)} "
+                       f"more, {size(free)} is free in {folder}")
+
+
+def _verify(part: Path, record: Path, expected: dict[str, Any], file: RemoteFile) -> None:
+    """The finished partial is the file the hub lists, byte for byte; dropped otherwise."""
+    have = part.stat().st_size
+    if have != expected["size"]:
+        _drop(part, record)
+        raise HubError(f"{file.local_name}: {have:,} bytes arrived, the hub lists "
+                       f"{expected['size']:,} (dropped; pull again)")
+    if expected["sha256"]:
+        digest = hashlib.sha256()
+    else:
+        digest = hashlib.sha1(usedforsecurity=False)
+        digest.update(f"blob {have}\0".encode())  # git's blob id
+    with part.open("rb") as fh:
+        head = fh.read(4)
+        digest.update(head)
+        for block in iter(lambda: fh.read(CHUNK), b""):
+            digest.update(block)
+    if digest.hexdigest() != (expected["sha256"] or expected["git_sha1"]):
+        _drop(part, record)
+        raise HubError(f"{file.local_name}: checksum mismatch with the hub's (file dropped; "
+                       "pull again)")
+    if head != b"GGUF":
+        _drop(part, record)
+        raise HubError(f"{file.local_name} in {file.repo} is not a GGUF file (dropped)")
+
+
+def _drop(*paths: Path) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
+
+
+def _kept(part: Path, total: int, have: int | None = None) -> str:
+    if have is None:
+        try:
+            have = part.stat().st_size
+        except OSError:
+            have = 0
+    if not have:
+        return "nothing kept"
+    return (f"{size(have)} of {size(total)} kept in {part.parent}: the same pull resumes it "
+            f"(`phasewise models rm {part.name[1:-5]}` removes it)")
+
+
+def iter_fits(hub: Hub, files: list[RemoteFile], context_length: int | None,
+              ) -> Iterator[tuple[RemoteFile, Estimate | None, str]]:
+    """Each file with its estimate, reading one header per repository (every quant of a
+    repository has the model's shape); (file, None, why) where it cannot be estimated."""
+    header: GGUFHeader | None = None
+    for f in files:
+        if is_split(f.name):
+            yield f, None, "split over several files: not supported yet"
+            continue
+        try:
+            header = header or hub.header(f)
+            yield f, hub.estimate(f, context_length, header), ""
+        except HubError as exc:
+            yield f, None, str(exc)
