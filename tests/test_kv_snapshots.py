@@ -216,3 +216,34 @@ def test_the_picker_shows_the_space_saved_chats_take_and_clears_it(
     assert not list(kv_snapshot_dir().rglob(f"*{SUFFIX}"))
     assert line.label.text() == "Chats saved for a fast resume: none yet · 6 MB freed"
     assert not line.clear.isEnabled()
+
+
+def test_two_instances_writing_one_chat_never_leave_a_torn_file(tmp_path: Path) -> None:
+    """Two app instances (two shelves on one folder) writing the same chat at once: every
+    read finds one whole snapshot or the other, never a mix (temporary file, then rename)."""
+    import threading
+
+    shelves = [KvShelf(tmp_path, "k" * 24) for _ in range(2)]
+    payloads = [bytes([i + 1]) * 200_000 for i in range(2)]
+    stop = threading.Event()
+    seen: list[bytes | None] = []
+
+    def read() -> None:
+        while not stop.is_set():
+            found = shelves[0].find("chat")
+            if found is not None:
+                seen.append(shelves[0].load(found))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    for round_ in range(20):
+        for shelf, payload in zip(shelves, payloads, strict=True):
+            shelf.put("chat", [round_, 1, 2], lambda payload=payload: payload)
+    for shelf in shelves:
+        assert shelf.flush(30)
+    stop.set()
+    reader.join()
+    assert seen and all(data in payloads for data in seen)  # None: a torn file, dropped
+    assert not list(tmp_path.rglob("*.tmp"))
+    for shelf in shelves:
+        shelf.close(10)
