@@ -18,7 +18,7 @@ import torch
 
 from engine import prefill_progress
 from engine.core.batch import BatchCore, Done, Emit
-from engine.core.ledger import CacheLease
+from engine.core.ledger import CacheLease, KvLedger
 from engine.core.prompt import ChatModel
 from engine.core.reply import DetachedJob, Reply, ReplyJob, Vocabulary, open_reply
 from engine.core.solo import SoloRunner
@@ -36,7 +36,7 @@ class RunnerKit:
 
     name: str
     model: ChatModel
-    pool: PrefixCache
+    pool: KvLedger[Any]
     vocab: Vocabulary
     runner: SoloRunner
     # A batch on this runtime; `lone_chunk` fixes the size of a lone prompt's prefill chunks.
@@ -360,6 +360,24 @@ def torch_kit(loaded: Any) -> RunnerKit:
     return RunnerKit("torch", loaded, pool, torch_vocabulary(loaded), TorchRunner(loaded),
                      batcher, lambda lease: int(lease.cache.get_seq_length()), assert_fp_close,
                      fixed_prompt_ids(loaded, 64), loaded.device)
+
+
+def fake_kit(tokenizer: Any) -> RunnerKit:
+    """The fake third runtime (tests/support/fake_runtime.py) on the core's own ledger."""
+    from tests.support.fake_runtime import FakeBatcher, FakeKvStore, FakeModel, FakeRunner
+
+    model = FakeModel(tokenizer)
+    pool: KvLedger[Any] = KvLedger(FakeKvStore(), budget_bytes=1 << 30)
+
+    def batcher(emit: Emit, done: Done, lone_chunk: int | None) -> BatchCore:
+        return FakeBatcher(model, pool, emit, done, lone_chunk)
+
+    def exact(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+        assert torch.equal(got, want), what
+
+    ids = [i for i in range(3, len(tokenizer)) if i not in tokenizer.all_special_ids][:64]
+    return RunnerKit("fake", model, pool, model.vocabulary(), FakeRunner(model), batcher,
+                     lambda lease: len(lease.cache.states), exact, ids)
 
 
 def llama_kit(loaded: Any, assert_close: Callable[[torch.Tensor, torch.Tensor, str], None]
