@@ -331,7 +331,9 @@ class Engine(EventSource, Backend):
         loaded = self._loaded
         if loaded is None:
             return None
-        return len(loaded.tokenizer.encode(text, add_special_tokens=False))
+        # As message text is encoded: no BOS, special tokens' text kept as text.
+        ids = loaded.tokenizer(text, add_special_tokens=False, split_special_tokens=True)
+        return len(ids["input_ids"])
 
     # ----- engine thread ---------------------------------------------------------------
     def _run(self) -> None:

@@ -9,6 +9,7 @@ import pytest
 
 from engine import ChatMessage, Engine, GenerationRequest, SamplingParams
 from engine.documents import DocumentError, read_document, split_documents, with_documents
+from tests.support.child import needs_llama_cpp, run_in_child
 from tests.support.pdf import write_pdf
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -144,3 +145,17 @@ def test_a_file_that_cannot_be_attached_or_does_not_fit_says_why(
     notice = window.pane.notice_label.text()
     assert "big.txt does not fit" in notice and "the model reads at most 256" in notice
     assert not window.composer.chips.documents
+
+
+def _count_on_llama_cpp(text: str) -> int | None:
+    from engine import Engine
+
+    with Engine() as engine:
+        engine.load_model_sync("default", engine="llama.cpp")
+        return engine.count_tokens(text)
+
+
+@needs_llama_cpp
+def test_tokens_are_counted_on_llama_cpp_too() -> None:
+    count = run_in_child(_count_on_llama_cpp, "The harbor opens at dawn. <|im_end|>")
+    assert count is not None and count > 8  # the control token's text counted as text
