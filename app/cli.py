@@ -417,7 +417,7 @@ def peer_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
             rows.append((label, r[f"{key}_error"]))
         if f"{key}_decode_tok_s" not in r:
             continue
-        detail = f" ({r['hf_kernel']})" if key == "hf" else ""
+        detail = f" ({r['hf_kernel']})" if key == "hf" else llama_cpp_config(r)
         rows.append((label, f"{r[f'{key}_decode_tok_s']:.1f} tok/s decode, TTFT "
                             f"{r[f'{key}_ttft_s'] * 1e3:.1f} ms, ITL p50 / p99 "
                             f"{r[f'{key}_itl_p50_s'] * 1e3:.1f} / "
@@ -426,6 +426,15 @@ def peer_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append((f"TTFT ratio vs {short}",
                      f"x{r[f'ttft_ratio_vs_{key}']:.2f} (their TTFT / ours)"))
     return rows
+
+
+def llama_cpp_config(r: dict[str, Any]) -> str:
+    """Which of llama.cpp's configurations the ratios are against, and both rates."""
+    chosen = "on" if r["llama_cpp_flash_attn"] else "off"
+    rates = [f"{state} {r[f'llama_cpp_fa_{state}_decode_tok_s']:.1f}" for state in ("off", "on")
+             if f"llama_cpp_fa_{state}_decode_tok_s" in r]
+    faster = "the faster: " + " / ".join(rates) + " tok/s" if len(rates) > 1 else "the only one"
+    return f" (flash attention {chosen}, {faster})"
 
 
 def print_batch_table(r: dict[str, Any]) -> None:
