@@ -77,3 +77,20 @@ def test_fallback_stops_end_a_turn_the_model_starts_itself(reply: str, kept: str
     stopper = StopMatcher(FALLBACK_STOPS)
     shown = "".join(stopper.feed(ch) for ch in reply)  # streamed a character at a time
     assert stopper.stopped and shown == kept
+
+
+def test_a_base_ggufs_bos_setting_reaches_the_torch_engines_prompt(tmp_path: Path) -> None:
+    """The torch engine reads a GGUF's tokenizer through transformers, which keeps
+    tokenizer.ggml.add_bos_token: its fallback prompt opens with BOS when the file says so,
+    as llama.cpp's does (test_llamacpp_engine has both settings; reading a GGUF's tokenizer
+    is slow, so here only the one that needs the fix)."""
+    from engine.loader import default_gguf_path
+    from tests.support.gguf import vocab_only_copy
+
+    vocab_only_copy(default_gguf_path(), tmp_path / "base.gguf", add_bos=True)
+    tok = AutoTokenizer.from_pretrained(tmp_path, gguf_file="base.gguf")
+    assert not tok.chat_template
+    ids = encode_chat(tok, [ChatMessage("user", "What is the capital of France?")])
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
+    assert tok.decode(ids, skip_special_tokens=True) == \
+        "User: What is the capital of France?\n\nAssistant:"
