@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-tokens", type=int, default=64, help="tokens to decode (default 64)")
     bench.add_argument("--prompt-tokens", type=int, default=None,
                        help="prompt length in tokens (default 128; 4000 with --interference)")
-    bench.add_argument("--repeats", type=int, default=3, help="runs; medians reported")
+    bench.add_argument("--repeats", type=int, default=None,
+                       help="runs; medians reported (default 3; 1 with --interference)")
     # Not engine.bench.PEERS: importing it would load torch before --help could print.
     bench.add_argument("--vs", choices=["hf", "llama.cpp"], nargs="+", action="extend",
                        default=[], metavar="PEER",
@@ -105,9 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="decode B requests per step for each B given (e.g. 1 2 4 8): "
                             "per-token latency and total throughput")
     bench.add_argument("--interference", action="store_true",
-                       help="one chat streams while another's long prompt is prefilled: the "
-                            "stream's ITL p99 alone and during the prefill, with the prefill "
-                            "in one pass and in chunks, and its prefill rate alone")
+                       help="one chat streams while another's long prompt (--prompt-tokens) "
+                            "is prefilled, once "
+                            "per schedule (whole between two steps, in chunks, beside the "
+                            "stream on its own cores where there is one), then the same stream "
+                            "again alone and the prompt alone: the stream's ITL p99 alone and "
+                            "during the prefill, and the prefill rate. One round by default: "
+                            "about 5 minutes on 2 cores for the bundled model on llama.cpp "
+                            "(the chunked schedule's thousands of steps, run twice, are most "
+                            "of it); --repeats N runs N rounds, N times as long")
     bench.add_argument("--speculative", action="store_true",
                        help="also decode with prompt-lookup drafts (and the --draft-model's, "
                             "if given); report acceptance, speedup")
@@ -275,6 +282,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.prompt_tokens is None:
         args.prompt_tokens = 4000 if args.interference else 128
+    if args.repeats is None:  # a round of --interference takes minutes (its --help says)
+        args.repeats = 1 if args.interference else 3
     if args.max_tokens < 2:
         raise CliError(f"--max-tokens must be >= 2 to measure decode (got {args.max_tokens})")
     if args.prompt_tokens < 1 or args.repeats < 1 or args.turns < 0:
@@ -411,7 +420,7 @@ def peer_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
             rows.append((label, r[f"{key}_error"]))
         if f"{key}_decode_tok_s" not in r:
             continue
-        detail = f" ({r['hf_kernel']})" if key == "hf" else ""
+        detail = f" ({r['hf_kernel']})" if key == "hf" else llama_cpp_config(r)
         rows.append((label, f"{r[f'{key}_decode_tok_s']:.1f} tok/s decode, TTFT "
                             f"{r[f'{key}_ttft_s'] * 1e3:.1f} ms, ITL p50 / p99 "
                             f"{r[f'{key}_itl_p50_s'] * 1e3:.1f} / "
@@ -420,6 +429,15 @@ def peer_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append((f"TTFT ratio vs {short}",
                      f"x{r[f'ttft_ratio_vs_{key}']:.2f} (their TTFT / ours)"))
     return rows
+
+
+def llama_cpp_config(r: dict[str, Any]) -> str:
+    """Which of llama.cpp's configurations the ratios are against, and both rates."""
+    chosen = "on" if r["llama_cpp_flash_attn"] else "off"
+    rates = [f"{state} {r[f'llama_cpp_fa_{state}_decode_tok_s']:.1f}" for state in ("off", "on")
+             if f"llama_cpp_fa_{state}_decode_tok_s" in r]
+    faster = "the faster: " + " / ".join(rates) + " tok/s" if len(rates) > 1 else "the only one"
+    return f" (flash attention {chosen}, {faster})"
 
 
 def print_batch_table(r: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ import hashlib
 import ipaddress
 import json
 import secrets
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -52,6 +53,9 @@ ROLES: dict[str, Role] = {"system": "system", "developer": "system", "user": "us
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# The engine thread waits at most this long for a stream's first text to reach the socket
+# (EventRouter._on_event says why); it is normally well under a millisecond.
+FIRST_TEXT_HANDOFF_S = 0.05
 
 
 class BadRequest(Exception):
@@ -179,11 +183,34 @@ def usage_of(result: GenerationResult) -> dict[str, Any]:
     }
 
 
-def server_timings(result: GenerationResult) -> dict[str, float]:
-    """The server's own stamps (a Phasewise extension), to compare with a client's view."""
+@dataclass
+class Stamps:
+    """perf_counter_ns stamps of what the HTTP layer adds around the engine's own times."""
+
+    received_ns: int  # the handler started (the request's head was parsed)
+    submitted_ns: int = 0  # handed to the engine
+    engine_ns: int = 0  # the engine stamped the first text (or the end, without any)
+    sent_ns: int = 0  # the bytes carrying it went to the socket
+
+    def overhead_s(self) -> float:
+        """The server's own share of what a client waits for its first text: before the
+        engine had the request, and between the engine's stamp and the socket."""
+        return ((self.submitted_ns - self.received_ns) + (self.sent_ns - self.engine_ns)) / 1e9
+
+
+def server_timings(result: GenerationResult, stamps: Stamps) -> dict[str, float]:
+    """The server's own stamps (a Phasewise extension), to compare with a client's view.
+    ttft_s is the engine's (submit -> first token); server_overhead_s is what the HTTP layer
+    added to it (Stamps.overhead_s), so a client can tell the server's share from the
+    network's."""
     m = result.metrics
     return {"queue_s": m.queue_s, "prefill_s": m.prefill_s, "ttft_s": m.ttft_s,
-            "e2e_s": m.e2e_s, "decode_tok_s": m.decode_tok_s}
+            "e2e_s": m.e2e_s, "decode_tok_s": m.decode_tok_s,
+            "server_overhead_s": stamps.overhead_s()}
+
+
+def has_text(event: EngineEvent) -> bool:
+    return isinstance(event, (TokenEmitted, TextFlushed)) and bool(event.text)
 
 
 def finish_reason(result: GenerationResult) -> str:
@@ -278,42 +305,67 @@ class ServerMetrics:
 @dataclass
 class _Route:
     loop: asyncio.AbstractEventLoop
+    loop_thread: int
     queue: asyncio.Queue[EngineEvent]
+    # Set once the stream's first text is on the socket (or the request is over); None for
+    # a request that does not stream.
+    first_text_sent: threading.Event | None
+    waited: bool = False  # the engine thread already waited for it (touched only there)
 
 
 class EventRouter:
     """One engine listener that forwards each request's events to its asyncio queue."""
 
-    def __init__(self, engine: Backend) -> None:
+    def __init__(self, engine: Backend, handoff_s: float = FIRST_TEXT_HANDOFF_S) -> None:
         self._routes: dict[str, _Route] = {}
+        self._handoff_s = handoff_s
         engine.add_listener(self._on_event)
 
-    def open(self, request_id: str) -> asyncio.Queue[EngineEvent]:
+    def open(self, request_id: str, streaming: bool) -> _Route:
         queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
-        self._routes[request_id] = _Route(asyncio.get_running_loop(), queue)
-        return queue
+        route = _Route(asyncio.get_running_loop(), threading.get_ident(), queue,
+                       threading.Event() if streaming else None)
+        self._routes[request_id] = route
+        return route
 
     def close(self, request_id: str) -> None:
-        self._routes.pop(request_id, None)
+        route = self._routes.pop(request_id, None)
+        if route is not None and route.first_text_sent is not None:
+            route.first_text_sent.set()  # nobody will send it: never keep the engine waiting
 
     def _on_event(self, event: EngineEvent) -> None:
-        """Runs on the engine thread: hand over, never block."""
+        """Runs on the engine thread: hand the event over.
+
+        A stream's first text is the one exception to never blocking: the engine thread waits
+        (at most handoff_s) until the server has written it. Otherwise the engine goes straight
+        on to its next step and the server's loop thread, woken for the hand-over, has to win
+        the GIL back from the engine's Python work at each of its several awaits before the
+        bytes go out (up to sys.getswitchinterval(), 5 ms, each time) and a core back from
+        the kernels' threads: tens of ms added to the time to first token. Waiting costs the
+        engine that one hand-over (well under a millisecond) once per request."""
         route = self._routes.get(getattr(event, "request_id", ""))
-        if route is not None:
-            route.loop.call_soon_threadsafe(route.queue.put_nowait, event)
+        if route is None:
+            return
+        route.loop.call_soon_threadsafe(route.queue.put_nowait, event)
+        sent = route.first_text_sent
+        if (sent is not None and not route.waited and has_text(event)
+                and threading.get_ident() != route.loop_thread):
+            route.waited = True
+            sent.wait(self._handoff_s)
 
 
 class ChatServer:
     """The HTTP side: handlers, auth and metrics around one started, loaded Engine."""
 
-    def __init__(self, engine: Backend, *, token: str | None = None) -> None:
+    def __init__(self, engine: Backend, *, token: str | None = None,
+                 handoff_s: float = FIRST_TEXT_HANDOFF_S) -> None:
         if engine.model_info is None:
             raise PhasewiseError("load a model before serving it")
         self.engine = engine
         self.token = token
         self.model = engine.model_info.name
         self.metrics = ServerMetrics()
-        self.router = EventRouter(engine)
+        self.router = EventRouter(engine, handoff_s)
         self.created = int(time.time())
 
     def app(self) -> Starlette:
@@ -348,6 +400,7 @@ class ChatServer:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def chat_completions(self, request: Request) -> Response:
+        stamps = Stamps(time.perf_counter_ns())
         try:
             body = await request.json()
         except ValueError:
@@ -357,9 +410,11 @@ class ChatServer:
             gen = build_request(body, self.model, info.context_length if info else 512)
         except BadRequest as exc:
             return JSONResponse(error_body(str(exc)), status_code=400)
-        queue = self.router.open(gen.request_id)
-        self.engine.submit(gen)
         streaming = bool(body.get("stream"))
+        route = self.router.open(gen.request_id, streaming)
+        queue = route.queue
+        stamps.submitted_ns = time.perf_counter_ns()
+        self.engine.submit(gen)
         try:
             # Until the first token the handler itself watches for a hang-up; once the
             # stream has started, Starlette cancels the stream when the client goes away.
@@ -375,9 +430,10 @@ class ChatServer:
             return failure_response(first.message)
         if not streaming:
             assert isinstance(first, RequestFinished)  # first_event's only other end
-            return JSONResponse(self._completion_body(gen, first.result))
+            stamps.engine_ns = first.t_ns
+            return JSONResponse(self._completion_body(gen, first.result, stamps))
         options = body.get("stream_options") or {}
-        chunks = self._chunks(gen, queue, first, bool(options.get("include_usage")))
+        chunks = self._chunks(gen, route, first, bool(options.get("include_usage")), stamps)
         return StreamingResponse(chunks, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
@@ -386,18 +442,20 @@ class ChatServer:
         self.engine.cancel(gen.request_id)
         self.router.close(gen.request_id)
 
-    def _completion_body(self, gen: GenerationRequest, result: GenerationResult) -> dict:
+    def _completion_body(self, gen: GenerationRequest, result: GenerationResult,
+                         stamps: Stamps) -> dict:
         self.metrics.observe(result)
+        stamps.sent_ns = time.perf_counter_ns()  # the body is serialized and sent right after
         return {
             "id": f"chatcmpl-{gen.request_id}", "object": "chat.completion",
             "created": int(time.time()), "model": self.model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
                          "finish_reason": finish_reason(result), "logprobs": None}],
-            "usage": usage_of(result), "phasewise_timings": server_timings(result),
+            "usage": usage_of(result), "phasewise_timings": server_timings(result, stamps),
         }
 
-    async def _chunks(self, gen: GenerationRequest, queue: asyncio.Queue, event: EngineEvent,
-                      include_usage: bool) -> AsyncIterator[str]:
+    async def _chunks(self, gen: GenerationRequest, route: _Route, event: EngineEvent,
+                      include_usage: bool, stamps: Stamps) -> AsyncIterator[str]:
         base = {"id": f"chatcmpl-{gen.request_id}", "object": "chat.completion.chunk",
                 "created": int(time.time()), "model": self.model}
 
@@ -410,6 +468,10 @@ class ChatServer:
             while True:
                 if isinstance(event, (TokenEmitted, TextFlushed)) and event.text:
                     yield chunk({"content": event.text})
+                    if not stamps.sent_ns:  # Starlette has written it: resumed after send
+                        stamps.engine_ns, stamps.sent_ns = event.t_ns, time.perf_counter_ns()
+                        assert route.first_text_sent is not None  # a streaming route
+                        route.first_text_sent.set()
                 elif isinstance(event, RequestFailed):
                     self.metrics.requests.labels("failed").inc()
                     yield sse(error_body(event.message, "server_error"))
@@ -417,20 +479,23 @@ class ChatServer:
                 elif isinstance(event, RequestFinished):
                     result = event.result
                     self.metrics.observe(result)
+                    if not stamps.sent_ns:  # no text at all: the end is what the client waits for
+                        stamps.engine_ns, stamps.sent_ns = event.t_ns, time.perf_counter_ns()
                     yield chunk({}, finish_reason(result))
                     if include_usage:
                         yield sse(base | {"choices": [], "usage": usage_of(result),
-                                          "phasewise_timings": server_timings(result)})
+                                          "phasewise_timings": server_timings(result, stamps)})
                     yield sse("[DONE]")
                     return
-                event = await queue.get()
+                event = await route.queue.get()
         finally:  # the client went away (or we are done): stop the engine within a step
             self._end(gen)
 
 
-def create_app(engine: Backend, *, token: str | None = None) -> Starlette:
+def create_app(engine: Backend, *, token: str | None = None,
+               handoff_s: float = FIRST_TEXT_HANDOFF_S) -> Starlette:
     """The ASGI app for a started Engine with a model loaded."""
-    return ChatServer(engine, token=token).app()
+    return ChatServer(engine, token=token, handoff_s=handoff_s).app()
 
 
 def uvicorn_server(app: Starlette, host: str, port: int) -> Any:

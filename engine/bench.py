@@ -119,18 +119,30 @@ def run_hf(loaded: LoadedModel, prompt_ids: list[int], max_tokens: int) -> PeerR
 
 PEERS = ("hf", "llama.cpp")  # what `bench --vs` accepts
 PEER_LABELS = {"hf": "transformers generate()", "llama.cpp": "llama.cpp (llama-cpp-python)"}
+# llama.cpp runs as two peers, flash attention off (llama-cpp-python's default) and on, and
+# the report compares against the faster: which one wins depends on the CPU and the context
+# (on a short one, on-by-default costs llama.cpp up to 15%). Runner key -> flash attention.
+LLAMA_CPP_CONFIGS = {"llama.cpp fa-off": False, "llama.cpp fa-on": True}
 
 
 def peer_key(peer: str) -> str:
-    """The JSON key prefix of a peer: 'hf', 'llama_cpp'."""
-    return peer.replace(".", "_")
+    """The JSON key prefix of a peer: 'hf', 'llama_cpp' (a runner of one: 'llama_cpp')."""
+    return peer.split()[0].replace(".", "_")
+
+
+def runner_label(runner: str) -> str:
+    """A peer runner's name on progress lines."""
+    if runner in LLAMA_CPP_CONFIGS:
+        return f"{PEER_LABELS['llama.cpp']}, flash attention " \
+               f"{'on' if LLAMA_CPP_CONFIGS[runner] else 'off'}"
+    return PEER_LABELS[runner]
 
 
 def _peer_runners(peers: Sequence[str], hf_model: LoadedModel, loaded: LoadedModel,
                   n_ctx: int, stack: ExitStack, about: dict[str, Any],
                   progress: Callable[[str], None]) -> dict[str, PeerRunner]:
-    """A run(prompt_ids, max_tokens) callable per requested peer, in PEERS order; what each
-    peer ran on goes into `about` for the report."""
+    """A run(prompt_ids, max_tokens) callable per requested peer, in PEERS order (llama.cpp:
+    one per LLAMA_CPP_CONFIGS); what each peer ran on goes into `about` for the report."""
     runners: dict[str, PeerRunner] = {}
     for peer in (p for p in PEERS if p in peers):
         if peer == "hf":
@@ -140,21 +152,26 @@ def _peer_runners(peers: Sequence[str], hf_model: LoadedModel, loaded: LoadedMod
         gguf = gguf_for(loaded.info)
         threads = runtimes.cpu_threads(loaded)
         about.update(llama_cpp_threads=threads, llama_cpp_gguf=gguf.name)
-        try:
-            llama = stack.enter_context(LlamaCppPeer(gguf, n_threads=threads, n_ctx=n_ctx))
-        except NativeCrashError as exc:
-            _peer_crashed(peer, exc, about, progress)
-            continue
-        runners[peer] = llama.run
-        about.update(llama_cpp_version=llama.version, llama_cpp_build=llama.system_info)
+        for runner, flash_attn in LLAMA_CPP_CONFIGS.items():
+            try:
+                llama = stack.enter_context(LlamaCppPeer(gguf, n_threads=threads, n_ctx=n_ctx,
+                                                         flash_attn=flash_attn))
+            except NativeCrashError as exc:
+                _peer_crashed(runner, exc, about, progress)
+                continue
+            runners[runner] = llama.run
+            about.update(llama_cpp_version=llama.version, llama_cpp_build=llama.system_info)
     return runners
 
 
-def _peer_crashed(peer: str, crash: NativeCrashError, about: dict[str, Any],
+def _peer_crashed(runner: str, crash: NativeCrashError, about: dict[str, Any],
                   progress: Callable[[str], None]) -> None:
-    """A peer's child process died: one line in the report (<peer>_error) and on progress."""
-    about[f"{peer_key(peer)}_error"] = str(crash)
-    progress(str(crash))
+    """A peer's child process died: one line in the report (<peer>_error) and on progress,
+    once per peer (llama.cpp's two configurations share a build)."""
+    key = f"{peer_key(runner)}_error"
+    if key not in about:
+        about[key] = str(crash)
+        progress(str(crash))
 
 
 def _run_peers(runners: dict[str, PeerRunner], prompt_ids: list[int], max_tokens: int,
@@ -165,7 +182,7 @@ def _run_peers(runners: dict[str, PeerRunner], prompt_ids: list[int], max_tokens
     from runners and results (no partial numbers), and the others carry on."""
     for peer, run in list(runners.items()):
         if stage:
-            progress(f"{stage}: {PEER_LABELS[peer]}")
+            progress(f"{stage}: {runner_label(peer)}")
         try:
             result = run(prompt_ids, max_tokens)
         except NativeCrashError as exc:
@@ -226,8 +243,9 @@ def bench_decode(
                 drafted.append(run_ours(loaded, prompt_ids, max_tokens, speculative="draft",
                                         draft=draft))
     report = decode_summary(loaded, ours, prompt_tokens, max_tokens, repeats) | about
-    for peer, runs in theirs.items():
-        report.update(peer_summary(peer, runs, report))
+    if "hf" in theirs:
+        report.update(peer_summary("hf", theirs["hf"], report))
+    report.update(llama_cpp_summary(theirs, report))
     if speculative:
         report.update(speculative_summary(ours, spec))
     if drafted and draft is not None:
@@ -282,6 +300,25 @@ def peer_summary(peer: str, runs: list[PeerResult], ours: dict[str, Any]) -> dic
         f"decode_ratio_vs_{key}": ours["decode_tok_s"] / decode if decode else 0.0,
         f"ttft_ratio_vs_{key}": ttft / ours["ttft_s"] if ours["ttft_s"] else 0.0,
     }
+
+
+def llama_cpp_summary(theirs: dict[str, list[PeerResult]],
+                      ours: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's configurations that ran (LLAMA_CPP_CONFIGS): each one's median decode and
+    TTFT (llama_cpp_fa_off_decode_tok_s, ...), and the faster one's by decode tok/s as the
+    peer (peer_summary's llama_cpp_* keys and ratios), llama_cpp_flash_attn saying which."""
+    ran = {runner: runs for runner, runs in theirs.items() if runner in LLAMA_CPP_CONFIGS}
+    if not ran:
+        return {}
+    summary: dict[str, Any] = {}
+    for runner, runs in ran.items():
+        config = "fa_on" if LLAMA_CPP_CONFIGS[runner] else "fa_off"
+        summary[f"llama_cpp_{config}_decode_tok_s"] = statistics.median(
+            r.decode_tok_s for r in runs)
+        summary[f"llama_cpp_{config}_ttft_s"] = statistics.median(r.ttft_s for r in runs)
+    faster = max(ran, key=lambda runner: statistics.median(r.decode_tok_s for r in ran[runner]))
+    summary["llama_cpp_flash_attn"] = LLAMA_CPP_CONFIGS[faster]
+    return summary | peer_summary("llama.cpp", ran[faster], ours)
 
 
 def speculative_summary(plain: list[GenerationResult], spec: list[GenerationResult],

@@ -20,18 +20,41 @@ from typing import Any
 
 from engine.params import ChatMessage
 
-# Used when a model ships no chat template (the loader says so in ModelInfo).
+# Used when a model ships no chat template (the loader says so in ModelInfo): a base model's
+# plain transcript, after the BOS token where the model's own encoding starts with one
+# (fallback_template).
 FALLBACK_TEMPLATE = (
     "{% for message in messages %}"
     "{{ message['role'] | capitalize }}: {{ message['content'] }}\n\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
-FALLBACK_STOPS = ("\n\nUser:", "\n\nSystem:")
+# A base model has no end-of-turn token: its reply ends where it starts the next turn itself,
+# anyone's (after one newline or two: both are stops, so neither newline stays in the reply),
+# its own "Assistant:" included, which it otherwise repeats until max_tokens.
+FALLBACK_STOPS = tuple(f"{newlines}{role}:" for role in ("User", "Assistant", "System")
+                       for newlines in ("\n\n", "\n"))
 
 
 def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
+
+
+def adds_bos(tokenizer: Any) -> bool:
+    """Whether the tokenizer's own encoding of text starts with BOS: a GGUF's
+    `tokenizer.ggml.add_bos_token` on llama.cpp, the post-processor on a Hugging Face
+    tokenizer. A chat template writes its BOS itself; the fallback has to ask."""
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return False
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return bool(ids) and ids[0] == bos
+
+
+def fallback_template(tokenizer: Any) -> str:
+    """FALLBACK_TEMPLATE, opened with BOS where the model's encoding has one: a base model
+    read without it (Gemma, Llama) loses the thread and answers with turn markers."""
+    return ("{{ bos_token }}" if adds_bos(tokenizer) else "") + FALLBACK_TEMPLATE
 
 
 def encode_chat(
@@ -106,7 +129,7 @@ def encode_chat_layout(
         [{"role": m.role, "content": s} for m, s in zip(messages, sentinels, strict=False)],
         tokenize=False,
         add_generation_prompt=add_generation_prompt,
-        chat_template=None if has_chat_template(tokenizer) else FALLBACK_TEMPLATE,
+        chat_template=None if has_chat_template(tokenizer) else fallback_template(tokenizer),
     )
     index = {s: i for i, s in enumerate(sentinels)}
     pattern = re.compile("|".join(re.escape(s) for s in sentinels))

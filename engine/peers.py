@@ -95,11 +95,13 @@ class LlamaCppPeer:
     features before it loads the model, so even a crash while loading names them.
     """
 
-    def __init__(self, gguf: Path, *, n_threads: int, n_ctx: int,
+    def __init__(self, gguf: Path, *, n_threads: int, n_ctx: int, flash_attn: bool = False,
                  child_main: Callable[..., None] | None = None) -> None:
         self.n_threads = n_threads
+        self.flash_attn = flash_attn
         self._child = NativeChild(child_main or serve_llama_cpp, str(gguf), n_threads, n_ctx,
-                                  what=PEER_NAME, build=recorded_llama_cpp_build())
+                                  flash_attn, what=PEER_NAME,
+                                  build=recorded_llama_cpp_build())
         try:
             about = self._child.receive(LOAD_TIMEOUT_S)
             self.version: str = about["version"]
@@ -130,13 +132,14 @@ class LlamaCppPeer:
 
 
 # ----- in the child -------------------------------------------------------------------------
-def serve_llama_cpp(conn: Connection, gguf: str, n_threads: int, n_ctx: int) -> None:
+def serve_llama_cpp(conn: Connection, gguf: str, n_threads: int, n_ctx: int,
+                    flash_attn: bool) -> None:
     """The child's main: report version and CPU features, load, then answer (prompt_ids,
     max_tokens) requests with PeerResults until a None arrives."""
     llama_cpp = import_llama_cpp()
     conn.send(("about", {"version": getattr(llama_cpp, "__version__", "unknown"),
                          "system_info": system_info(llama_cpp)}))
-    llm = _load(llama_cpp, Path(gguf), n_threads=n_threads, n_ctx=n_ctx)
+    llm = _load(llama_cpp, Path(gguf), n_threads=n_threads, n_ctx=n_ctx, flash_attn=flash_attn)
     conn.send(("loaded", None))
     try:
         while (request := conn.recv()) is not None:
@@ -146,11 +149,11 @@ def serve_llama_cpp(conn: Connection, gguf: str, n_threads: int, n_ctx: int) -> 
         llm.close()
 
 
-def _load(llama_cpp: Any, gguf: Path, *, n_threads: int, n_ctx: int) -> Any:
+def _load(llama_cpp: Any, gguf: Path, *, n_threads: int, n_ctx: int, flash_attn: bool) -> Any:
     try:
         return llama_cpp.Llama(
             model_path=str(gguf), n_ctx=n_ctx, n_threads=n_threads,
-            n_threads_batch=n_threads, seed=PEER_SEED, verbose=False,
+            n_threads_batch=n_threads, seed=PEER_SEED, verbose=False, flash_attn=flash_attn,
         )
     except (ValueError, RuntimeError) as exc:  # llama-cpp-python's load failures
         raise ModelLoadError(f"llama.cpp could not load {gguf}: {exc}") from None

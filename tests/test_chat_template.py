@@ -44,3 +44,53 @@ def test_fallback_template_when_model_has_none(tiny_model_no_template_dir: Path)
     tok = AutoTokenizer.from_pretrained(tiny_model_no_template_dir)
     ids = encode_chat(tok, [ChatMessage("user", "Hello")])
     assert tok.decode(ids).endswith("User: Hello\n\nAssistant:")
+
+
+def test_fallback_opens_with_bos_where_the_models_encoding_does(
+    tiny_model_no_template_dir: Path,
+) -> None:
+    """A base model reads its prompt as its own encoding has it: after BOS when the tokenizer
+    adds one (a GGUF's tokenizer.ggml.add_bos_token), else without."""
+    from tokenizers.processors import TemplateProcessing
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_no_template_dir)
+    bos = tok.bos_token_id
+    assert encode_chat(tok, [ChatMessage("user", "Hello")])[0] != bos  # adds none: none
+    tok._tokenizer.post_processor = TemplateProcessing(
+        single=f"{tok.bos_token} $A", special_tokens=[(tok.bos_token, bos)])
+    ids = encode_chat(tok, [ChatMessage("user", "Hello")])
+    assert ids[0] == bos and ids.count(bos) == 1
+    assert tok.decode(ids[1:]) == "User: Hello\n\nAssistant:"
+
+
+@pytest.mark.parametrize(("reply", "kept"), [
+    (" Paris.\n\nUser: And Spain?", " Paris."),
+    (" Paris.\nUser: And Spain?", " Paris."),
+    (" Paris.\n\nAssistant: Paris.", " Paris."),  # the model starts its own next turn
+    ("\n\nAssistant:\n\nAssistant:", ""),
+    (" Paris.\n\nSystem: be brief", " Paris."),
+])
+def test_fallback_stops_end_a_turn_the_model_starts_itself(reply: str, kept: str) -> None:
+    from engine.chat_template import FALLBACK_STOPS
+    from engine.detok import StopMatcher
+
+    stopper = StopMatcher(FALLBACK_STOPS)
+    shown = "".join(stopper.feed(ch) for ch in reply)  # streamed a character at a time
+    assert stopper.stopped and shown == kept
+
+
+def test_a_base_ggufs_bos_setting_reaches_the_torch_engines_prompt(tmp_path: Path) -> None:
+    """The torch engine reads a GGUF's tokenizer through transformers, which keeps
+    tokenizer.ggml.add_bos_token: its fallback prompt opens with BOS when the file says so,
+    as llama.cpp's does (test_llamacpp_engine has both settings; reading a GGUF's tokenizer
+    is slow, so here only the one that needs the fix)."""
+    from engine.loader import default_gguf_path
+    from tests.support.gguf import vocab_only_copy
+
+    vocab_only_copy(default_gguf_path(), tmp_path / "base.gguf", add_bos=True)
+    tok = AutoTokenizer.from_pretrained(tmp_path, gguf_file="base.gguf")
+    assert not tok.chat_template
+    ids = encode_chat(tok, [ChatMessage("user", "What is the capital of France?")])
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
+    assert tok.decode(ids, skip_special_tokens=True) == \
+        "User: What is the capital of France?\n\nAssistant:"

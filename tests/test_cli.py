@@ -56,9 +56,10 @@ def test_bench_turns_json(capsys, tiny_model_dir: Path) -> None:
 
 def test_bench_interference_table_and_json(capsys, tiny_model_dir: Path) -> None:
     code, out, _ = run_cli(capsys, "bench", "--model", str(tiny_model_dir), "--json",
-                           "--interference", "--prompt-tokens", "40", "--repeats", "1")
+                           "--interference", "--prompt-tokens", "40")
     assert code == 0
     report = json.loads(out.strip().splitlines()[-1])
+    assert report["rounds"] == 1  # by default: a round is minutes on a real model (its --help)
     for mode in report["modes"]:
         assert report[f"{mode}_itl_p99_alone_s"] > 0
         assert report[f"{mode}_itl_p99_before_prefill_s"] > 0

@@ -532,6 +532,43 @@ def test_message_text_never_becomes_a_control_token() -> None:
     assert out["text"].startswith("<|im_start|>")
 
 
+def _base_model_prompt_body(path: str) -> dict:
+    """The fallback prompt of a GGUF with no chat template, read by llama.cpp's tokenizer."""
+    import llama_cpp
+
+    from engine.chat_template import encode_chat
+    from engine.llamacpp.tokenizer import LlamaCppTokenizer
+    from engine.params import ChatMessage
+
+    llama_cpp.llama_backend_init()
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
+    model = llama_cpp.llama_model_load_from_file(path.encode(), params)
+    tokenizer = LlamaCppTokenizer(llama_cpp, model, llama_cpp.llama_model_get_vocab(model))
+    ids = encode_chat(tokenizer, [ChatMessage("user", "What is the capital of France?")])
+    result = {"template": tokenizer.chat_template, "bos": tokenizer.bos_token_id,
+              "ids": ids, "text": tokenizer.decode(ids)}
+    llama_cpp.llama_model_free(model)
+    return result
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("add_bos", [True, False])
+def test_a_base_models_prompt_honours_its_bos_setting(tmp_path: Path, add_bos: bool) -> None:
+    """A GGUF with no chat template gets the plain fallback transcript, opened with BOS exactly
+    when the file says tokenizer.ggml.add_bos_token (a base model read without the BOS it
+    was trained with answers with turn markers)."""
+    from engine.loader import default_gguf_path
+    from tests.support.gguf import vocab_only_copy
+
+    base = vocab_only_copy(default_gguf_path(), tmp_path / "base.gguf", add_bos=add_bos)
+    out = run_in_child(_base_model_prompt_body, str(base))
+    assert out["template"] is None
+    assert out["text"] == "User: What is the capital of France?\n\nAssistant:"
+    assert (out["ids"][0] == out["bos"]) == add_bos
+    assert out["ids"].count(out["bos"]) == int(add_bos)
+
+
 def _split_reply_body() -> dict:
     """A sampled reply whose text re-tokenizes to other ids (seeds searched in order), then
     the next turn with the reply's own ids."""

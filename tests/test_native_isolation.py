@@ -38,10 +38,12 @@ def raise_at_once(conn: Connection) -> None:
     raise RuntimeError("no such model\nsecond line")
 
 
-def fake_llama_cpp(conn: Connection, _gguf: str, _threads: int, _n_ctx: int, *,
-                   die_at: str, sig: int = signal.SIGILL) -> None:
+def fake_llama_cpp(conn: Connection, _gguf: str, _threads: int, _n_ctx: int,
+                   flash_attn: bool = False, *, die_at: str, sig: int = signal.SIGILL,
+                   fa_on_tok_s: float = 1000.0) -> None:
     """Speaks the llama.cpp peer's protocol; dies by `sig` while loading ("load"), on the
-    first run after warm-up ("run"), or answers every run ("never")."""
+    first run after warm-up ("run"), or answers every run ("never"), decoding at 1000 tok/s
+    with flash attention off and fa_on_tok_s with it on."""
     conn.send(("about", {"version": "0.0-test", "system_info": FAKE_BUILD}))
     if die_at == "load":
         os.kill(os.getpid(), sig)
@@ -52,7 +54,8 @@ def fake_llama_cpp(conn: Connection, _gguf: str, _threads: int, _n_ctx: int, *,
         if die_at == "run" and runs == 2:  # run 1 is the benchmark's warm-up
             os.kill(os.getpid(), sig)
         _prompt, max_tokens = request
-        conn.send(("result", PeerResult(ttft_s=0.001, decode_tok_s=1000.0,
+        rate = fa_on_tok_s if flash_attn else 1000.0
+        conn.send(("result", PeerResult(ttft_s=0.001, decode_tok_s=rate,
                                         itl_s=[0.001] * (max_tokens - 1),
                                         token_ids=list(range(max_tokens)))))
 
@@ -153,3 +156,26 @@ def test_bench_with_a_healthy_peer_child_reports_its_build(
     assert "llama_cpp_error" not in report
     assert report["llama_cpp_build"] == FAKE_BUILD and report["llama_cpp_version"] == "0.0-test"
     assert report["llama_cpp_decode_tok_s"] == pytest.approx(1000.0)
+
+
+@pytest.mark.parametrize(("fa_on_tok_s", "faster"), [(1500.0, "on"), (600.0, "off")])
+def test_bench_compares_against_the_faster_llama_cpp_configuration(
+        tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch, capsys, tmp_path: Path,
+        fa_on_tok_s: float, faster: str) -> None:
+    """llama.cpp runs with flash attention off and on; the ratios are against the faster, and
+    the report and the table say which it was."""
+    monkeypatch.setattr(bench_mod, "gguf_for", lambda _info: tmp_path / "m.gguf")
+    monkeypatch.setattr(bench_mod, "LlamaCppPeer", partial(
+        LlamaCppPeer, child_main=partial(fake_llama_cpp, die_at="never",
+                                         fa_on_tok_s=fa_on_tok_s)))
+    report = bench_decode(tiny, prompt_tokens=8, max_tokens=4, repeats=1, peers=["llama.cpp"])
+    best = max(1000.0, fa_on_tok_s)
+    assert report["llama_cpp_fa_off_decode_tok_s"] == pytest.approx(1000.0)
+    assert report["llama_cpp_fa_on_decode_tok_s"] == pytest.approx(fa_on_tok_s)
+    assert report["llama_cpp_flash_attn"] is (faster == "on")
+    assert report["llama_cpp_decode_tok_s"] == pytest.approx(best)
+    assert report["decode_ratio_vs_llama_cpp"] == pytest.approx(report["decode_tok_s"] / best)
+    print_decode_table(report)
+    out = capsys.readouterr().out
+    assert f"(flash attention {faster}, the faster: off 1000.0 / on {fa_on_tok_s:.1f} tok/s)" \
+        in out

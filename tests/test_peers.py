@@ -107,9 +107,15 @@ def test_bench_vs_llama_cpp_reports_both_sides_and_ratios(capsys, bundled: Loade
     assert report["ttft_ratio_vs_llama_cpp"] == pytest.approx(
         report["llama_cpp_ttft_s"] / report["ttft_s"])
     assert "hf_decode_tok_s" not in report  # only the peers asked for run
+    # flash attention off and on both ran; the ratios are against the faster
+    rates = {on: report[f"llama_cpp_fa_{'on' if on else 'off'}_decode_tok_s"]
+             for on in (False, True)}
+    assert report["llama_cpp_decode_tok_s"] == max(rates.values()) > 0
+    assert rates[report["llama_cpp_flash_attn"]] == max(rates.values())
     print_decode_table(report)
     out = capsys.readouterr().out
     assert "llama.cpp (llama-cpp-python)" in out and "decode ratio vs llama.cpp" in out
+    assert "flash attention on" in out or "flash attention off" in out
 
 
 @needs_llama_cpp

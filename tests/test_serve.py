@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import json
 import queue
+import socket
 import threading
+import time
 
 import httpx
 import openai
 import pytest
 
 from app.cli import main
-from app.serve import ServerThread, check_bind, conversation_key, is_loopback, parse_messages
+from app.serve import (
+    ServerThread,
+    check_bind,
+    conversation_key,
+    create_app,
+    is_loopback,
+    parse_messages,
+)
 from engine import ChatMessage, Engine, PhasewiseError, RequestFinished, TokenEmitted
+from engine.events import GenerationResult, ModelInfo
+from engine.metrics import RequestTimeline, compute_metrics
 from tests.support.serving import TOKEN
 
 MESSAGES = [{"role": "system", "content": "You are terse."},
@@ -191,3 +203,104 @@ def test_a_clients_token_ids_are_never_taken() -> None:
         {"role": "assistant", "content": "Hi!", "token_ids": [1, 2, 3],
          "token_model": "torch:default:x:y"}])
     assert [(m.token_ids, m.token_model) for m in messages] == [(None, None), (None, None)]
+
+
+# ----- the first token's way out, with a stand-in engine ------------------------------------------
+class HandEngine:
+    """A stand-in Backend whose events the test emits itself, from the test's thread, as the
+    engine thread would (listeners run on the emitting thread)."""
+
+    model_info = ModelInfo("hand", "default", "hand", "cpu", "fp32", 512, 1, 1, "none")
+
+    def __init__(self) -> None:
+        self.listeners: list = []
+        self.submitted: queue.Queue[str] = queue.Queue()
+
+    def add_listener(self, listener) -> None:
+        self.listeners.append(listener)
+
+    def submit(self, request) -> None:
+        self.submitted.put(request.request_id)
+
+    def cancel(self, request_id: str) -> None:
+        pass
+
+    def emit(self, event: object) -> None:
+        for listener in self.listeners:
+            listener(event)
+
+    def finish(self, request_id: str, text: str) -> None:
+        t = time.perf_counter_ns()
+        timeline = RequestTimeline(submitted_ns=t, prefill_start_ns=t, first_logits_ns=t,
+                                   token_ns=[t], done_ns=t)
+        metrics = compute_metrics(timeline, prompt_tokens=3, cached_tokens=0, parameters=1,
+                                  weight_bytes_per_step=1, cache_miss_reason="cold")
+        result = GenerationResult(request_id, text, "stop", [1], [1, 2, 3], metrics)
+        self.emit(RequestFinished(request_id, t, result))
+
+
+def recording_sends(app, bodies: list[bytes]):
+    """The ASGI app, recording each response body it has handed to the socket."""
+    async def recorded(scope, receive, send):
+        async def send_and_record(message):
+            await send(message)
+            if message["type"] == "http.response.body":
+                bodies.append(message["body"])
+        await app(scope, receive, send_and_record)
+    return recorded
+
+
+def raw_request(server: ServerThread, body: dict) -> socket.socket:
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((server.host, server.port), timeout=30)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: %d\r\n"
+                 b"Connection: close\r\n\r\n%b" % (len(data), data))
+    return sock
+
+
+def read_all(sock: socket.socket) -> bytes:
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received
+
+
+def test_a_streams_first_text_is_written_before_the_engine_goes_on() -> None:
+    """The engine thread's emit of a stream's first text returns only once the server has
+    written it: otherwise the server's loop thread wins the GIL and a core back from the
+    engine's next step at each of its awaits (tens of ms on a busy 2-core machine)."""
+    engine = HandEngine()
+    bodies: list[bytes] = []
+    # A hand-over this slow would only happen if the server never signalled the write.
+    app = recording_sends(create_app(engine, handoff_s=60), bodies)
+    with ServerThread(app) as server:
+        body = {"model": "hand", "stream": True, "messages": MESSAGES,
+                "stream_options": {"include_usage": True}}
+        with raw_request(server, body) as sock:
+            started = time.perf_counter_ns()
+            request_id = engine.submitted.get(timeout=30)
+            engine.emit(TokenEmitted(request_id, time.perf_counter_ns(), 0, 1, ""))
+            engine.emit(TokenEmitted(request_id, time.perf_counter_ns(), 1, 2, "Paris"))
+            written = list(bodies)  # what the server had written when the emit returned
+            engine.finish(request_id, "Paris")
+            received = read_all(sock)
+            waited_s = (time.perf_counter_ns() - started) / 1e9
+    assert any(b'"content":"Paris"' in b for b in written), written
+    usage = json.loads(next(line for line in received.split(b"\n")
+                            if b'"usage"' in line).removeprefix(b"data: "))
+    overhead = usage["phasewise_timings"]["server_overhead_s"]
+    assert 0 <= overhead <= waited_s  # the server's own share of what this client waited
+
+
+def test_a_plain_completion_reports_the_servers_overhead() -> None:
+    engine = HandEngine()
+    with (ServerThread(create_app(engine)) as server,
+          raw_request(server, {"model": "hand", "messages": MESSAGES}) as sock):
+        started = time.perf_counter_ns()
+        engine.finish(engine.submitted.get(timeout=30), "Paris")
+        received = read_all(sock)
+        waited_s = (time.perf_counter_ns() - started) / 1e9
+    reply = json.loads(received.split(b"\r\n\r\n", 1)[1])
+    assert reply["choices"][0]["message"]["content"] == "Paris"
+    assert 0 <= reply["phasewise_timings"]["server_overhead_s"] <= waited_s

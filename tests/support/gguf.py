@@ -29,3 +29,27 @@ def write_gguf(path: Path, *, layers: int, kv_heads: int, heads: int = 8, head_d
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def vocab_only_copy(source: Path, target: Path, *, add_bos: bool) -> Path:
+    """source's metadata without its chat template (a base model's file) and with
+    tokenizer.ggml.add_bos_token set to add_bos; no tensors, so only a vocabulary-only load
+    (llama.cpp's vocab_only) reads it."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    reader = GGUFReader(str(source))
+    arch = reader.fields["general.architecture"].contents()
+    writer = GGUFWriter(str(target), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", "tokenizer.chat_template",
+                                              "tokenizer.ggml.add_bos_token"):
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), kind, sub_type=sub)
+    writer.add_add_bos_token(add_bos)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
