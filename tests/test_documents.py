@@ -121,13 +121,14 @@ def test_documents_are_attached_as_chips_sent_first_and_kept_with_the_chat(
     assert not composer.chips.isVisible() and not composer.chips.documents
     qtbot.waitUntil(lambda: not window.session.running(window.session.conversation_id),
                     timeout=30_000)
-    assert "📎 report.pdf" in window.chat.toPlainText()
+    assert "Attached: report.pdf" in window.chat.toPlainText()
     assert "The harbor opens at dawn." not in window.chat.toPlainText()  # read, not shown
     conv = window.session.conversation_id
+    assert window.store.conversation(conv).title == "When does it open?"  # not the block
     window.close()
     again = make_window()  # a restart: the document is saved with the chat
     again.open_conversation(conv)
-    assert "📎 report.pdf" in again.chat.toPlainText()
+    assert "Attached: report.pdf" in again.chat.toPlainText()
     user = next(m for m in again.store.messages(conv) if m.role == "user")
     assert split_documents(user.content)[1] == "When does it open?"
     assert "The harbor opens at dawn." in split_documents(user.content)[0][0][1]

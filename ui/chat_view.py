@@ -442,9 +442,9 @@ def _documents_html(documents: list[tuple[str, str]], theme: Theme) -> str:
     read is in the message; showing it whole would bury the question)."""
     if not documents:
         return ""
-    chips = " &nbsp; ".join(
-        f"📎 {html.escape(name)} · {len(text):,} characters" for name, text in documents)
-    return f'<p style="color:{theme.muted}">{chips}</p>'
+    names = " &nbsp;·&nbsp; ".join(
+        f"<b>{html.escape(name)}</b> ({len(text):,} characters)" for name, text in documents)
+    return f'<p style="color:{theme.muted}">Attached: {names}</p>'
 
 
 def _select_back(cursor: QTextCursor, count: int) -> None:

@@ -104,7 +104,7 @@ class Composer(QWidget):
         self.chips = AttachmentChips()
         self.attach = QToolButton()
         self.attach.setObjectName("attachButton")
-        self.attach.setText("📎")
+        self.attach.setText("Attach…")
         self.attach.setToolTip("Attach text, Markdown, source code or PDF files (or drop "
                                "them on the message box)")
         self.attach.clicked.connect(self.sig_attach_clicked)

@@ -26,6 +26,7 @@ from engine import (
     SamplingParams,
     TokenEmitted,
 )
+from engine.documents import split_documents
 from engine.hud_model import fmt_eta
 from engine.params import Overflow, Role, Speculative
 from engine.protocol import Backend
@@ -352,7 +353,9 @@ class ChatSession:
 
     def _ensure_conversation(self, first_text: str, system_prompt: str) -> str:
         if self.conversation_id is None:
-            first_line = first_text.strip().splitlines()[0]
+            documents, typed = split_documents(first_text)  # titled by what was typed
+            shown = typed.strip() or ", ".join(name for name, _ in documents)
+            first_line = shown.splitlines()[0]
             title = first_line if len(first_line) <= TITLE_CHARS else (
                 first_line[: TITLE_CHARS - 1].rstrip() + "…")
             self.conversation_id = self.store.create_conversation(title, system_prompt)
