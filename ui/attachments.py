@@ -64,7 +64,8 @@ class AttachmentChips(QWidget):
 
 def chip_label(document: Document, tokens: int | None) -> str:
     """"report.pdf · 48 KB · 9,120 tokens" (no count where the model is not known)."""
-    parts = [document.name, fit.size(document.size_bytes)]
+    n = document.size_bytes
+    parts = [document.name, fit.size(n) if n >= 1_000_000 else f"{max(1, round(n / 1000))} KB"]
     if tokens is not None:
         parts.append(f"{tokens:,} tokens")
     return " · ".join(parts)
