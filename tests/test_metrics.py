@@ -67,6 +67,7 @@ def test_every_field_of_a_finished_request() -> None:
         "itl_p50_s": 0.020, "itl_p90_s": 0.028, "itl_p99_s": 0.0298,
         "cache_miss_reason": "edited_history", "prefill_complete": True,
         "prompt_tokens_known": True, "cached_tokens_known": True,
+        "restored_tokens": 0, "restored_bytes": 0, "restore_s": 0.0,
     })
 
 
@@ -143,3 +144,15 @@ def test_percentiles_interpolate_between_neighbours() -> None:
     assert percentiles([], (50, 90)) == [0.0, 0.0]
     assert percentile([1.0, 2.0], 99) == pytest.approx(1.99)
     assert values == [10.0, 40.0, 20.0, 30.0]  # the caller's list is left as it was
+
+
+def test_a_prefix_restored_from_disk_is_reported_with_the_metrics() -> None:
+    from engine.core.snapshots import Restored
+
+    tl = RequestTimeline(submitted_ns=0, prefill_start_ns=MS, first_logits_ns=5 * MS,
+                         token_ns=[6 * MS], done_ns=7 * MS)
+    m = compute_metrics(tl, prompt_tokens=100, cached_tokens=90, parameters=1,
+                        weight_bytes_per_step=1, cache_miss_reason="restored_from_disk",
+                        restored=Restored(tokens=90, nbytes=4096, seconds=0.003))
+    assert (m.restored_tokens, m.restored_bytes, m.restore_s) == (90, 4096, 0.003)
+    assert m.prefilled_tokens == 10 and m.prefill_s == pytest.approx(0.004)

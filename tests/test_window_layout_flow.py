@@ -271,7 +271,7 @@ def test_tab_from_the_message_box_reaches_the_settings_the_sidebar_and_the_hud(
     window = make_window()
     show_and_wait(qtbot, window)
     c, s, hud, pane = window.composer, window.controls, window.hud, window.pane
-    expected = [c.alternatives, c.button, s.temperature, s.top_p, s.max_tokens,
+    expected = [c.attach, c.alternatives, c.button, s.temperature, s.top_p, s.max_tokens,
                 s.max_tokens_box, s.advanced_toggle, s.system_prompt,
                 window.sidebar.new_button, window.sidebar.search, window.sidebar.list,
                 hud.reply_combo, hud.panels_button, hud.export_button, hud.scroll_area,
@@ -279,8 +279,8 @@ def test_tab_from_the_message_box_reaches_the_settings_the_sidebar_and_the_hud(
     assert tab_walk(qtbot, window, len(expected)) == expected  # round to the message box
 
     s.advanced_toggle.setChecked(True)  # the advanced settings, once shown, in their place
-    walked = tab_walk(qtbot, window, 15)
-    assert walked[6:15] == [s.advanced_toggle, s.top_k, s.repetition_penalty, s.min_p, s.seed,
+    walked = tab_walk(qtbot, window, 16)
+    assert walked[7:16] == [s.advanced_toggle, s.top_k, s.repetition_penalty, s.min_p, s.seed,
                             s.speculative, s.draft_button, s.system_prompt,
                             window.sidebar.new_button]
 
@@ -289,7 +289,7 @@ def test_the_widget_tab_reaches_has_a_ring_in_the_accent_colour(qtbot, make_wind
     window = make_window()
     show_and_wait(qtbot, window)
     c, s = window.composer, window.controls
-    tab_walk(qtbot, window, 3)  # onto the temperature slider
+    tab_walk(qtbot, window, 4)  # onto the temperature slider
     ring = window.focus_ring
     assert ring.widget() is s.temperature and ring.isVisible()
     assert ring.geometry().contains(s.temperature.geometry())

@@ -164,11 +164,12 @@ class MainWindow(QMainWindow):
         self.context_label = self.status.context_label
 
     def _set_focus_chain(self) -> None:
-        """Tab goes message → replies count → Send → the settings in reading order → the
+        """Tab goes message → Attach… → replies count → Send → the settings in reading order → the
         chat list (New chat, search, chats) → the HUD's picker, menus and panels → the chat's
         header → the transcript (its links) → back to the message. The plain-text boxes pass
         Tab on instead of typing it."""
-        chain = [self.composer.editor, self.composer.alternatives, self.composer.button,
+        chain = [self.composer.editor, self.composer.attach, self.composer.alternatives,
+                 self.composer.button,
                  *self.controls.focus_order(),
                  self.sidebar.new_button, self.sidebar.search, self.sidebar.list,
                  *self.hud.focus_order(),
