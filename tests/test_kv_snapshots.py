@@ -247,3 +247,30 @@ def test_two_instances_writing_one_chat_never_leave_a_torn_file(tmp_path: Path) 
     assert not list(tmp_path.rglob("*.tmp"))
     for shelf in shelves:
         shelf.close(10)
+
+
+def test_a_snapshot_is_taken_only_when_the_engine_asks_while_idle(tmp_path: Path) -> None:
+    """Ending a reply copies nothing out (a streaming neighbour would wait for it): the chat is
+    marked, and shelve_one, which the engine calls only while idle, takes it, once per change."""
+    from engine.core.ledger import KvLedger
+    from tests.support.fake_runtime import FakeKvStore, FakeNet
+
+    exports: list[int] = []
+
+    class CountingStore(FakeKvStore):
+        def export(self, handle):  # type: ignore[no-untyped-def]
+            exports.append(len(handle.states))
+            return super().export(handle)
+
+    pool: KvLedger = KvLedger(CountingStore(), budget_bytes=1 << 20)
+    pool.shelf = KvShelf(tmp_path, "k" * 24)
+    net = FakeNet(50)
+    for conv in ("chat", "anon-7", "chat~alt1"):  # one chat; a one-off and an alternative
+        lease = pool.acquire(conv, list(range(3, 13)))
+        net.feed(lease.cache, list(range(3, 12)))
+        lease.ids.extend(range(3, 12))
+        pool.release(lease)
+    assert exports == []
+    assert pool.shelve_one() and exports == [9]
+    assert not pool.shelve_one()  # nothing new: no second copy
+    pool.shelf.close(10)
