@@ -11,12 +11,13 @@ engine-thread listener), so every count is of a known number of tokens.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from typing import Any
 
 import pytest
 
-from engine import Engine, TokenEmitted
+from engine import Engine, SamplerSnapshot, TokenEmitted
 from engine.hud_model import ReplyRecord
 from tests.support.window_helpers import (
     LONG,
@@ -58,10 +59,19 @@ def count_breakdowns(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def burst(window: Any, request_id: str, after: int, t_ns: int) -> None:
-    """BURST tokens of one reply, as the engine thread hands them to the window's bridge."""
-    for i in range(after + 1, after + 1 + BURST):
-        window.bridge._on_engine_event(TokenEmitted(request_id, t_ns + i * 1_000_000, i, 7,
-                                                    f" w{i}"))
+    """BURST tokens of one reply (a sampler snapshot every tenth), handed to the window's
+    bridge from a thread of their own, as the engine thread does between two drains."""
+    def engine_thread() -> None:
+        for i in range(after + 1, after + 1 + BURST):
+            t = t_ns + i * 1_000_000
+            if i % 10 == 0:
+                window.bridge._on_engine_event(
+                    SamplerSnapshot(request_id, t, i, 0.0, 1.0, ((7, " w", 1.0),), 1, 7))
+            window.bridge._on_engine_event(TokenEmitted(request_id, t, i, 7, f" w{i}"))
+
+    thread = threading.Thread(target=engine_thread)
+    thread.start()
+    thread.join()
 
 
 @pytest.fixture
@@ -133,3 +143,22 @@ def test_a_background_chat_shows_its_whole_text_when_opened(qtbot, background: A
     assert reply.text.endswith(f" w{1 + BURST}")
     window.chat.flush()
     assert reply.text in window.chat.toPlainText()
+
+
+def test_a_burst_of_tokens_reaches_the_hud_and_the_chat_in_one_call_each(
+        qtbot, background: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bridge hands a drain's tokens over as one run (the HUD folds them and marks its
+    panels once), not one signal and one HUD mark per token of every stream."""
+    window, _chat_a, held = background
+    reply = window.session.replies[held.request_id]
+    runs: list[int] = []
+    window.bridge.sig_stream.connect(lambda events: runs.append(len(events)))
+    marks: list[object] = []
+    mark = window.hud._mark_dirty
+    monkeypatch.setattr(window.hud, "_mark_dirty", lambda keys: (marks.append(keys),
+                                                                 mark(keys)))
+    burst(window, held.request_id, held.index, held.t_ns)
+    qtbot.waitUntil(lambda: reply.output_tokens == 2 + BURST, timeout=WAIT_MS)
+    assert runs == [BURST + BURST // 10]  # one drain: every token and snapshot in one run
+    assert len(marks) == 1
+    assert len(window.hud.model.record(held.request_id).token_ns) == 2 + BURST

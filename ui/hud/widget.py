@@ -1,6 +1,7 @@
 """HUD dock content. Interface used by the main window (keep it stable):
 
-- on_engine_event(event): every engine event (engine.events dataclasses), on the GUI thread.
+- on_engine_event(event): every engine event (engine.events dataclasses), on the GUI thread;
+  on_engine_events(events): a run of them at once (a drain's tokens of every stream).
 - show_reading(request_id, reading): how far a reply's prompt is read (ui.session.PromptReading,
   its time left as the chat session said it).
 - on_tokens_painted(request_id, indexes, painted_ns): the chat view painted those tokens.
@@ -303,6 +304,19 @@ class HudWidget(QWidget):
     # ----- inputs from the window ----------------------------------------------------------
     def on_engine_event(self, event: EngineEvent) -> None:
         """Fold one engine event in; the redraw happens on the throttle timer."""
+        self.on_engine_events([event])
+
+    def on_engine_events(self, events: list[EngineEvent]) -> None:
+        """Fold a run of engine events in (a drain's tokens of every streaming reply): the
+        panels they change are marked once for the lot; the redraw happens on the timer."""
+        dirty: set[str] = set()
+        for event in events:
+            dirty |= self._fold(event)
+        if dirty:
+            self._mark_dirty(dirty)
+
+    def _fold(self, event: EngineEvent) -> frozenset[str]:
+        """One event into the session model; the panels it changes."""
         self.model.apply(event)
         # A streaming reply's per-token events (snapshots: 10 a second), of any chat.
         streamed = event if isinstance(event, TokenEmitted | SamplerSnapshot) else None
@@ -314,13 +328,12 @@ class HudWidget(QWidget):
             self._prefill.pop(event.request_id, None)
         if isinstance(event, ModelLoaded):
             self._start_calibration(event.info.device)
-        dirty = _DIRTY_BY_EVENT.get(type(event))
+        dirty = _DIRTY_BY_EVENT.get(type(event), frozenset())
         if dirty and streamed is not None and streamed.request_id != self._shown_id():
             dirty = dirty & _SESSION_PANELS  # another chat's reply: only what draws them all
-        if dirty:
-            self._mark_dirty(dirty)
         if isinstance(event, RequestFinished | RequestFailed):
-            self._timer.start(FINAL_REDRAW_MS)
+            self._timer.start(FINAL_REDRAW_MS)  # before _mark_dirty: it keeps a running timer
+        return dirty
 
     def show_reading(self, request_id: str, reading: PromptReading) -> None:
         """How far a reply's prompt is read, until its first token (the live breakdown)."""
