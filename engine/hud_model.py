@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
@@ -534,9 +535,11 @@ class SessionModel:
         self.markers: list[SettingMarker] = []
         self.t0_ns: int | None = None
         # Session-wide rolling decode throughput: (session seconds, tok/s), one row per token
-        # and a NaN row between replies, so idle time is never drawn as throughput.
+        # and a NaN row before each stretch of decoding, so idle time is never drawn as
+        # throughput. Replies decoding at once (other chats, alternatives) share one stretch:
+        # the rate is of all their tokens together, what the engine's batch delivers.
         self.throughput_ring = SeriesRing(plot_history, 2)
-        self._throughput_rid = ""
+        self._stretch_ns: deque[int] = deque(maxlen=THROUGHPUT_WINDOW + 1)
         # The chat on screen: its saved replies are the per-turn panels' history, and its
         # live replies (by the chat and turn the window gave them) append to them.
         self.chat: SavedChat | None = None
@@ -596,14 +599,18 @@ class SessionModel:
         if n < 2:
             return
         reply.live_itl_s.append((event.t_ns - reply.token_ns[-2]) * NS)
-        first = reply.token_ns[max(n - 1 - THROUGHPUT_WINDOW, 0)]
-        steps = min(n - 1, THROUGHPUT_WINDOW)
-        if event.t_ns > first:
-            if self._throughput_rid not in ("", reply.request_id):
+        stretch = self._stretch_ns
+        if n == 2 and not any(r is not reply and len(r.token_ns) > 1 and not r.done
+                              for r in self.replies.values()):
+            # Nothing else decodes: a new stretch, from this reply's first token.
+            if stretch and self.throughput_ring.appended:
                 self.throughput_ring.append(math.nan, math.nan)
-            self._throughput_rid = reply.request_id
+            stretch.clear()
+            stretch.append(reply.token_ns[0])
+        stretch.append(event.t_ns)
+        if len(stretch) > 1 and event.t_ns > stretch[0]:
             self.throughput_ring.append(self.session_s(event.t_ns),
-                                        steps / ((event.t_ns - first) * NS))
+                                        (len(stretch) - 1) / ((event.t_ns - stretch[0]) * NS))
 
     def _finished(self, reply: ReplyRecord, event: RequestFinished) -> None:
         result = event.result

@@ -6,6 +6,7 @@ import csv
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from engine.calibrate import (
@@ -137,6 +138,27 @@ def test_rolling_throughput_has_one_point_per_later_token() -> None:
     model = session([ReplySpec("r", 0, 10, 0, 30, itl_ms=25.0)])
     assert len(model.throughput) == 29
     assert model.throughput[-1] == pytest.approx(40.0, rel=0.05)  # 1 / 25 ms
+
+
+def test_rolling_throughput_of_replies_decoding_at_once_is_their_sum_in_one_line() -> None:
+    """Two chats streaming at once (one batch) draw one unbroken line at their total rate,
+    not a NaN between every pair of tokens (a blank plot, and two ring rows a token); a
+    reply after they ended starts a new stretch."""
+    together = [e for spec in (ReplySpec("a", 2_000 * MS, 10, 0, 40, itl_ms=25.0),
+                               ReplySpec("b", 2_000 * MS, 10, 0, 40, itl_ms=25.0))
+                for e in reply_events(spec, jitter=False)]
+    model = SessionModel()
+    model.apply(loaded_event())
+    for event in sorted(together, key=lambda e: e.t_ns):  # interleaved, as the engine emits
+        model.apply(event)
+    assert len(model.throughput) == 2 * 39  # one row per token after each reply's first
+    assert model.throughput[-1] == pytest.approx(80.0, rel=0.05)  # 2 / 25 ms
+    later = model.ordered()[-1].done_ns + 1_000 * MS
+    for event in reply_events(ReplySpec("c", later, 10, 0, 10, itl_ms=25.0), jitter=False):
+        model.apply(event)
+    _t, v = model.throughput_series()
+    assert int(np.isnan(v).sum()) == 1  # the idle second between the stretches
+    assert model.throughput[-1] == pytest.approx(40.0, rel=0.05)  # c alone
 
 
 def test_context_forecast_uses_the_conversations_pace() -> None:

@@ -38,6 +38,10 @@ class CountingBridge(EngineBridge):
         self.drain_stamps.append(self._last_drain)
         super()._dispatch(event)
 
+    def _emit_run(self, run: list[EngineEvent]) -> None:  # tokens come in runs
+        self.drain_stamps += [self._last_drain] * len(run)
+        super()._emit_run(run)
+
 
 def test_a_token_flood_is_handled_in_few_drains_in_order(qtbot) -> None:
     engine = FakeEngine()

@@ -28,6 +28,7 @@ from engine import (
     PrefillStarted,
     RequestFailed,
     RequestFinished,
+    SamplerSnapshot,
     TextFlushed,
     TokenEmitted,
 )
@@ -40,9 +41,14 @@ class EngineBridge(QObject):
     """Re-emits a Backend's events as Qt signals on the GUI thread."""
 
     sig_event = Signal(object)
-    """Every engine event, in order (feeds the HUD)."""
+    """Every engine event but a streaming reply's tokens and sampler snapshots, in order
+    (feeds the HUD); those come in runs on sig_stream, each run before the next event here."""
+    sig_stream = Signal(object)
+    """A run of consecutive TokenEmitted and SamplerSnapshot events of every streaming reply,
+    in order (a list): a drain's burst of tokens is one call, however many chats stream."""
     sig_token = Signal(object)
-    """A TokenEmitted: one sampled token and its text delta."""
+    """A TokenEmitted: one sampled token and its text delta (after its run on sig_stream; for
+    observers: the window takes sig_stream)."""
     sig_text_flushed = Signal(object)
     """A TextFlushed: text held back until the end of a reply."""
     sig_prefill_started = Signal(object)
@@ -114,18 +120,31 @@ class EngineBridge(QObject):
         self._last_drain = time.monotonic()
         with self._lock:
             self._wake_due = False
+        run: list[EngineEvent] = []  # stream events since the last other event
         while not self._detached:
             try:
                 event = self._pending.get_nowait()
             except queue.Empty:
-                return
+                break
+            if isinstance(event, TokenEmitted | SamplerSnapshot):
+                run.append(event)
+                continue
+            self._emit_run(run)
+            run = []
             self._dispatch(event)
+        self._emit_run(run)
+
+    def _emit_run(self, run: list[EngineEvent]) -> None:
+        if not run or self._detached:
+            return
+        self.sig_stream.emit(run)
+        for event in run:
+            if isinstance(event, TokenEmitted):
+                self.sig_token.emit(event)
 
     def _dispatch(self, event: EngineEvent) -> None:
         self.sig_event.emit(event)
-        if isinstance(event, TokenEmitted):
-            self.sig_token.emit(event)
-        elif isinstance(event, TextFlushed):
+        if isinstance(event, TextFlushed):
             self.sig_text_flushed.emit(event)
         elif isinstance(event, PrefillStarted):
             self.sig_prefill_started.emit(event)

@@ -17,7 +17,14 @@ from PySide6.QtCore import QObject, QTimer
 from PySide6.QtGui import QCursor
 from PySide6.QtWidgets import QToolTip
 
-from engine import ModelInfo, PrefillProgress, PrefillStarted, TextFlushed, TokenEmitted
+from engine import (
+    EngineEvent,
+    ModelInfo,
+    PrefillProgress,
+    PrefillStarted,
+    TextFlushed,
+    TokenEmitted,
+)
 from engine.hud_model import saved_request_id
 from engine.params import MAX_ALTERNATIVES
 from ui.bridge import EngineBridge
@@ -46,7 +53,7 @@ class ChatFeed(QObject):
         self._save_timer.setInterval(SAVE_INTERVAL_MS)
         self._save_timer.timeout.connect(session.save_partial)
         bridge.sig_event.connect(hud.on_engine_event)  # the HUD's own record of every request
-        bridge.sig_token.connect(self._on_token)
+        bridge.sig_stream.connect(self._on_stream)  # a drain's tokens, every chat's, at once
         bridge.sig_text_flushed.connect(self._on_text_flushed)
         bridge.sig_prefill_started.connect(self._on_prefill_started)
         bridge.sig_prefill_progress.connect(self._on_prefill_progress)
@@ -56,9 +63,14 @@ class ChatFeed(QObject):
         bridge.sig_model_loaded.connect(self.show_model)
 
     # ----- the engine's stream events, through the session ----------------------------------
-    def _on_token(self, event: TokenEmitted) -> None:
-        if self.session.add_token(event) is not None:
-            self.chat.push_token(event.request_id, event.index, event.text)
+    def _on_stream(self, events: list[EngineEvent]) -> None:
+        """A run of streamed tokens (and sampler snapshots) of every running reply: the HUD
+        folds the lot at once; each token joins its reply, and the chat view takes those of
+        the chat on screen (it paints them on its own timer)."""
+        self.hud.on_engine_events(events)
+        for event in events:
+            if isinstance(event, TokenEmitted) and self.session.add_token(event) is not None:
+                self.chat.push_token(event.request_id, event.index, event.text)
 
     def _on_text_flushed(self, event: TextFlushed) -> None:
         if self.session.add_text(event.request_id, event.text) is not None:

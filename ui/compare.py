@@ -175,6 +175,7 @@ class CompareSide(QObject):
         self.ended = False
         self.bridge = EngineBridge(engine, self)
         self.bridge.sig_event.connect(self._on_event)
+        self.bridge.sig_stream.connect(self._on_events)  # its tokens, a drain's at once
 
     def connect_backend(self) -> None:
         """A remote side asks its server for the model; the local side is ready at once."""
@@ -231,6 +232,10 @@ class CompareSide(QObject):
             if not self.ready:
                 self.sig_ready.emit()  # nothing to wait for on this side
             self.sig_ended.emit()
+
+    def _on_events(self, events: list[EngineEvent]) -> None:
+        for event in events:
+            self._on_event(event)
 
     def _on_event(self, event: EngineEvent) -> None:
         if self.owned and not self.ready and not self.ended:

@@ -572,18 +572,21 @@ class ThroughputPanel(Panel):
             self._means.setData(x=[model.session_s(r.done_ns) for r in rated],
                                 y=[_metrics(r).decode_tok_s for r in rated])
         if done and not _metrics(done[-1]).output_tokens:
-            self.caption.setText(f"Rolling over {THROUGHPUT_WINDOW} tokens; ◆ = reply mean. "
+            self.caption.setText(f"Rolling over {THROUGHPUT_WINDOW} tokens of all replies; "
+                                 "◆ = reply mean. "
                                  "Last reply: stopped before its first token, no decode.")
         elif done:
             m = _metrics(done[-1])
             self.caption.setText(
-                f"Rolling over {THROUGHPUT_WINDOW} tokens; ◆ = reply mean. Last reply "
+                f"Rolling over {THROUGHPUT_WINDOW} tokens of all replies; ◆ = reply mean. "
+                "Last reply "
                 f"{m.decode_tok_s:,.1f} tok/s over {m.output_tokens:,} tokens "
                 f"({max(m.output_tokens - 1, 0):,} gaps; TTFT excluded)."
             )
         elif np.isfinite(self._v).any():  # the first reply is still streaming
             live = float(self._v[np.isfinite(self._v)][-1])
-            self.caption.setText(f"Rolling over {THROUGHPUT_WINDOW} tokens: {live:,.1f} tok/s "
+            self.caption.setText(f"Rolling over {THROUGHPUT_WINDOW} tokens of all replies: "
+                                 f"{live:,.1f} tok/s "
                                  "now (live); ◆ marks each finished reply's mean.")
         elif (saved := saved_rates(model)):  # only history: it has no place on this clock
             self.caption.setText(saved)

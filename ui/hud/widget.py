@@ -1,6 +1,7 @@
 """HUD dock content. Interface used by the main window (keep it stable):
 
-- on_engine_event(event): every engine event (engine.events dataclasses), on the GUI thread.
+- on_engine_event(event): every engine event (engine.events dataclasses), on the GUI thread;
+  on_engine_events(events): a run of them at once (a drain's tokens of every stream).
 - show_reading(request_id, reading): how far a reply's prompt is read (ui.session.PromptReading,
   its time left as the chat session said it).
 - on_tokens_painted(request_id, indexes, painted_ns): the chat view painted those tokens.
@@ -87,6 +88,11 @@ _DIRTY_BY_EVENT: dict[type, frozenset[str]] = {
     RequestFailed: frozenset({"header"}),
     ModelLoaded: frozenset({"roofline", "context"}),
 }
+# Of those, the panels that draw every reply of the session: a reply the HUD does not show
+# (another chat's, streaming in the background) redraws only these. The rest describe the
+# shown reply; redrawing them for another's tokens repaints the same picture, 4 times a second
+# for as long as the background chat streams.
+_SESSION_PANELS = frozenset({"throughput"})
 _TIME_MARKER_PANELS = ("throughput",)
 _TURN_MARKER_PANELS = ("ttft", "cache")
 LIVE_ITEM = "Newest reply of this chat"
@@ -155,6 +161,10 @@ class HudWidget(QWidget):
         self._dirty: set[str] = set()
         self._text_interval_s = 0.0
         self._prefill: dict[str, PromptReading] = {}  # replies whose prompt is being read
+        # The request id of the reply the panels describe, as last worked out (None: none);
+        # stream events ask for it per token, so it is kept until something may change it.
+        self._shown: str | None = None
+        self._shown_known = False
         self._timer = QTimer(self)
         self._timer.setSingleShot(True)
         self._timer.setInterval(REDRAW_INTERVAL_MS)
@@ -294,18 +304,36 @@ class HudWidget(QWidget):
     # ----- inputs from the window ----------------------------------------------------------
     def on_engine_event(self, event: EngineEvent) -> None:
         """Fold one engine event in; the redraw happens on the throttle timer."""
+        self.on_engine_events([event])
+
+    def on_engine_events(self, events: list[EngineEvent]) -> None:
+        """Fold a run of engine events in (a drain's tokens of every streaming reply): the
+        panels they change are marked once for the lot; the redraw happens on the timer."""
+        dirty: set[str] = set()
+        for event in events:
+            dirty |= self._fold(event)
+        if dirty:
+            self._mark_dirty(dirty)
+
+    def _fold(self, event: EngineEvent) -> frozenset[str]:
+        """One event into the session model; the panels it changes."""
         self.model.apply(event)
+        # A streaming reply's per-token events (snapshots: 10 a second), of any chat.
+        streamed = event if isinstance(event, TokenEmitted | SamplerSnapshot) else None
+        if streamed is None:
+            self._shown_known = False  # a reply started, ended or was named: ask again
         if isinstance(event, RequestQueued) and not self._pinned and self._selected_id:
             self.select_reply(None)  # a new reply streams: follow it
         if isinstance(event, TokenEmitted | RequestFinished | RequestFailed):
             self._prefill.pop(event.request_id, None)
         if isinstance(event, ModelLoaded):
             self._start_calibration(event.info.device)
-        dirty = _DIRTY_BY_EVENT.get(type(event))
-        if dirty:
-            self._mark_dirty(dirty)
+        dirty = _DIRTY_BY_EVENT.get(type(event), frozenset())
+        if dirty and streamed is not None and streamed.request_id != self._shown_id():
+            dirty = dirty & _SESSION_PANELS  # another chat's reply: only what draws them all
         if isinstance(event, RequestFinished | RequestFailed):
-            self._timer.start(FINAL_REDRAW_MS)
+            self._timer.start(FINAL_REDRAW_MS)  # before _mark_dirty: it keeps a running timer
+        return dirty
 
     def show_reading(self, request_id: str, reading: PromptReading) -> None:
         """How far a reply's prompt is read, until its first token (the live breakdown)."""
@@ -314,13 +342,14 @@ class HudWidget(QWidget):
 
     def on_token_painted(self, request_id: str, index: int, painted_ns: int) -> None:
         """The chat view painted token `index` at painted_ns (perf_counter_ns)."""
-        if self.model.mark_painted(request_id, index, painted_ns) is not None:
-            self._mark_dirty({"render"})
+        self.on_tokens_painted(request_id, [index], painted_ns)
 
     def on_tokens_painted(self, request_id: str, indexes: list[int], painted_ns: int) -> None:
-        """The chat view painted these tokens at once (its sig_tokens_painted)."""
-        for index in indexes:
-            self.on_token_painted(request_id, index, painted_ns)
+        """The chat view painted these tokens at once (its sig_tokens_painted): recorded for
+        every reply; the render-lag panel redraws only for the reply it shows."""
+        marked = [self.model.mark_painted(request_id, index, painted_ns) for index in indexes]
+        if any(r is not None for r in marked) and request_id == self._shown_id():
+            self._mark_dirty({"render"})
 
     def mark_setting_change(self, name: str, value: object, t_ns: int) -> None:
         """A slider changed: record it; the changes between two replies share one marker on
@@ -344,6 +373,7 @@ class HudWidget(QWidget):
         self._names[request_id] = (chat, turn)
         if chat_id:
             self.model.assign(request_id, chat_id, turn)
+            self._shown_known = False  # it may be the open chat's newest now
         index = self.reply_combo.findData(request_id)
         reply = self.model.replies.get(request_id)
         if index >= 0 and reply is not None:
@@ -356,6 +386,7 @@ class HudWidget(QWidget):
         same = chat is not None and self.model.chat is not None \
             and self.model.chat.chat_id == chat.chat_id
         self.model.open_chat(chat)
+        self._shown_known = False
         self._fill_saved_items()
         self._refresh_history_cue()
         self._place_markers()
@@ -447,6 +478,7 @@ class HudWidget(QWidget):
         """
         known = request_id is not None and self.model.record(request_id) is not None
         self._selected_id = request_id if known else None
+        self._shown_known = False
         self._pinned = pin and self._selected_id is not None
         self._refresh_combo()
         index = self.reply_combo.findData(self._selected_id)
@@ -478,6 +510,14 @@ class HudWidget(QWidget):
         if self._selected_id is not None:
             return self.model.record(self._selected_id)
         return self.model.newest_of_chat()
+
+    def _shown_id(self) -> str | None:
+        """The request id of selected_reply(), worked out once per change, not per token."""
+        if not self._shown_known:
+            reply = self.selected_reply()
+            self._shown = reply.request_id if reply is not None else None
+            self._shown_known = True
+        return self._shown
 
     def focus_order(self) -> list[QWidget]:
         """What Tab reaches in the HUD: the picker, its two menus (Panels shows and hides
@@ -521,8 +561,9 @@ class HudWidget(QWidget):
         if everything or "header" in dirty:
             self._refresh_combo()
             self._refresh_pin_cue()
-        self.subject_label.setText(self.subject_text())
-        self._refresh_summary(ctx.reply)
+        if everything or dirty - _SESSION_PANELS:  # else the shown reply did not change
+            self.subject_label.setText(self.subject_text())
+            self._refresh_summary(ctx.reply)
         for key, panel in self.panels.items():
             if panel.isHidden() or not (everything or key in dirty):
                 continue
@@ -572,6 +613,7 @@ class HudWidget(QWidget):
         combo.blockSignals(False)
         if self._selected_id is not None and self.model.record(self._selected_id) is None:
             self._selected_id, self._pinned = None, False  # its saved reply is gone
+            self._shown_known = False
 
     def _refresh_history_cue(self) -> None:
         chat, n = self.model.chat, len(self.model.saved_turns())
