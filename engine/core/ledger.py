@@ -355,14 +355,15 @@ class KvLedger(Generic[Handle]):
         """Put one chat's entry, newer than its snapshot, on the shelf; False when none is
         left. The engine calls this only while idle: copying a long chat's KV out takes tens
         of milliseconds on llama.cpp, which no streaming reply should wait for."""
-        while self._unshelved:
+        shelf = self.shelf
+        while self._unshelved and shelf is not None:
             conv = self._unshelved.pop()
             entry = self._entries.get(conv)
-            if entry is None or self.shelf is None:  # evicted or leased again since
+            if entry is None:  # evicted or leased again since
                 continue
             payload = self.store.export(entry.cache)
             if payload is not None:
-                self.shelf.put(conv, entry.ids, payload)
+                shelf.put(conv, entry.ids, payload)
                 self._on_shelf[conv] = len(entry.ids)
             return True
         return False
