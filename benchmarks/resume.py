@@ -9,9 +9,9 @@ Each "app start" is a new process with a new Engine on the same snapshot folder:
            memory (the same KV, another chat borrowing the prefix), and is set against the cold
            one (greedy replies may part at a near-tie: a cold prefill batches the prompt
            otherwise, so its KV differs in the last bits); then a reply streamed --rounds
-           times while the long chat's next turn ends beside it (its snapshot is taken once
-           the engine is idle), and as many times with the shelf off, alternating: the
-           streaming reply's ITL p99 with and without.
+           times just after the long chat's next turn ended (its snapshot taken and being
+           written: the writer works only while the engine is idle), and as many times with
+           the shelf off, alternating: the streaming reply's ITL p99 with and without.
 
 Prints a table (and --json).
 
@@ -75,16 +75,16 @@ def start_one(folder: str, spec: str, runtime: str, words: int) -> dict:
     first = _ask(engine, "diary", messages, 16)
     ended = time.perf_counter()
     shelf = engine.prefix_cache.shelf
-    while not list(Path(folder).rglob("*.kv")):  # taken once the engine is idle, then written
+    while not (files := list(Path(folder).rglob("*.kv"))):  # taken once idle, then written
         time.sleep(0.01)
     write_s = time.perf_counter() - ended
+    file_bytes = files[0].stat().st_size
     history = [*messages, first.as_message()]
     memory = _ask(engine, "borrower", [*history, ChatMessage("user", NEXT)], 24)
     shelf.flush(300)
     engine.shutdown()
-    files = list(Path(folder).rglob("*.kv"))
     return {"messages": history, "write_s": write_s, "memory_ids": memory.token_ids,
-            "file_bytes": sum(f.stat().st_size for f in files),
+            "file_bytes": file_bytes,
             "tokens": first.metrics.prompt_tokens + len(first.token_ids) - 1,
             "cold_first_ttft_s": first.metrics.ttft_s}
 
@@ -107,8 +107,8 @@ def start_two(folder: str, spec: str, runtime: str, history: list, rounds: int) 
 
 
 def _itl_while_writing(engine: Any, turn: list, rounds: int) -> dict:
-    """A streaming reply's ITL p99 while the long chat's next turn ends and its snapshot is
-    written (shelf on), and the same with the shelf off; alternating rounds."""
+    """A reply's ITL p99 when it starts just as the long chat's next turn ended (its snapshot
+    taken and being written: shelf on) and the same with the shelf off; alternating rounds."""
     from engine import ChatMessage, GenerationRequest, SamplingParams
     from engine.metrics import percentiles
 
@@ -119,12 +119,11 @@ def _itl_while_writing(engine: Any, turn: list, rounds: int) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True)
     for i in range(rounds):
         for kind in ("with", "without") if i % 2 == 0 else ("without", "with"):
-            pool.shelf = shelf if kind == "with" else None
-            pool._on_shelf.clear()  # write the long chat again each round
-            handle = engine.submit(GenerationRequest(stream, params, conversation_id=f"s{i}"))
-            time.sleep(0.3)  # the stream is decoding
+            pool.shelf = shelf if kind == "with" else None  # the engine is idle here
             ask = [*turn, ChatMessage("assistant", "Fine."), ChatMessage("user", f"#{i}")]
             _ask(engine, "diary", ask, 1)
+            time.sleep(0.2)  # the idle engine copies the chat's KV out; the writer starts
+            handle = engine.submit(GenerationRequest(stream, params, conversation_id=f"s{i}"))
             result = handle.wait(900)
             shelf.flush(300)
             p99[kind].append(percentiles(result.metrics.itl_s, (99,))[0])

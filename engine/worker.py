@@ -341,7 +341,9 @@ class Engine(EventSource, Backend):
         while True:
             if item is None:
                 self._shelve_while_idle()
+                self._set_idle(True)
             item = self._inbox.get() if item is None else item
+            self._set_idle(False)
             if isinstance(item, Shutdown):
                 break
             current, item = item, None
@@ -362,6 +364,12 @@ class Engine(EventSource, Backend):
         self._draft = None
         runtimes.close(self._loaded)
         self._loaded = None
+
+    def _set_idle(self, idle: bool) -> None:
+        """Tell the snapshot writer whether it may use the CPU (only while nothing runs)."""
+        shelf = self._prefix_cache.shelf if self._prefix_cache is not None else None
+        if shelf is not None:
+            (shelf.engine_idle.set if idle else shelf.engine_idle.clear)()
 
     def _shelve_while_idle(self) -> None:
         """Snapshot chats to disk while nothing waits: one at a time, each time looking

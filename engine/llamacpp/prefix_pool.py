@@ -83,7 +83,7 @@ class LlamaKvStore:
         if written <= 0:
             return None
         del data[written:]
-        return lambda: bytes(data)
+        return lambda: data
 
     def restore(self, data: bytes) -> int | None:
         """A sequence holding a snapshot's state; None when no sequence is free."""
