@@ -101,71 +101,14 @@ class RemoteBackendInputs(QWidget):
         self.key.clear()
 
 
-class ConvertedModels(QGroupBox):
-    """The GGUF files converted for the torch engine: each with its size and source file;
-    Remove deletes one after asking (never the one in use) and says how much space it freed."""
+class RemovableFiles(QGroupBox):
+    """A list of model files on disk with their sizes: Remove deletes the selected one after
+    asking (never the model in use) and says how much space it freed. Subclasses say what
+    the files are."""
 
-    def __init__(self, loaded_path: str | None, parent: QWidget | None = None) -> None:
-        super().__init__("Converted for torch (cache)", parent)
-        self.loaded_path = loaded_path
-        self.list = QListWidget()
-        self.list.setMaximumHeight(90)
-        self.remove = QPushButton("Remove…")
-        self.note = QLabel()
-        self.note.setObjectName("valueLabel")
-        self.remove.clicked.connect(self.remove_selected)
-        self.list.currentRowChanged.connect(lambda _row: self._update_button())
-        row = QHBoxLayout()
-        row.addWidget(self.note, 1)
-        row.addWidget(self.remove)
-        layout = QVBoxLayout(self)
-        layout.addWidget(self.list)
-        layout.addLayout(row)
-        self.refresh()
-
-    def refresh(self) -> None:
-        self.list.clear()
-        for model in converted_models():
-            used = in_use(model, self.loaded_path)
-            item = QListWidgetItem(f"{model.label}{'  (in use)' if used else ''}")
-            item.setToolTip(str(model.folder))
-            item.setData(Qt.ItemDataRole.UserRole, model)
-            self.list.addItem(item)
-        self.setVisible(self.list.count() > 0 or bool(self.note.text()))
-        self._update_button()
-
-    def selected(self) -> ConvertedModel | None:
-        item = self.list.currentItem()
-        return item.data(Qt.ItemDataRole.UserRole) if item is not None else None
-
-    def _update_button(self) -> None:
-        model = self.selected()
-        self.remove.setEnabled(model is not None and not in_use(model, self.loaded_path))
-
-    def remove_selected(self) -> None:
-        model = self.selected()
-        if model is None:
-            return
-        question = (f"Remove the converted copy of {model.source} "
-                    f"({fit.size(model.size_bytes)})? It is converted again when next loaded.")
-        if not confirm(self, "Remove converted model", question):
-            return
-        try:
-            freed = remove_converted(model, self.loaded_path)
-        except (PhasewiseError, OSError) as exc:
-            self.note.setText(str(exc))
-            return
-        self.note.setText(f"Removed {model.source}: {fit.size(freed)} freed")
-        self.refresh()
-
-
-class DownloadedModels(QGroupBox):
-    """The GGUF files in the models folder (downloaded from the hub) and partial downloads:
-    choosing one selects it as the .gguf file; Remove deletes one after asking, never the
-    model in use."""
-
-    def __init__(self, loaded_path: str | None, parent: QWidget | None = None) -> None:
-        super().__init__("Downloaded models", parent)
+    def __init__(self, title: str, loaded_path: str | None,
+                 parent: QWidget | None = None) -> None:
+        super().__init__(title, parent)
         self.loaded_path = loaded_path
         self.list = QListWidget()
         self.list.setMaximumHeight(90)
@@ -183,11 +126,86 @@ class DownloadedModels(QGroupBox):
         layout.addLayout(row)
         self.refresh()
 
-    def in_use(self, model: LocalModel) -> bool:
-        return self.loaded_path is not None and Path(self.loaded_path) == model.path
+    # ----- what a subclass says ------------------------------------------------------------
+    def entries(self) -> list[tuple[str, str, Any]]:
+        """(label, tooltip, the file's object) for each file, in order."""
+        raise NotImplementedError
 
+    def in_use(self, entry: Any) -> bool:
+        raise NotImplementedError
+
+    def question(self, entry: Any) -> tuple[str, str]:
+        """(title, question) asked before removing `entry`."""
+        raise NotImplementedError
+
+    def delete(self, entry: Any) -> str:
+        """Remove the file; the note saying what was freed (OSError if it cannot)."""
+        raise NotImplementedError
+
+    # ----- the list --------------------------------------------------------------------------
     def refresh(self) -> None:
         self.list.clear()
+        for label, tip, entry in self.entries():
+            item = QListWidgetItem(label)
+            item.setToolTip(tip)
+            item.setData(Qt.ItemDataRole.UserRole, entry)
+            self.list.addItem(item)
+        self.setVisible(self.list.count() > 0 or bool(self.note.text()))
+        self._update_button()
+
+    def selected(self) -> Any:
+        item = self.list.currentItem()
+        return item.data(Qt.ItemDataRole.UserRole) if item is not None else None
+
+    def _update_button(self) -> None:
+        entry = self.selected()
+        self.remove.setEnabled(entry is not None and not self.in_use(entry))
+
+    def remove_selected(self) -> None:
+        entry = self.selected()
+        if entry is None or self.in_use(entry) or not confirm(self, *self.question(entry)):
+            return
+        try:
+            self.note.setText(self.delete(entry))
+        except (PhasewiseError, OSError) as exc:
+            self.note.setText(str(exc) if isinstance(exc, PhasewiseError)
+                              else f"Cannot remove it: {exc.strerror or exc}")
+            return
+        self.refresh()
+
+
+class ConvertedModels(RemovableFiles):
+    """The GGUF files converted for the torch engine: each with its size and source file."""
+
+    def __init__(self, loaded_path: str | None, parent: QWidget | None = None) -> None:
+        super().__init__("Converted for torch (cache)", loaded_path, parent)
+
+    def entries(self) -> list[tuple[str, str, Any]]:
+        return [(f"{m.label}{'  (in use)' if self.in_use(m) else ''}", str(m.folder), m)
+                for m in converted_models()]
+
+    def in_use(self, entry: ConvertedModel) -> bool:
+        return in_use(entry, self.loaded_path)
+
+    def question(self, entry: ConvertedModel) -> tuple[str, str]:
+        return ("Remove converted model",
+                f"Remove the converted copy of {entry.source} "
+                f"({fit.size(entry.size_bytes)})? It is converted again when next loaded.")
+
+    def delete(self, entry: ConvertedModel) -> str:
+        freed = remove_converted(entry, self.loaded_path)
+        return f"Removed {entry.source}: {fit.size(freed)} freed"
+
+
+class DownloadedModels(RemovableFiles):
+    """The GGUF files in the models folder (downloaded from the hub) and partial downloads:
+    choosing one selects it as the .gguf file."""
+
+    def __init__(self, loaded_path: str | None, parent: QWidget | None = None) -> None:
+        super().__init__("Downloaded models", loaded_path, parent)
+
+    def entries(self) -> list[tuple[str, str, Any]]:
+        found = []
         for model in local_models():
             if model.partial:
                 total = f" of {fit.size(model.total)}" if model.total else ""
@@ -196,36 +214,26 @@ class DownloadedModels(QGroupBox):
             else:
                 used = "  (in use)" if self.in_use(model) else ""
                 label = f"{model.name} ({fit.size(model.size)}){used}"
-            item = QListWidgetItem(label)
-            item.setToolTip(str(model.path))
-            item.setData(Qt.ItemDataRole.UserRole, model)
-            self.list.addItem(item)
-        self.setVisible(self.list.count() > 0 or bool(self.note.text()))
-        self._update_button()
+            found.append((label, str(model.path), model))
+        return found
 
-    def selected(self) -> LocalModel | None:
-        item = self.list.currentItem()
-        return item.data(Qt.ItemDataRole.UserRole) if item is not None else None
+    def in_use(self, entry: LocalModel) -> bool:
+        return self.loaded_path is not None and Path(self.loaded_path) == entry.path
 
-    def _update_button(self) -> None:
-        model = self.selected()
-        self.remove.setEnabled(model is not None and not self.in_use(model))
+    def question(self, entry: LocalModel) -> tuple[str, str]:
+        return ("Remove model", f"Remove {self._what(entry)} ({fit.size(entry.size)}) from "
+                                "the models folder?")
 
-    def remove_selected(self) -> None:
-        model = self.selected()
-        if model is None or self.in_use(model):
-            return
-        what = f"the partial download of {model.name}" if model.partial else model.name
-        if not confirm(self, "Remove model", f"Remove {what} ({fit.size(model.size)}) from "
-                                             "the models folder?"):
-            return
+    def delete(self, entry: LocalModel) -> str:
         try:
-            freed = remove_local(model)
+            freed = remove_local(entry)
         except OSError as exc:
-            self.note.setText(f"Cannot remove {model.name}: {exc.strerror or exc}")
-            return
-        self.note.setText(f"Removed {what}: {fit.size(freed)} freed")
-        self.refresh()
+            raise PhasewiseError(f"Cannot remove {entry.name}: {exc.strerror or exc}") from exc
+        return f"Removed {self._what(entry)}: {fit.size(freed)} freed"
+
+    @staticmethod
+    def _what(entry: LocalModel) -> str:
+        return f"the partial download of {entry.name}" if entry.partial else entry.name
 
 
 class ModelPickerDialog(QDialog):

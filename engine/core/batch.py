@@ -174,3 +174,36 @@ class BatchCore(ABC):
     def _report(self, row: Reply) -> None:
         """The row's KV is back in the prefix cache: its result goes out."""
         self._done(row.job, row.result(), None)
+
+
+class OwnKvBatch(BatchCore):
+    """A batch whose rows each keep their KV in their own lease (llama.cpp's sequences in one
+    KV memory): joining, leaving and failing only change the list of rows, and a finished
+    row's lease goes back to the prefix cache cut to what it fed."""
+
+    def _join(self, joining: list[Reply], ended: list[Reply], source: Reply) -> None:
+        self.rows.extend(joining)
+        for reply in ended:
+            self._finish(reply)
+
+    def _leave(self, leaving: list[Reply], reason: FinishReason | None) -> None:
+        for row in leaving:
+            self.rows.remove(row)
+            row.finish = row.finish or reason
+            self._finish(row)
+
+    def _drop(self, row: Reply) -> None:
+        self.rows.remove(row)
+
+    def _clear_batch(self) -> None:
+        """Nothing to forget: each row's KV is its own, discarded with its lease."""
+
+    def _finish(self, row: Reply) -> None:
+        """Hand the row's KV (prompt + fed tokens) to the prefix cache, report."""
+        lease = row.lease
+        length = min(row.kv_len, len(lease.ids))
+        if len(lease.ids) > length:
+            self.prefix_cache.store.cut(lease.cache, None, length)
+            del lease.ids[length:]
+        self.prefix_cache.release(lease)
+        self._report(row)

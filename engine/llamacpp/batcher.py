@@ -20,11 +20,10 @@ from functools import partial
 
 import torch
 
-from engine.core.batch import BatchCore, Done, Emit, alternative_cache_key
+from engine.core.batch import Done, Emit, OwnKvBatch, alternative_cache_key
 from engine.core.ledger import CacheLease
 from engine.core.reply import Reply, ReplyJob, open_reply, sibling_reply
 from engine.core.schedule import FIRST_MIXED_CHUNK, STEP_STALL
-from engine.events import FinishReason
 from engine.llamacpp.decode import decode, lone_chunk, prefill_meter
 from engine.llamacpp.graph_meter import GraphMeter
 from engine.llamacpp.model import LlamaCppModel
@@ -40,7 +39,7 @@ def _clamp(value: int, lowest: int, highest: int) -> int:
     return max(lowest, min(highest, value))
 
 
-class LlamaBatcher(BatchCore):
+class LlamaBatcher(OwnKvBatch):
     """The core's decode batch on llama.cpp: each row a KV sequence, one llama_decode per step
     (a joining prompt's chunks riding in it, or beside it), nothing re-packed."""
 
@@ -169,11 +168,6 @@ class LlamaBatcher(BatchCore):
                                                   lease.cache, -1, -1)
         return sibling_reply(job, source, lease, partial(self._emit, job), "cpu")
 
-    def _join(self, joining: list[Reply], ended: list[Reply], source: Reply) -> None:
-        self.rows.extend(joining)
-        for reply in ended:
-            self._finish(reply)
-
     # ----- decoding --------------------------------------------------------------------------
     def _forward_rows(self) -> torch.Tensor:
         self._decode()
@@ -213,24 +207,3 @@ class LlamaBatcher(BatchCore):
             lease.ids.extend(chunk)
 
     # ----- leaving ---------------------------------------------------------------------------
-    def _drop(self, row: Reply) -> None:
-        self.rows.remove(row)
-
-    def _clear_batch(self) -> None:
-        """Nothing to forget: each row's KV is its own sequence, discarded with its lease."""
-
-    def _leave(self, leaving: list[Reply], reason: FinishReason | None) -> None:
-        for row in leaving:
-            self.rows.remove(row)
-            row.finish = row.finish or reason
-            self._finish(row)
-
-    def _finish(self, row: Reply) -> None:
-        """Hand the row's sequence (prompt + fed tokens) to the prefix cache, report."""
-        lease = row.lease
-        length = min(row.kv_len, len(lease.ids))
-        if len(lease.ids) > length:
-            self.prefix_cache.store.cut(lease.cache, None, length)
-            del lease.ids[length:]
-        self.prefix_cache.release(lease)
-        self._report(row)

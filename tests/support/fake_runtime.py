@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from engine.core.batch import BatchCore, Done, Emit, alternative_cache_key
+from engine.core.batch import Done, Emit, OwnKvBatch, alternative_cache_key
 from engine.core.ledger import CacheLease, KvCheckpoint, KvLedger
 from engine.core.reply import Reply, ReplyJob, Vocabulary, open_reply, sibling_reply
 from engine.core.snapshots import Payload
-from engine.events import FinishReason, ModelInfo
+from engine.events import ModelInfo
 from engine.prefill_progress import PrefillReporter
 
 DIM = 16
@@ -136,8 +136,9 @@ class FakeRunner:
         del lease.ids[length:]
 
 
-class FakeBatcher(BatchCore):
-    """The BatchCore's hooks: each row steps on its own KV (no padding, no shared batch)."""
+class FakeBatcher(OwnKvBatch):
+    """The BatchCore's hooks for rows that each step on their own KV (the core's OwnKvBatch
+    does the rest: joining, leaving, finishing)."""
 
     def __init__(self, model: FakeModel, pool: KvLedger[Any], emit: Emit, done: Done,
                  lone_chunk: int | None = None) -> None:
@@ -161,27 +162,5 @@ class FakeBatcher(BatchCore):
         lease.cache.states[:] = source.lease.cache.states
         return sibling_reply(job, source, lease, partial(self._emit, job), "cpu")
 
-    def _join(self, joining: list[Reply], ended: list[Reply], source: Reply) -> None:
-        self.rows.extend(joining)
-        for reply in ended:
-            self._finish(reply)
-
     def _forward_rows(self) -> torch.Tensor:
         return torch.cat([self.runner.forward(r.lease, [r.generated[-1]], 1) for r in self.rows])
-
-    def _leave(self, leaving: list[Reply], reason: FinishReason | None) -> None:
-        for row in leaving:
-            self.rows.remove(row)
-            row.finish = row.finish or reason
-            self._finish(row)
-
-    def _drop(self, row: Reply) -> None:
-        self.rows.remove(row)
-
-    def _clear_batch(self) -> None:
-        """Nothing shared to forget: each row's KV is its own."""
-
-    def _finish(self, row: Reply) -> None:
-        self.runner.trim(row.lease, min(row.kv_len, len(row.lease.ids)))
-        self.prefix_cache.release(row.lease)
-        self._report(row)
