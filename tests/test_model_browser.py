@@ -13,29 +13,20 @@ from PySide6.QtCore import Qt
 
 from engine.hub import local_models
 from engine.loader import models_dir
-from tests.support.fake_hub import FakeHub
-from tests.support.gguf import write_gguf
+from tests.support.fake_hub import TINY_REPO, FakeHub, tiny_hub
 from ui import model_picker
 from ui.model_browser import ModelBrowserDialog
 from ui.model_picker import ModelPickerDialog
 
-REPO = "someone/Tiny-GGUF"
+REPO = TINY_REPO
 WAIT_MS = 30_000
 
 
 @pytest.fixture
 def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
     """The fake hub as huggingface_hub's own endpoint setting, and an empty models folder."""
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "unset")
-    monkeypatch.setenv("HF_TOKEN", "")
-    monkeypatch.setenv("PHASEWISE_CACHE_DIR", str(tmp_path / "cache"))
-    data = write_gguf(tmp_path / "m.gguf", layers=2, kv_heads=2, rows=1024).read_bytes()
-    server = FakeHub()
-    server.add(REPO, {"tiny-Q4_K_M.gguf": data, "tiny-Q8_0.gguf": data + b"\0" * 32},
-               downloads=7)
-    server.add("meta/Gated-GGUF", {"gated.Q4_0.gguf": data}, gated=True)
-    with server:
+    with tiny_hub(tmp_path, monkeypatch) as server:
         monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", server.endpoint)
         yield server
         server.release.set()  # a held response never outlives its test

@@ -6,28 +6,18 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-import huggingface_hub.constants
 import pytest
 
 from app.cli import main
 from engine import fit
-from tests.support.fake_hub import FakeHub
-from tests.support.gguf import write_gguf
+from tests.support.fake_hub import TINY_REPO, FakeHub, tiny_hub
 
-REPO = "someone/Tiny-GGUF"
+REPO = TINY_REPO
 
 
 @pytest.fixture
 def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setenv("HF_TOKEN", "")
-    monkeypatch.setenv("PHASEWISE_CACHE_DIR", str(tmp_path / "cache"))
-    data = write_gguf(tmp_path / "m.gguf", layers=2, kv_heads=2, rows=1024).read_bytes()
-    server = FakeHub()
-    server.add(REPO, {"tiny-Q4_K_M.gguf": data, "tiny-Q8_0.gguf": data + b"\0" * 32},
-               downloads=7)
-    server.add("meta/Gated-GGUF", {"gated.Q4_0.gguf": data}, gated=True)
-    with server:
+    with tiny_hub(tmp_path, monkeypatch) as server:
         yield server
 
 

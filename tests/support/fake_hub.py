@@ -13,16 +13,22 @@ a header was read.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
+
+import huggingface_hub
+import pytest
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -235,3 +241,24 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 hub.sent[name] += len(body)
 
     return Handler
+
+
+TINY_REPO = "someone/Tiny-GGUF"
+
+
+@contextlib.contextmanager
+def tiny_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
+    """A fake hub serving two quants of a tiny GGUF (and a gated repository), with an empty
+    models folder and no token: what the CLI and the browser tests search and pull."""
+    from tests.support.gguf import write_gguf
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_TOKEN", "")
+    monkeypatch.setenv("PHASEWISE_CACHE_DIR", str(tmp_path / "cache"))
+    data = write_gguf(tmp_path / "m.gguf", layers=2, kv_heads=2, rows=1024).read_bytes()
+    server = FakeHub()
+    server.add(TINY_REPO, {"tiny-Q4_K_M.gguf": data, "tiny-Q8_0.gguf": data + b"\0" * 32},
+               downloads=7)
+    server.add("meta/Gated-GGUF", {"gated.Q4_0.gguf": data}, gated=True)
+    with server:
+        yield server
