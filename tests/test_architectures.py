@@ -259,3 +259,29 @@ def test_model_sampling_defaults_come_from_its_generation_config(tmp_path: Path)
                          repetition_penalty=1.1).save_pretrained(folder)
         info = engine.load_model_sync(str(folder), kernel="fp32-eager")
     assert info.sampling_defaults == SamplingDefaults(0.6, 0.95, 20, 1.1)
+
+
+def test_a_chat_resumes_from_disk_on_every_architecture(arch: Arch, tmp_path: Path) -> None:
+    """After a restart a chat's next turn reads its KV snapshot back where the cache has a
+    snapshot format (attention layers) and says so; a recurrent or convolution cache has none
+    yet: no file, the turn runs cold. Either way the reply is the cold one."""
+    from engine.prefix_cache import attention_only
+
+    shelf, first = tmp_path / "kv", [SYSTEM, QUESTION]
+    with Engine(snapshot_dir=shelf) as one:
+        one.load_model_sync(str(arch.folder), kernel="fp32-eager")
+        r1 = one.submit(GenerationRequest(first, greedy(8), conversation_id="c")).wait(120)
+    second = [*first, r1.as_message(), ChatMessage("user", "And then?")]
+    with Engine(snapshot_dir=shelf) as two:
+        two.load_model_sync(str(arch.folder), kernel="fp32-eager")
+        warm = two.submit(GenerationRequest(second, greedy(8), conversation_id="c")).wait(120)
+    assert warm.token_ids == arch.cold(second, greedy(8)).token_ids
+    m = warm.metrics
+    if attention_only(new_cache(arch.reference.config)):
+        assert m.cache_miss_reason == "restored_from_disk"
+        # all of turn 1's prompt, and its reply as far as the new prompt encodes it alike (a
+        # random model's reply may end in a broken UTF-8 sequence that re-encodes otherwise)
+        assert m.restored_tokens == m.cached_tokens > r1.metrics.prompt_tokens
+    else:
+        assert (m.restored_tokens, m.cached_tokens) == (0, 0)
+        assert not list(shelf.rglob("*.kv"))
