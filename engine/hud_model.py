@@ -135,6 +135,7 @@ class Breakdown:
     restored_tokens: int = 0  # of the cached ones, read back from a snapshot on disk
     restore_s: float = 0.0
     forecast_ttft_s: float | None = None  # what the window forecast before it was sent
+    cold_prefill_s: float | None = None  # the forecast of reading the whole prompt instead
 
     @property
     def other_s(self) -> float:
@@ -224,6 +225,7 @@ class ReplyRecord:
     queued_ns: int
     settings: dict[str, object] = field(default_factory=dict)
     forecast_ttft_s: float | None = None  # the wait forecast shown when it was sent
+    cold_prefill_s: float | None = None  # and of reading its whole prompt (nothing cached)
     prefill_ns: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -310,7 +312,7 @@ class ReplyRecord:
     def breakdown(self) -> Breakdown | None:
         if self.metrics is not None:
             b = Breakdown.from_metrics(self.metrics)
-            b.forecast_ttft_s = self.forecast_ttft_s
+            b.forecast_ttft_s, b.cold_prefill_s = self.forecast_ttft_s, self.cold_prefill_s
             return b
         if not self.token_ns or not self.prefill_ns:
             return None
@@ -436,9 +438,6 @@ class SavedChat:
 
 
 # ----- advisor -----------------------------------------------------------------------------
-MIN_TOKENS_FOR_RATE = 16  # fewer tokens read give no per-token prefill cost worth quoting
-
-
 def advise(b: Breakdown | None) -> str:
     """One or two sentences: the dominant phase and its lever with a predicted saving.
 
@@ -477,16 +476,16 @@ def _forecast_sentence(b: Breakdown) -> str:
 
 def _restored_sentence(b: Breakdown) -> str:
     """What the snapshot on disk saved: "5,980 tokens restored from disk in 0.2 s; reading
-    them would take ~48 s." The estimate is this reply's own prefill cost per token (left out
-    when it read too few tokens to measure one)."""
+    them would take ~48 s." The estimate is the window's forecast of reading the whole prompt
+    (the session's fitted prefill cost along the prompt; left out where there was none): this
+    reply's own few new tokens, read at the end of a long context, cost several times the
+    average token of a cold read."""
     if not b.restored_tokens:
         return ""
     head = f"{b.restored_tokens:,} tokens restored from disk in {fmt_seconds(b.restore_s)}"
-    read = b.prefill_s - b.restore_s
-    if b.prefilled_tokens < MIN_TOKENS_FOR_RATE or read <= 0:
+    if b.cold_prefill_s is None or b.cold_prefill_s <= 0:
         return f"{head}."
-    per_token = read / b.prefilled_tokens
-    return f"{head}; reading them would take ~{fmt_seconds(b.restored_tokens * per_token)}."
+    return f"{head}; reading them would take ~{fmt_seconds(b.cold_prefill_s)}."
 
 
 def _advise_decode(b: Breakdown, share: float) -> str:
@@ -545,11 +544,12 @@ class SessionModel:
         self.chat: SavedChat | None = None
         self._chat_of: dict[str, tuple[str, int]] = {}  # request id -> (chat id, turn)
         self._next_forecast: float | None = None
+        self._next_cold: float | None = None
 
-    def expect_ttft(self, seconds: float | None) -> None:
-        """The wait forecast of the message being sent: the next reply keeps it, to set
-        against its real time to first token."""
-        self._next_forecast = seconds
+    def expect_ttft(self, seconds: float | None, cold_s: float | None = None) -> None:
+        """The wait forecast of the message being sent (and of reading its whole prompt): the
+        next reply keeps them, to set against its real time to first token."""
+        self._next_forecast, self._next_cold = seconds, cold_s
 
     # -- folding events --
     def apply(self, event: EngineEvent) -> ReplyRecord | None:
@@ -585,8 +585,9 @@ class SessionModel:
 
     def _queued(self, event: RequestQueued) -> ReplyRecord:
         reply = ReplyRecord(event.request_id, len(self.replies) + 1, event.t_ns,
-                            settings=dict(self.settings), forecast_ttft_s=self._next_forecast)
-        self._next_forecast = None
+                            settings=dict(self.settings), forecast_ttft_s=self._next_forecast,
+                            cold_prefill_s=self._next_cold)
+        self._next_forecast = self._next_cold = None
         self.replies[event.request_id] = reply
         self._order.append(reply)
         return reply

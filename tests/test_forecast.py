@@ -109,13 +109,14 @@ def test_the_window_forecasts_the_wait_as_the_user_types_and_keeps_it_for_the_hu
     composer.set_text("And one more question about the weather tomorrow?")
     qtbot.waitUntil(lambda: "to first token" in composer.forecast.text(), timeout=5_000)
     assert "from cache" in composer.forecast.text()  # the chat so far
-    expected = window.forecast.seconds
+    expected, cold = window.forecast.seconds, window.forecast.cold_seconds
     assert expected is not None and expected > 0
     assert window.send(composer.text())
     qtbot.waitUntil(lambda: not window.session.running(window.session.conversation_id),
                     timeout=30_000)
     reply = window.hud.model.latest()
     assert reply is not None and reply.forecast_ttft_s == expected
+    assert cold is not None and cold > expected and reply.cold_prefill_s == cold
     assert window.hud.advice_text().startswith("Forecast ~")
     composer.clear()
     qtbot.waitUntil(lambda: not composer.forecast.isVisible(), timeout=5_000)

@@ -186,9 +186,13 @@ def test_the_hud_says_what_came_from_disk_and_what_reading_it_would_cost() -> No
     b = Breakdown.from_metrics(m)
     assert b.prefill_detail() == ("6,100 prompt tokens, 6,000 cached "
                                   "(6,000 restored from disk in 200.0 ms)")
-    # 100 tokens read in 0.3 s (0.5 s of prefill less 0.2 s of restore): 6,000 would take 18 s
+    # no forecast of a cold read: no figure (this reply's 100 tail tokens at 3.0 ms each would
+    # claim 18 s; a tail token at depth 6,000 costs several times a cold read's average)
+    assert advise(b).startswith("6,000 tokens restored from disk in 200 ms. Prefill owns 83% "
+                                "(100 new prompt tokens x 3.0 ms")
+    b.cold_prefill_s = 14.0  # the window's forecast of reading all 6,100 tokens
     assert advise(b).startswith("6,000 tokens restored from disk in 200 ms; reading them would "
-                                "take ~18 s. Prefill owns 83% (100 new prompt tokens x 3.0 ms")
+                                "take ~14 s. Prefill owns 83%")
 
 
 def test_the_picker_shows_the_space_saved_chats_take_and_clears_it(

@@ -30,6 +30,7 @@ class WaitForecast(QObject):
         self._request, self._show = request, show
         self._text = ""
         self.seconds: float | None = None  # the forecast on screen now
+        self.cold_seconds: float | None = None  # reading the whole prompt, nothing cached
         self._timer = QTimer(self)
         self._timer.setSingleShot(True)
         self._timer.setInterval(DEBOUNCE_MS)
@@ -64,8 +65,9 @@ class WaitForecast(QObject):
         request = self._request(self._text) if self._text.strip() else None
         peek = self.backend.peek_prefix(request) if request is not None else None
         if peek is None:
-            self.seconds = None
+            self.seconds = self.cold_seconds = None
             self._show("")
             return
         self.seconds = self.cost.seconds(peek.cached_tokens, peek.prompt_tokens, peek.from_disk)
+        self.cold_seconds = self.cost.seconds(0, peek.prompt_tokens)
         self._show(forecast_text(peek, self.seconds))

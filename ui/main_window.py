@@ -306,7 +306,10 @@ class MainWindow(QMainWindow):
         editing = self.session.editing_message_id
         if editing is not None and text.strip() and not self._confirm_resend(editing):
             return False
-        self.hud.model.expect_ttft(self.forecast.seconds if editing is None else None)
+        if editing is None:
+            self.hud.model.expect_ttft(self.forecast.seconds, self.forecast.cold_seconds)
+        else:
+            self.hud.model.expect_ttft(None)
         sent = self.session.send(with_documents(text, self.composer.chips.documents),
                                  self.reply_options())
         if sent:
