@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from engine import ChatMessage, Engine, GenerationRequest, SamplingParams
-from engine.core.snapshots import SUFFIX, KvShelf
+from engine.core.snapshots import SUFFIX, KvShelf, shelf_usage
 from tests.support.child import CHILD_TIMEOUT_S, needs_llama_cpp, run_in_child
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -112,7 +112,7 @@ def test_the_shelf_keeps_to_its_budget_least_recently_used_first(tmp_path: Path)
         assert shelf.flush(10)
     assert shelf.find("a") is None  # the oldest went to make room for c
     assert shelf.find("b") is not None and shelf.find("c") is not None
-    assert shelf.used_bytes() <= 10_000
+    assert shelf_usage(tmp_path)[1] <= 10_000
     shelf.close(10)
 
 

@@ -165,9 +165,6 @@ class KvShelf:
         self.flush(timeout)
         self._wake.put(False)
 
-    def used_bytes(self) -> int:
-        return shelf_usage(self.root)[1]
-
     # ----- inside ----------------------------------------------------------------------
     def _path(self, conversation_id: str) -> Path:
         name = hashlib.sha256(conversation_id.encode()).hexdigest()[:32]
