@@ -9,6 +9,7 @@ from typing import Any
 from PySide6.QtCore import QPoint, Qt
 from PySide6.QtWidgets import QMessageBox, QScrollArea
 
+from engine import TokenEmitted
 from tests.support.window_helpers import (
     WAIT_MS,
     banner,
@@ -17,6 +18,7 @@ from tests.support.window_helpers import (
     show_and_wait,
     squeeze_and_restore,
 )
+from tests.support.window_scenarios import Gate
 
 HUGE_SEED = "99999999999999999999999"
 
@@ -447,11 +449,16 @@ def test_after_a_restart_a_chat_opens_at_its_end_and_counts_its_stopped_turn(
     for text in ("One", "Two", "Three"):
         send_and_wait(qtbot, window, text)
     greedy(window, 200)  # the tiny model (context 256) writes until the context is full
+    # The engine is held at the reply's sixth token: the reply cannot reach its end (a few
+    # dozen tokens away) before the window closes, however the tokens' delivery is batched.
+    gate = Gate(window.session.backend, lambda e: isinstance(e, TokenEmitted) and e.index == 5)
     assert window.send("Four")
     reply = window.reply
+    gate.wait(qtbot, WAIT_MS)
     qtbot.waitUntil(lambda: reply.prompt_tokens is not None and reply.output_tokens >= 3,
                     timeout=WAIT_MS)
     window.close()  # the reply is cut short (Ctrl+Q while it writes)
+    gate.release()
     used = reply.prompt_tokens + reply.output_tokens
 
     restarted = make_window()
