@@ -45,13 +45,13 @@ lint: setup
 # its method). One worker and one torch thread: a shared machine. MUTANTS=... runs other functions, e.g. 'engine.metrics.*'.
 # Results stay in mutants/ (ignored): the per-module score below, `$(VENV)/bin/mutmut browse`,
 # `mutmut show NAME`. mutmut retests every mutant it is given by name: each run is a full one.
-MUTANTS ?= 'engine.sampling.*' 'engine.metrics.*' \
-	'engine.prefix_cache.x_common_prefix_len__*' 'engine.prefix_cache.x?CacheEntry?*' \
-	'engine.prefix_cache.x?CacheLease?*' 'engine.prefix_cache.x?PrefixCache?*' \
+MUTANTS ?= 'engine.core.sampling.*' 'engine.metrics.*' \
+	'engine.runtimes.torch.prefix_cache.x_common_prefix_len__*' 'engine.runtimes.torch.prefix_cache.x?CacheEntry?*' \
+	'engine.runtimes.torch.prefix_cache.x?CacheLease?*' 'engine.runtimes.torch.prefix_cache.x?PrefixCache?*' \
 	'engine.core.reply.*' 'engine.core.solo.x_decode_alone__*' 'engine.core.solo.x?SoloSession?*' \
-	'engine.core.schedule.*' 'engine.core.batch.*' 'engine.batching.x_batchable__*' \
-	'engine.batching.x?Batcher?_adapt_budget__*' 'engine.batching.x?Batcher?_chunk_tokens__*' \
-	'engine.batching.x?Batcher?_prefill__*' 'engine.batching.x?Batcher?_prefill_between__*'
+	'engine.core.schedule.*' 'engine.core.batch.*' 'engine.runtimes.torch.batching.x_batchable__*' \
+	'engine.runtimes.torch.batching.x?Batcher?_adapt_budget__*' 'engine.runtimes.torch.batching.x?Batcher?_chunk_tokens__*' \
+	'engine.runtimes.torch.batching.x?Batcher?_prefill__*' 'engine.runtimes.torch.batching.x?Batcher?_prefill_between__*'
 mutation: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/mutmut run --max-children 1 $(MUTANTS)
 	$(PY) tests/support/mutation_summary.py

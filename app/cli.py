@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="prompt length in tokens (default 128; 4000 with --interference)")
     bench.add_argument("--repeats", type=int, default=None,
                        help="runs; medians reported (default 3; 1 with --interference)")
-    # Not engine.bench.PEERS: importing it would load torch before --help could print.
+    # Not engine.tools.bench.PEERS: importing it would load torch before --help could print.
     bench.add_argument("--vs", choices=["hf", "llama.cpp"], nargs="+", action="extend",
                        default=[], metavar="PEER",
                        help="also run peers in the same process on the same prompt: hf = "
@@ -293,7 +293,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.backend:
         return bench_remote(args)
     if "llama.cpp" in args.vs:
-        from engine.peers import require_llama_cpp
+        from engine.tools.peers import require_llama_cpp
 
         try:
             require_llama_cpp()  # say so before the model loads, not after
@@ -310,9 +310,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     try:
         report = run_bench(args, reference, loaded, draft, progress)
     finally:  # llama.cpp's memory freed now, in order, not by the finalizer's garbage collection
-        from engine.runtimes import close
-
-        close(loaded)
+        loaded.close()
     if args.json:
         print(json.dumps(report))
     return 0
@@ -322,7 +320,7 @@ def run_bench(args: argparse.Namespace, reference: Any, loaded: Any, draft: Any,
               progress: Any) -> dict[str, Any]:
     """The measurement cmd_bench asked for, its table printed; returns the report."""
     from engine import PhasewiseError
-    from engine.bench import bench_batch, bench_decode, bench_interference, bench_turns
+    from engine.tools.bench import bench_batch, bench_decode, bench_interference, bench_turns
 
     if args.prompt_tokens + args.max_tokens > loaded.info.context_length:
         raise CliError(
@@ -357,9 +355,10 @@ def run_bench(args: argparse.Namespace, reference: Any, loaded: Any, draft: Any,
 def load_for_bench(args: argparse.Namespace, progress: Any) -> tuple[Any, Any, Any]:
     """(the model as loaded, the model with its decode path, the draft model or None).
     On the llama.cpp engine the first is None: there is no torch model for --vs hf."""
-    from engine.kernels import select_kernel
-    from engine.loader import load_model
-    from engine.runtimes import LLAMA_CPP, load, load_draft, resolve_engine
+    from engine.runtimes import LLAMA_CPP, load, resolve_engine
+    from engine.runtimes.torch.kernels import select_kernel
+    from engine.runtimes.torch.loader import load_model
+    from engine.runtimes.torch.runtime import TorchRuntime
 
     if resolve_engine(args.model, args.engine, args.device) == LLAMA_CPP:
         if "hf" in args.vs:
@@ -368,13 +367,13 @@ def load_for_bench(args: argparse.Namespace, progress: Any) -> tuple[Any, Any, A
         gguf_model = load(args.model, LLAMA_CPP, kernel=args.kernel, progress=progress,
                           context_length=args.context)
         note_context_clamp(args.context, gguf_model.info.context_length, gguf_model.info.name)
-        gguf_draft = load_draft(args.draft_model, gguf_model, kernel=args.draft_kernel,
-                                progress=progress) if args.draft_model else None
+        gguf_draft = gguf_model.load_draft(args.draft_model, kernel=args.draft_kernel,
+                                           progress=progress) if args.draft_model else None
         return None, gguf_model, gguf_draft
     reference = load_model(args.model, progress=progress, **model_options(args))
-    loaded = select_kernel(reference, args.kernel, progress=progress)
-    draft = load_draft(args.draft_model, loaded, kernel=args.draft_kernel,
-                       progress=progress, **model_options(args)) if args.draft_model else None
+    loaded = TorchRuntime(select_kernel(reference, args.kernel, progress=progress))
+    draft = loaded.load_draft(args.draft_model, kernel=args.draft_kernel, progress=progress,
+                              **model_options(args)) if args.draft_model else None
     return reference, loaded, draft
 
 
@@ -450,7 +449,7 @@ def print_batch_table(r: dict[str, Any]) -> None:
 
 
 def print_interference_table(r: dict[str, Any]) -> None:
-    from engine.bench import INTERFERENCE_LABELS
+    from engine.tools.bench import INTERFERENCE_LABELS
 
     print(f"\n{r['model']} on {r['device']} ({r['kernel']}): a chat streams while a "
           f"{r['prompt_tokens']}-token prompt is prefilled; {r['rounds']} round(s)")

@@ -25,9 +25,9 @@ from app import __version__
 if TYPE_CHECKING:
     from PySide6.QtCore import QSettings
 
-    from engine import Engine
     from engine.backends import BackendRouter
     from engine.protocol import Backend
+    from engine.worker import Engine
     from ui.main_window import MainWindow
     from ui.store import ChatStore
 
@@ -51,9 +51,9 @@ def build_backend(local: Engine | None = None,
     """What the window talks to: a router over the local engine (and, once loaded, a remote
     backend), not started. Tests pass their own engine with the tiny model loaded. Chats' KV
     snapshots live in the user cache (snapshot_dir overrides it)."""
-    from engine import Engine
     from engine.backends import BackendRouter
-    from engine.loader import kv_snapshot_dir
+    from engine.model_files import kv_snapshot_dir
+    from engine.worker import Engine
 
     engine = local or Engine(snapshot_dir=snapshot_dir or kv_snapshot_dir())
     return BackendRouter(engine, loop=loop)

@@ -1,6 +1,6 @@
 """`phasewise models`: search the Hugging Face hub for GGUF models (each quant with its size
 and whether it fits), pull one into the models folder (progress, Ctrl+C cancels, the same pull
-resumes), list and remove what is there. engine/hub.py does the work; this prints it.
+resumes), list and remove what is there. engine/tools/hub.py does the work; this prints it.
 
 Only `search` and `pull` reach the network, and only the hub at --endpoint (default:
 HF_ENDPOINT or huggingface.co); HF_HUB_OFFLINE=1 keeps them offline with one line.
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from app.cli_error import CliError
 
 if TYPE_CHECKING:
-    from engine.hub import Hub, Progress
+    from engine.tools.hub import Hub, Progress
 
 
 def add_models_parser(sub: Any) -> None:
@@ -60,7 +60,7 @@ def add_fit_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _hub(args: argparse.Namespace) -> Hub:
-    from engine.hub import Hub
+    from engine.tools.hub import Hub
 
     return Hub(endpoint=args.endpoint)
 
@@ -74,15 +74,15 @@ def _fit_words(est: Any) -> str:
 
 
 def _size(n: int | None) -> str:
-    from engine.fit import size
+    from engine.tools.fit import size
 
     return size(n)
 
 
 # ----- search ----------------------------------------------------------------------------
 def cmd_search(args: argparse.Namespace) -> int:
-    from engine.hub import HubError, iter_fits
-    from engine.memory import free_memory
+    from engine.core.memory import free_memory
+    from engine.tools.hub import HubError, iter_fits
 
     hub = _hub(args)
     try:
@@ -113,7 +113,7 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 # ----- pull --------------------------------------------------------------------------------
 def cmd_pull(args: argparse.Namespace) -> int:
-    from engine.hub import HubError, check_absent
+    from engine.tools.hub import HubError, check_absent
 
     repo, _, name = args.spec.partition(":")
     if repo.count("/") != 1:
@@ -165,8 +165,8 @@ class ProgressPrinter:
 
 # ----- list / rm -----------------------------------------------------------------------------
 def cmd_list(_args: argparse.Namespace) -> int:
-    from engine.hub import local_models
-    from engine.loader import models_dir
+    from engine.model_files import models_dir
+    from engine.tools.hub import local_models
 
     folder = models_dir()
     try:
@@ -188,8 +188,8 @@ def cmd_list(_args: argparse.Namespace) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    from engine.hub import find_local, remove_local
-    from engine.loader import models_dir
+    from engine.model_files import models_dir
+    from engine.tools.hub import find_local, remove_local
 
     try:
         found = find_local(args.name)

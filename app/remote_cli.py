@@ -69,7 +69,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> None:
     from app.serve import create_app, uvicorn_server
-    from engine import Engine, ModelLoadError
+    from engine import ModelLoadError
+    from engine.worker import Engine
 
     with Engine() as engine:
         try:
@@ -87,7 +88,8 @@ def _serve(args: argparse.Namespace) -> None:
 
 def open_engine(args: argparse.Namespace) -> Backend:
     """A started-on-enter Engine, or a RemoteEngine when --backend is given."""
-    from engine import Engine, PhasewiseError
+    from engine import PhasewiseError
+    from engine.worker import Engine
 
     if not args.backend:
         return Engine()

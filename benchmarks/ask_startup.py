@@ -104,7 +104,7 @@ def main() -> None:
     trees = [t.resolve() for t in args.trees] or [root]
     if args.model is None:
         sys.path.insert(0, str(root))
-        from engine.loader import default_gguf_path
+        from engine.model_files import default_gguf_path
 
         args.model = str(default_gguf_path())
     results = measure(trees, args.model, args.repeats, args.max_tokens)

@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from engine.bench import fixed_prompt_ids, run_ours
-from engine.kernels import KERNELS, apply_kernel, configure_threads, eager_name
-from engine.loader import load_model
-from engine.quality import perplexity, reference_ids
+from engine.runtimes.torch.kernels import KERNELS, apply_kernel, configure_threads, eager_name
+from engine.runtimes.torch.loader import load_model
+from engine.runtimes.torch.quality import perplexity, reference_ids
+from engine.tools.bench import fixed_prompt_ids, run_ours
 
 
 def main() -> int:

@@ -23,8 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from resume import long_text
 
-from engine import ChatMessage, Engine, GenerationRequest, SamplingParams
+from engine import ChatMessage, GenerationRequest, SamplingParams
 from engine.forecast import PrefillCost
+from engine.worker import Engine
 
 WORDS_PER_TOKEN = 1 / 1.15
 

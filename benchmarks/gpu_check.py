@@ -21,7 +21,7 @@ fails, or needs a package that is missing, is reported and the rest still runs):
                reduce-overhead), each as tok/s and weight GB/s; cached vs cold TTFT of a 4k
                prompt; batch sweep 1-64 through the engine's batcher; the cost of verifying 7
                tokens in one pass; prompt-lookup speculation on the correctness model.
-  hud          the HUD's numbers (engine events folded by engine.hud_model) equal the events'
+  hud          the HUD's numbers (engine events folded by ui.hud.model) equal the events'
                stamps and lie inside the interval a clock in the calling thread saw (a check);
                their distance from that clock: TTFT, decode tok/s, end-to-end (measured, with
                whether it is within 5%).
@@ -72,8 +72,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from engine import ChatMessage, Engine, GenerationRequest, GenerationResult
-    from engine.loader import LoadedModel
+    from engine import ChatMessage, GenerationRequest, GenerationResult
+    from engine.runtimes.torch.loader import LoadedModel
+    from engine.worker import Engine
 
 ROOT = Path(__file__).resolve().parents[1]
 CARRIED = ROOT / ".gpu"
@@ -229,7 +230,7 @@ def prepare(folder: Path) -> None:
     """Fill folder (make gpu-wheels: .gpu/) with what the GPU machine lacks: pure-Python wheels
     of this environment's CARRIED_PACKAGES (pip download, the same versions) and the bundled
     GGUF split in two (each part plus the wheels fits one call's 64 MiB)."""
-    from engine.loader import default_gguf_path
+    from engine.model_files import default_gguf_path
 
     shutil.rmtree(folder, ignore_errors=True)
     pins = [f"{name}=={importlib.metadata.version(name)}" for name in CARRIED_PACKAGES]
@@ -369,7 +370,7 @@ def step_environment(ctx: Context, carried: list[str]) -> tuple[str, str, dict[s
                     cuda=torch.version.cuda, sms=props.multi_processor_count)
         name = props.name
     else:
-        from engine.kernels import cpu_name
+        from engine.runtimes.torch.kernels import cpu_name
 
         name = f"cpu: {cpu_name()}, {torch.get_num_threads()} threads"
     ctx.device_name = name
@@ -409,7 +410,7 @@ def step_cache_keyword(ctx: Context) -> tuple[str, str, dict[str, Any]]:
 def resolve_model(ctx: Context) -> tuple[str, str, str, str]:
     """(spec, dtype, label, why not the bundled one) of the correctness model."""
     from engine.errors import ModelLoadError
-    from engine.loader import bundled_model_dir, default_gguf_path
+    from engine.model_files import bundled_model_dir, default_gguf_path
 
     wanted = ctx.args.model
     half = ctx.args.dtype
@@ -435,9 +436,9 @@ def resolve_model(ctx: Context) -> tuple[str, str, str, str]:
 
 
 def step_load(ctx: Context) -> tuple[str, str, dict[str, Any]]:
-    from engine import Engine
-    from engine.kernels import eager_name
-    from engine.loader import load_model
+    from engine.runtimes.torch.kernels import eager_name
+    from engine.runtimes.torch.loader import load_model
+    from engine.worker import Engine
 
     spec, dtype, label, why = resolve_model(ctx)
     note = f" ({why})" if why else ""
@@ -468,7 +469,7 @@ def hf_greedy(loaded: LoadedModel, prompt: list[int], n: int) -> list[int]:
     import torch
     from transformers import GenerationConfig
 
-    from engine.generate import eos_token_ids
+    from engine.runtimes.torch.generate import eos_token_ids
 
     eos = sorted(eos_token_ids(loaded))
     config = GenerationConfig(max_new_tokens=n, do_sample=False, pad_token_id=eos[0],
@@ -609,7 +610,7 @@ def step_out_of_memory(ctx: Context) -> tuple[str, str, dict[str, Any]]:
 
 
 def step_static_parity(ctx: Context) -> tuple[str, str, dict[str, Any]]:
-    from engine.static_decode import StaticDecoder
+    from engine.runtimes.torch.static_decode import StaticDecoder
 
     assert ctx.reference is not None and ctx.engine is not None
     n = ctx.args.tokens_check
@@ -630,7 +631,7 @@ def step_static_parity(ctx: Context) -> tuple[str, str, dict[str, Any]]:
 
 # ----- speed --------------------------------------------------------------------------------------
 def step_copy_bandwidth(ctx: Context) -> tuple[str, str, dict[str, Any]]:
-    from engine.calibrate import device_name, table_peaks
+    from engine.tools.calibrate import device_name, table_peaks
 
     nbytes = (2 << 30) if ctx.cuda else (64 << 20)
     times, ok = copy_times(ctx.device, nbytes, 10 if ctx.cuda else 5)
@@ -683,7 +684,7 @@ def synthetic_tokenizer(vocab_size: int) -> Any:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from engine.bench import PASSAGE
+    from engine.tools.bench import PASSAGE
 
     words = list(dict.fromkeys(["<eos>", "<unk>", *PASSAGE.split()]))
     words += [f"w{i}" for i in range(vocab_size - len(words))]
@@ -698,7 +699,7 @@ def build_random(ctx: Context, shape: str) -> LoadedModel:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from engine.loader import LoadedModel, model_info
+    from engine.runtimes.torch.loader import LoadedModel, model_info
 
     dtype = getattr(torch, ctx.args.dtype)
     config = LlamaConfig(**SHAPES[shape], max_position_embeddings=8192, bos_token_id=0,
@@ -737,9 +738,10 @@ def step_build(ctx: Context, shape: str, holder: dict[str, Any]) -> tuple[str, s
 
 
 def step_eager(ctx: Context, shape: str, holder: dict[str, Any]) -> tuple[str, str, dict]:
-    from engine.bench import fixed_prompt_ids, run_ours
+    from engine.runtimes.torch.runtime import TorchRuntime
+    from engine.tools.bench import fixed_prompt_ids, run_ours
 
-    loaded = holder["loaded"]
+    loaded = TorchRuntime(holder["loaded"])
     prompt = fixed_prompt_ids(loaded, 64)
     holder["prompt"] = prompt
     n = ctx.args.tokens
@@ -756,7 +758,7 @@ def step_static(ctx: Context, shape: str, holder: dict[str, Any], mode: str
                 ) -> tuple[str, str, dict]:
     import torch
 
-    from engine.static_decode import StaticDecoder
+    from engine.runtimes.torch.static_decode import StaticDecoder
 
     if mode != "none" and not ctx.cuda:
         raise Outcome("skipped", "CUDA graphs need a CUDA device")
@@ -796,7 +798,7 @@ def step_verify_cost(ctx: Context, holder: dict[str, Any]) -> tuple[str, str, di
     import torch
     from transformers import DynamicCache
 
-    from engine.prefix_cache import crop_to
+    from engine.runtimes.torch.prefix_cache import crop_to
 
     loaded = holder["loaded"]
     prompt = holder["prompt"]
@@ -819,15 +821,16 @@ def step_verify_cost(ctx: Context, holder: dict[str, Any]) -> tuple[str, str, di
 
 
 def step_ttft(ctx: Context, holder: dict[str, Any]) -> tuple[str, str, dict]:
-    from engine.bench import fixed_prompt_ids, run_ours
-    from engine.prefix_cache import PrefixCache
+    from engine.runtimes.torch.prefix_cache import PrefixCache
+    from engine.runtimes.torch.runtime import TorchRuntime
+    from engine.tools.bench import fixed_prompt_ids, run_ours
     from engine.worker import default_cache_budget
 
-    loaded = holder["loaded"]
+    loaded = TorchRuntime(holder["loaded"])
     length = ctx.args.ttft_tokens
     ids = fixed_prompt_ids(loaded, length + 32)
     prompt, turn2 = ids[:length], ids[: length + 32]
-    pool = PrefixCache(loaded.model.config, default_cache_budget(ctx.device.type))
+    pool = PrefixCache(loaded.loaded.model.config, default_cache_budget(str(ctx.device)))
     run_ours(loaded, prompt[:64], 2, cache=pool)  # warm-up
     cached, cold = [], []
     for r in range(3):
@@ -854,9 +857,10 @@ def step_ttft(ctx: Context, holder: dict[str, Any]) -> tuple[str, str, dict]:
 
 
 def step_batch_sweep(ctx: Context, holder: dict[str, Any]) -> tuple[str, str, dict]:
-    from engine.bench import bench_batch
+    from engine.runtimes.torch.runtime import TorchRuntime
+    from engine.tools.bench import bench_batch
 
-    loaded = holder["loaded"]
+    loaded = TorchRuntime(holder["loaded"])
     sizes = tuple(int(b) for b in ctx.args.batches.split(","))
     report = bench_batch(loaded, batch_sizes=sizes, prompt_tokens=64,
                          max_tokens=ctx.args.batch_tokens, rounds=1)
@@ -870,18 +874,20 @@ def step_batch_sweep(ctx: Context, holder: dict[str, Any]) -> tuple[str, str, di
 
 def step_speculation(ctx: Context) -> tuple[str, str, dict]:
     from engine import ChatMessage
-    from engine.bench import PASSAGE, fixed_text, run_ours, speculative_summary
-    from engine.chat_template import encode_chat_with_spans
+    from engine.core.chat_template import encode_chat_with_spans
+    from engine.runtimes.torch.runtime import TorchRuntime
+    from engine.tools.bench import PASSAGE, fixed_text, run_ours, speculative_summary
 
     assert ctx.reference is not None
+    reference = TorchRuntime(ctx.reference)
     passage = fixed_text(ctx.reference, min(len(PASSAGE) // 4, ctx.reference.info.context_length
                                             // 3))
     text = f"Repeat the following text exactly.\n\n{passage}"
     prompt = encode_chat_with_spans(ctx.reference.tokenizer, [ChatMessage("user", text)])[0]
     n = ctx.args.tokens
-    run_ours(ctx.reference, prompt, 4)
-    plain = [run_ours(ctx.reference, prompt, n) for _ in range(2)]
-    spec = [run_ours(ctx.reference, prompt, n, speculative="ngram") for _ in range(2)]
+    run_ours(reference, prompt, 4)
+    plain = [run_ours(reference, prompt, n) for _ in range(2)]
+    spec = [run_ours(reference, prompt, n, speculative="ngram") for _ in range(2)]
     summary = speculative_summary(plain, spec)
     ok, note, _ = compare_greedy(ctx.reference, prompt, plain[0].token_ids, spec[0].token_ids)
     summary["output_check"] = note
@@ -899,7 +905,7 @@ class HudRun:
     in the calling thread (before submit, at each token's and the end's arrival)."""
 
     events: list[Any]
-    reply: Any  # engine.hud_model.ReplyRecord
+    reply: Any  # ui.hud.model.ReplyRecord
     submitted_ns: int
     arrivals_ns: list[int]
     finished_ns: int
@@ -907,8 +913,8 @@ class HudRun:
 
 def hud_run(ctx: Context) -> HudRun:
     from engine import RequestFinished, TokenEmitted
-    from engine.bench import fixed_text
-    from engine.hud_model import SessionModel
+    from engine.tools.bench import fixed_text
+    from ui.hud.model import SessionModel
 
     assert ctx.engine is not None and ctx.reference is not None
     events: list[Any] = []
@@ -1199,7 +1205,7 @@ def import_stack() -> tuple[str, str, dict[str, Any]]:
     import torch
     import transformers
 
-    from engine.kernels import configure_threads
+    from engine.runtimes.torch.kernels import configure_threads
     from engine.worker import Engine  # noqa: F401  (the whole engine imports)
 
     configure_threads()

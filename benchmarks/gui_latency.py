@@ -25,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from PySide6.QtCore import QSettings, Qt, QTimer
 from PySide6.QtWidgets import QApplication
 
-from engine import ChatMessage, Engine, GenerationRequest, SamplingParams, percentile
+from engine import ChatMessage, GenerationRequest, SamplingParams, percentile
 from engine.metrics import RequestMetrics
+from engine.worker import Engine
 from ui.main_window import MainWindow
 from ui.store import ChatStore
 from ui.theme import apply_theme

@@ -47,8 +47,9 @@ from PySide6.QtCore import QSettings, QTimer
 from PySide6.QtWidgets import QApplication
 
 from app.gui import build_backend, build_window
-from engine import Engine, EngineEvent, SamplerSnapshot, TokenEmitted
+from engine import EngineEvent, SamplerSnapshot, TokenEmitted
 from engine.backends import BackendRouter
+from engine.worker import Engine
 from ui.theme import apply_theme
 
 PROMPTS = (

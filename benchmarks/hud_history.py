@@ -30,11 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import QApplication
 
-from engine.calibrate import DevicePeaks
 from engine.events import EngineEvent, TokenEmitted
 from engine.metrics import percentile
+from engine.tools.calibrate import DevicePeaks
 from tests.support.hud_events import MS, history_events, loaded_event
-from ui.hud import HudWidget
+from ui.hud.widget import HudWidget
 
 PEAKS = DevicePeaks("cpu: benchmark", 28.0, 0.16, "fixed for the benchmark")
 PAINT_LAG_NS = 4 * MS  # the chat view reports each token painted this long after emission

@@ -19,32 +19,32 @@ import statistics
 import threading
 from typing import Any
 
-from engine.bench import fixed_prompt_ids
-from engine.kernels import cpu_name
-from engine.llamacpp.model import load_gguf
-from engine.loader import default_gguf_path
 from engine.metrics import RequestTimeline, now_ns
+from engine.model_files import default_gguf_path
 from engine.params import GenerationRequest, SamplingParams
-from engine.runtimes import new_prefix_cache, new_session
+from engine.runtimes.llamacpp.model import load_gguf
+from engine.runtimes.llamacpp.runtime import LlamaRuntime
+from engine.runtimes.torch.kernels import cpu_name
+from engine.tools.bench import fixed_prompt_ids
 
 KERNELS = {"off": False, "on": True}
 
 
-def run(loaded: Any, pool: Any, ids: list[int], max_tokens: int,
+def run(runtime: Any, pool: Any, ids: list[int], max_tokens: int,
         conversation: str | None = None) -> Any:
     request = GenerationRequest(
         [], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
         prompt_token_ids=ids, reuse_cache=conversation is not None,
         conversation_id=conversation)
-    return new_session(loaded, pool).run(request, RequestTimeline(now_ns()), threading.Event(),
+    return runtime.new_session(pool).run(request, RequestTimeline(now_ns()), threading.Event(),
                                          lambda _e: None)
 
 
-def fill_cache(loaded: Any, pool: Any, source: list[int], chats: int, tokens: int) -> int:
+def fill_cache(runtime: Any, pool: Any, source: list[int], chats: int, tokens: int) -> int:
     """Leave `chats` other conversations of `tokens` prompt tokens cached in the pool."""
     for i in range(chats):
         start = (i * 97) % max(1, len(source) - tokens)
-        run(loaded, pool, source[start : start + tokens], 1, conversation=f"other-{i}")
+        run(runtime, pool, source[start : start + tokens], 1, conversation=f"other-{i}")
     return chats * tokens
 
 
@@ -58,32 +58,32 @@ def main() -> None:
     parser.add_argument("--cached-tokens", type=int, default=1500)
     args = parser.parse_args()
 
-    models = {name: load_gguf(default_gguf_path(), name="default", source="bundled",
-                              flash_attn=flash) for name, flash in KERNELS.items()}
+    models = {name: LlamaRuntime(load_gguf(default_gguf_path(), name="default", source="bundled",
+                                           flash_attn=flash)) for name, flash in KERNELS.items()}
     source = fixed_prompt_ids(models["off"], args.long_prompt_tokens + args.prompt_tokens)
     short, long = source[: args.prompt_tokens], source[args.prompt_tokens :]
     runs: dict[str, dict[str, list[Any]]] = {k: {"short": [], "long": [], "busy": []}
                                              for k in KERNELS}
-    for loaded in models.values():
-        run(loaded, new_prefix_cache(loaded, 1 << 40), short[:16], 4)  # warm-up
+    for runtime in models.values():
+        run(runtime, runtime.new_prefix_cache(1 << 40), short[:16], 4)  # warm-up
     for _ in range(args.repeats):
-        for name, loaded in models.items():
-            runs[name]["short"].append(run(loaded, new_prefix_cache(loaded, 1 << 40), short,
+        for name, runtime in models.items():
+            runs[name]["short"].append(run(runtime, runtime.new_prefix_cache(1 << 40), short,
                                            args.max_tokens))
-            runs[name]["long"].append(run(loaded, new_prefix_cache(loaded, 1 << 40), long, 1))
+            runs[name]["long"].append(run(runtime, runtime.new_prefix_cache(1 << 40), long, 1))
     cached = 0
-    for name, loaded in models.items():
-        pool = new_prefix_cache(loaded, 1 << 40)
-        cached = fill_cache(loaded, pool, source, args.cached_chats, args.cached_tokens)
+    for name, runtime in models.items():
+        pool = runtime.new_prefix_cache(1 << 40)
+        cached = fill_cache(runtime, pool, source, args.cached_chats, args.cached_tokens)
         for _ in range(args.repeats):
-            runs[name]["busy"].append(run(loaded, pool, short, args.max_tokens))
+            runs[name]["busy"].append(run(runtime, pool, short, args.max_tokens))
     print(json.dumps(report(models["off"], runs, args, cached), indent=1))
 
 
-def report(loaded: Any, runs: dict[str, dict[str, list[Any]]], args: argparse.Namespace,
+def report(runtime: Any, runs: dict[str, dict[str, list[Any]]], args: argparse.Namespace,
            cached: int) -> dict[str, Any]:
     med = statistics.median
-    out: dict[str, Any] = {"cpu": cpu_name(), "threads": loaded.n_threads,
+    out: dict[str, Any] = {"cpu": cpu_name(), "threads": runtime.cpu_threads,
                            "repeats": args.repeats, "cached_tokens_of_other_chats": cached}
     for name, kinds in runs.items():
         out[f"{name}_decode_tok_s"] = med(r.metrics.decode_tok_s for r in kinds["short"])

@@ -20,10 +20,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from engine.bench import fixed_prompt_ids, run_ours, speculative_summary
-from engine.kernels import cpu_name
-from engine.loader import default_gguf_path
-from engine.runtimes import LLAMA_CPP, load, load_draft
+from engine.model_files import default_gguf_path
+from engine.runtimes import LLAMA_CPP, load
+from engine.runtimes.torch.kernels import cpu_name
+from engine.tools.bench import fixed_prompt_ids, run_ours, speculative_summary
 
 TARGETS = ("F16", "Q8_0")
 
@@ -43,8 +43,9 @@ def requantize(source: Path, folder: Path, kind: str) -> Path:
 
 
 def compare(target: Path, args: argparse.Namespace) -> dict[str, Any]:
-    loaded = load(str(target), LLAMA_CPP)
-    draft = load_draft("default", loaded)
+    runtime = load(str(target), LLAMA_CPP)
+    loaded = runtime.model
+    draft = runtime.load_draft("default")
     ids = fixed_prompt_ids(loaded, args.prompt_tokens)
     run_ours(loaded, ids[:16], 4)
     run_ours(loaded, ids[:16], 4, speculative="draft", draft=draft)

@@ -17,22 +17,22 @@ import statistics
 import threading
 from typing import Any
 
-from engine.bench import fixed_prompt_ids
-from engine.loader import default_gguf_path
 from engine.metrics import RequestTimeline, now_ns
+from engine.model_files import default_gguf_path
 from engine.params import GenerationRequest, SamplingParams
-from engine.peers import greedy_run
-from engine.runtimes import LLAMA_CPP, load, new_prefix_cache, new_session
+from engine.runtimes import LLAMA_CPP, load
+from engine.tools.bench import fixed_prompt_ids
+from engine.tools.peers import greedy_run
 
 
-def ours(loaded: Any, ids: list[int], max_tokens: int, speculative: str | None = None,
+def ours(runtime: Any, ids: list[int], max_tokens: int, speculative: str | None = None,
          pool: Any = None, conversation: str | None = None, reuse: bool = False) -> Any:
     request = GenerationRequest(
         [], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
         prompt_token_ids=ids, reuse_cache=reuse, speculative=speculative,
         conversation_id=conversation)
-    pool = pool or new_prefix_cache(loaded, 1 << 40)
-    return new_session(loaded, pool).run(request, RequestTimeline(now_ns()), threading.Event(),
+    pool = pool or runtime.new_prefix_cache(1 << 40)
+    return runtime.new_session(pool).run(request, RequestTimeline(now_ns()), threading.Event(),
                                          lambda _e: None)
 
 
@@ -44,18 +44,20 @@ def main() -> None:
     args = parser.parse_args()
     import llama_cpp
 
-    loaded = load("default", LLAMA_CPP)
+    runtime = load("default", LLAMA_CPP)
+
+    loaded = runtime.model
     llm = llama_cpp.Llama(model_path=str(default_gguf_path()), n_ctx=2048,
                           n_threads=loaded.n_threads, n_threads_batch=loaded.n_threads,
                           flash_attn=True, verbose=False)  # the same kernels as ours
     ids = fixed_prompt_ids(loaded, args.prompt_tokens)
-    ours(loaded, ids[:16], 4)
+    ours(runtime, ids[:16], 4)
     greedy_run(llm, ids[:16], 4)
     mine, peer, spec = [], [], []
     for _ in range(args.repeats):
-        mine.append(ours(loaded, ids, args.max_tokens))
+        mine.append(ours(runtime, ids, args.max_tokens))
         peer.append(greedy_run(llm, ids, args.max_tokens))
-        spec.append(ours(loaded, ids, args.max_tokens, speculative="ngram"))
+        spec.append(ours(runtime, ids, args.max_tokens, speculative="ngram"))
     med = statistics.median
     decode = med(r.metrics.decode_tok_s for r in mine)
     ttft = med(r.metrics.ttft_s for r in mine)
@@ -75,21 +77,21 @@ def main() -> None:
         "spec_identical": all(r.token_ids == mine[0].token_ids for r in spec),
     }
     report["spec_speedup"] = report["spec_decode_tok_s"] / decode
-    report.update(turns(loaded, llm, ids, args))
+    report.update(turns(runtime, llm, ids, args))
     llm.close()
     print(json.dumps(report, indent=1))
 
 
-def turns(loaded: Any, llm: Any, ids: list[int], args: argparse.Namespace) -> dict[str, Any]:
+def turns(runtime: Any, llm: Any, ids: list[int], args: argparse.Namespace) -> dict[str, Any]:
     """Turn 2 of a chat whose turn 1 is cached, against llama.cpp prefilling it cold."""
-    pool = new_prefix_cache(loaded, 1 << 40)
-    first = ours(loaded, ids, 16, pool=pool, conversation="chat", reuse=True)
+    pool = runtime.new_prefix_cache(1 << 40)
+    first = ours(runtime, ids, 16, pool=pool, conversation="chat", reuse=True)
     second_prompt = ids + first.token_ids[:-1] + ids[:32]
     cached, cold = [], []
     for _ in range(args.repeats):
         pool.drop("chat")
-        ours(loaded, ids, 16, pool=pool, conversation="chat", reuse=True)
-        cached.append(ours(loaded, second_prompt, 2, pool=pool, conversation="chat",
+        ours(runtime, ids, 16, pool=pool, conversation="chat", reuse=True)
+        cached.append(ours(runtime, second_prompt, 2, pool=pool, conversation="chat",
                            reuse=True))
         cold.append(greedy_run(llm, second_prompt, 2))
     med = statistics.median

@@ -15,27 +15,26 @@ from typing import Any
 # The engine of the checkout this file is in, not the installed one.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import bench, runtimes
+from engine import runtimes
 from engine.core.reply import DetachedJob
 from engine.events import PrefillProgress
-from engine.kernels import cpu_name
-from engine.llamacpp.batcher import LlamaBatcher
 from engine.params import GenerationRequest, SamplingParams
+from engine.runtimes.torch.kernels import cpu_name
+from engine.tools import bench
 
 
 def main() -> None:
     tokens, out = int(sys.argv[1]), Path(sys.argv[2])
-    loaded = runtimes.load("default", "llama.cpp")
-    ids = bench.fixed_prompt_ids(loaded, tokens)
+    runtime = runtimes.load("default", "llama.cpp")
+    ids = bench.fixed_prompt_ids(runtime, tokens)
     seen: list[tuple[int, int]] = []
 
     def emit(_job: Any, event: Any) -> None:
         if isinstance(event, PrefillProgress):
             seen.append((event.t_ns, event.done_tokens))
 
-    pool = runtimes.new_prefix_cache(loaded, budget_bytes=1 << 40)
-    batcher = LlamaBatcher(loaded, pool, emit, lambda *_a: None,  # type: ignore[arg-type]
-                           interleave=True, beside=True, lone_chunk=None)
+    pool = runtime.new_prefix_cache(budget_bytes=1 << 40)
+    batcher = runtime.new_batcher(pool, emit, lambda *_a: None)  # the engine's own schedule
     job = DetachedJob(GenerationRequest(
         [], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
         prompt_token_ids=ids, reuse_cache=False))

@@ -37,28 +37,28 @@ PROMPT = "Write a long, detailed story about a lighthouse keeper and a storm."
 NEXT = "Now make it shorter."
 
 
-def turn(loaded: Any, pool: Any, messages: list[ChatMessage], seed: int, conversation: str,
+def turn(runtime: Any, pool: Any, messages: list[ChatMessage], seed: int, conversation: str,
          params: SamplingParams) -> GenerationResult:
     request = GenerationRequest(list(messages), dataclasses.replace(params, seed=seed),
                                 conversation_id=conversation)
-    return runtimes.new_session(loaded, pool).run(request, RequestTimeline(now_ns()),
+    return runtime.new_session(pool).run(request, RequestTimeline(now_ns()),
                                                   threading.Event(), lambda _e: None)
 
 
-def next_turn(loaded: Any, pool: Any, seed: int,
+def next_turn(runtime: Any, pool: Any, seed: int,
               params: SamplingParams) -> dict[bool, dict[str, Any]]:
     """A first turn on its own chat, then the next turn: what it reused without the reply's
     ids (counted) and with them (run)."""
     first_messages = [ChatMessage("user", PROMPT)]
-    first = turn(loaded, pool, first_messages, seed, f"seed{seed}", params)
+    first = turn(runtime, pool, first_messages, seed, f"seed{seed}", params)
     held = first.prompt_token_ids + first.token_ids[:-1]  # what the cache holds now
     rows = {}
     text_only = [*first_messages, ChatMessage("assistant", first.text), ChatMessage("user", NEXT)]
-    before = prepare_prompt(loaded, GenerationRequest(text_only)).ids
+    before = prepare_prompt(runtime, GenerationRequest(text_only)).ids
     cached = min(common_prefix_len(held, before), len(before) - 1)
     rows[False] = {"prompt": len(before), "cached": cached,
                    "reason": "none" if cached == len(held) else "template_mismatch"}
-    second = turn(loaded, pool, [*first_messages, first.as_message(), ChatMessage("user", NEXT)],
+    second = turn(runtime, pool, [*first_messages, first.as_message(), ChatMessage("user", NEXT)],
                   seed, f"seed{seed}", dataclasses.replace(params, max_tokens=1))
     m = second.metrics
     rows[True] = {"prompt": m.prompt_tokens, "cached": m.cached_tokens,
@@ -77,13 +77,13 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.7)
     args = parser.parse_args()
     params = SamplingParams(temperature=args.temperature, max_tokens=args.tokens)
-    loaded = runtimes.load("default", args.engine)
-    pool = runtimes.new_prefix_cache(loaded, budget_bytes=1 << 40)
-    print(f"{loaded.info.name} on {args.engine}, {args.seeds} seeds, replies of up to "
+    runtime = runtimes.load("default", args.engine)
+    pool = runtime.new_prefix_cache(budget_bytes=1 << 40)
+    print(f"{runtime.info.name} on {args.engine}, {args.seeds} seeds, replies of up to "
           f"{args.tokens} tokens, temperature {args.temperature}")
     whole = {False: 0, True: 0}
     for seed in range(args.seeds):
-        rows = next_turn(loaded, pool, seed, params)
+        rows = next_turn(runtime, pool, seed, params)
         for with_ids, row in rows.items():
             whole[with_ids] += row["whole"]
             print(f"seed {seed} {'after ' if with_ids else 'before'}: reply "

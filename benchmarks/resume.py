@@ -50,7 +50,7 @@ def long_text(words: int, seed: int = 0) -> str:
 
 
 def _engine(folder: str, spec: str, runtime: str) -> Any:
-    from engine import Engine
+    from engine.worker import Engine
 
     engine = Engine(snapshot_dir=Path(folder)).start()
     engine.load_model_sync(spec, engine=runtime)

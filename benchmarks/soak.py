@@ -19,8 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import ChatMessage, Engine, GenerationRequest, SamplingParams
+from engine import ChatMessage, GenerationRequest, SamplingParams
 from engine.events import GenerationResult
+from engine.worker import Engine
 
 SYSTEM = ChatMessage("system", "You are a concise assistant. Answer in one short sentence.")
 

@@ -7,10 +7,10 @@
 
 Paths, each greedy from the same prompt, timed round by round in alternation:
   dynamic-eager   the engine's shape of loop: DynamicCache, argmax read on the host every token
-  static-eager    StaticCache, token kept on the device (engine/static_decode.py)
+  static-eager    StaticCache, token kept on the device (engine/runtimes/torch/static_decode.py)
   static-<mode>   the same step through torch.compile (reduce-overhead = CUDA graphs)
 Prints tok/s, the ratio to dynamic-eager, weight bytes x tok/s (achieved GB/s) against the
-device's peak (engine/calibrate.py), the compile time, and whether every path's tokens equal
+device's peak (engine/tools/calibrate.py), the compile time, and whether every path's tokens equal
 dynamic-eager's. Measures and prints; asserts nothing.
 """
 
@@ -23,9 +23,9 @@ import time
 import torch
 from transformers import DynamicCache
 
-from engine.calibrate import device_peaks
-from engine.kernels import configure_threads, decode_weight_bytes
-from engine.static_decode import COMPILE_MODES, StaticDecoder
+from engine.runtimes.torch.kernels import configure_threads, decode_weight_bytes
+from engine.runtimes.torch.static_decode import COMPILE_MODES, StaticDecoder
+from engine.tools.calibrate import device_peaks
 
 PROMPT_TOKENS = 64
 
@@ -34,8 +34,8 @@ def load(spec: str) -> tuple[torch.nn.Module, list[int], str]:
     """(model, prompt ids, label). random-1b needs no files: bandwidth does not care about
     the weights' values."""
     if spec != "random-1b":
-        from engine.bench import fixed_prompt_ids
-        from engine.loader import load_model
+        from engine.runtimes.torch.loader import load_model
+        from engine.tools.bench import fixed_prompt_ids
 
         loaded = load_model(spec)
         return loaded.model, fixed_prompt_ids(loaded, PROMPT_TOKENS), loaded.info.name

@@ -1,5 +1,6 @@
-"""Phasewise engine: Qt-free inference core (loading, templates, sampling, decode loop,
-prefix KV cache, metrics). Imports neither `ui` nor `app` nor Qt."""
+"""Phasewise engine: Qt-free inference. This front module holds what the window and the
+commands import (errors, events, params, metrics, the request handle) and loads neither torch
+nor a runtime; the local engine itself is engine.worker.Engine (docs/architecture.md)."""
 
 from engine.errors import (
     ContextOverflowError,
@@ -30,14 +31,12 @@ from engine.events import (
 from engine.metrics import RequestMetrics, percentile
 from engine.params import ChatMessage, GenerationRequest, SamplingParams
 from engine.protocol import RequestHandle
-from engine.worker import Engine
 
 __all__ = [
     "ChatMessage",
     "ContextOverflowError",
     "DownloadNotAllowedError",
     "DraftModelChanged",
-    "Engine",
     "EngineEvent",
     "GenerationRequest",
     "GenerationResult",

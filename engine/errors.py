@@ -35,3 +35,10 @@ class ContextOverflowError(InvalidRequestError):
 
 class SamplingError(PhasewiseError):
     """The model produced logits that cannot be sampled from (NaN, all -inf)."""
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's first line, or its type's name when it says nothing: what a one-line
+    error message quotes of a cause."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__

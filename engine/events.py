@@ -105,10 +105,10 @@ class PrefillStarted:
 @dataclass(frozen=True)
 class PrefillProgress:
     """How far a prefill has got: after each chunk, and within a long one as the model's layers
-    go through it (engine.prefill_progress; there done_tokens counts that share of the chunk's
+    go through it (engine.core.prefill_progress; there done_tokens counts that share of the chunk's
     tokens). done_tokens / total_tokens count the prompt tokens being computed (cached ones
     excluded); tok_s is the prefill rate so far, eta_s the time left (later tokens cost more:
-    engine.prefill_eta), None until enough of the prompt is read to say it."""
+    engine.core.prefill_eta), None until enough of the prompt is read to say it."""
 
     request_id: str
     t_ns: int

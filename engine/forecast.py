@@ -2,7 +2,7 @@
 
 Two parts: how much of the prompt is cached (the ledger's `peek`, from any thread), and what
 reading the rest costs on this model and machine. A prompt token attends over every token
-before it, so a token at position x costs about a + b*x (engine/prefill_eta.py fits the same
+before it, so a token at position x costs about a + b*x (engine/core/prefill_eta.py fits the same
 line within one prefill). Reading positions c..p therefore costs
 
     a * (p - c) + b * (p^2 - c^2) / 2   (+ a fixed setup cost d per prefill),
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 
-import torch
+import numpy as np
 
 from engine.protocol import PrefixPeek
 
@@ -69,10 +69,10 @@ class PrefillCost:
         if len(self._seen) < MIN_OBSERVATIONS or len(sizes) < 2:
             return None
         rows = [[p - c, (p * p - c * c) / 2, 1.0] for c, p, _ in self._seen]
-        x = torch.tensor(rows, dtype=torch.float64)
-        y = torch.tensor([[s] for _, _, s in self._seen], dtype=torch.float64)
-        scale = x.abs().amax(dim=0).clamp(min=1.0)  # columns of very different sizes
-        solution = torch.linalg.lstsq(x / scale, y).solution.squeeze(1) / scale
+        x = np.array(rows, dtype=np.float64)
+        y = np.array([s for _, _, s in self._seen], dtype=np.float64)
+        scale = np.maximum(np.abs(x).max(axis=0), 1.0)  # columns of very different sizes
+        solution = np.linalg.lstsq(x / scale, y, rcond=None)[0] / scale
         a, b, d = (float(v) for v in solution)
         if a <= 0 or b < 0 or d < 0:
             # Noise the line cannot explain (tiny prefills, a busy machine): the session's

@@ -35,7 +35,7 @@ FILE_TYPES = {
 
 @dataclass(frozen=True)
 class Shape:
-    """What the KV cache and the working buffers depend on (engine/fit.py's estimate; here,
+    """What the KV cache and the working buffers depend on (engine/tools/fit.py's estimate; here,
     below fit, because a GGUF's header is one of the two places it is read from)."""
 
     kv_values_per_token: int  # sum over layers with KV of kv_heads x (key + value dims)

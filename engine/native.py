@@ -26,7 +26,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from engine.errors import PhasewiseError
+from engine.errors import PhasewiseError, one_line
 
 # The spawn start method everywhere: no forked copy of the parent's threads and locks (torch,
 # Qt), and the same behaviour on Linux, macOS and Windows.
@@ -67,10 +67,6 @@ def describe_exit(exitcode: int | None) -> str:
     detail = signal.strsignal(number) or ""
     return f"{name} ({detail.lower()})" if detail else name
 
-
-def one_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
 
 
 def _child_entry(main: Callable[..., None], conn: Connection, *args: Any) -> None:

@@ -1,6 +1,6 @@
 """Which runtime runs a model: torch or llama.cpp, chosen from the spec, the device and what is
 installed. Light (no runtime is imported) so that the runtimes and the fit check both build on
-it: engine/runtimes.py loads what this chooses, engine/fit.py estimates it before loading.
+it: engine/runtimes.py loads what this chooses, engine/tools/fit.py estimates it before loading.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import importlib.util
 from pathlib import Path
 
 from engine.errors import ModelLoadError
-from engine.loader import DEFAULT_MODEL_NAME, classify, default_gguf_path
+from engine.model_files import DEFAULT_MODEL_NAME, classify, default_gguf_path
 
 AUTO = "auto"
 TORCH = "torch"

@@ -14,18 +14,19 @@ import time
 from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from engine import runtimes
-from engine.batching import batchable
-from engine.core.batch import alternative_cache_key
+from engine.core.batch import alternative_cache_key, batchable
 from engine.core.ledger import KvLedger
 from engine.core.prompt import prepare_prompt
+from engine.core.reply import ReplyJob
+from engine.core.runtime import Runtime
 from engine.core.snapshots import DEFAULT_BUDGET_BYTES as DEFAULT_SNAPSHOT_BUDGET
 from engine.core.snapshots import KvShelf
-from engine.draft import DraftModel
+from engine.core.speculative import TokenProposer
 from engine.errors import ContextOverflowError, ModelLoadError, PhasewiseError
 from engine.events import (
     DraftModelChanged,
@@ -50,9 +51,6 @@ from engine.protocol import (
     PrefixPeek,
     RequestHandle,
 )
-
-if TYPE_CHECKING:
-    from engine.llamacpp.draft import LlamaDraftModel
 
 log = logging.getLogger(__name__)
 SHELF_CLOSE_TIMEOUT_S = 10.0  # at quit, snapshots still being written get this long
@@ -80,9 +78,9 @@ def is_out_of_memory(exc: BaseException) -> bool:
     )
 
 
-def default_cache_budget(device_type: str) -> int:
+def default_cache_budget(device: str) -> int:
     """Bytes of KV cache the prefix pool may keep: 1 GiB on CPU, 25% of free GPU memory."""
-    if device_type == "cuda":
+    if device.startswith("cuda"):
         import torch
 
         free, _total = torch.cuda.mem_get_info()
@@ -150,7 +148,7 @@ class Shutdown:
 CacheCommand = DropConversation | AdoptCache
 
 
-def _done_ns(job: _Job) -> int:
+def _done_ns(job: ReplyJob) -> int:
     """The done event's stamp: the one the metrics' e2e ends at (the remote backend's too), so
     a listener working from the events' stamps gets the engine's numbers."""
     return job.timeline.done_ns or now_ns()
@@ -166,14 +164,13 @@ class Engine(EventSource, Backend):
         self._inbox: queue.Queue[Any] = queue.Queue()
         self._init_listeners()
         self._thread = threading.Thread(target=self._run, name="phasewise-engine", daemon=True)
-        self._loaded: runtimes.Model | None = None  # a torch LoadedModel or a LlamaCppModel
+        self._runtime: Runtime | None = None  # the model, on whichever runtime loaded it
         self._prefix_cache: KvLedger[Any] | None = None
         # for speculative="draft", on the model's runtime; dropped on model change
-        self._draft: DraftModel | LlamaDraftModel | None = None
+        self._draft: TokenProposer | None = None
         self._cache_budget = cache_budget_bytes
         self._snapshot_dir, self._snapshot_budget = snapshot_dir, snapshot_budget_bytes
         self._active: dict[str, _Job] = {}
-        self._batching = False  # the loaded model's cache can be batched row-wise
         self._lock = threading.Lock()
         self._closing = threading.Event()  # shutdown() was called: a model load gives up
         self.last_load_error: str | None = None
@@ -196,7 +193,7 @@ class Engine(EventSource, Backend):
 
     @property
     def model_info(self) -> ModelInfo | None:
-        return self._loaded.info if self._loaded else None
+        return self._runtime.info if self._runtime else None
 
     @property
     def is_remote(self) -> bool:
@@ -207,7 +204,9 @@ class Engine(EventSource, Backend):
         """Alternatives share one prefill where the model's cache batches row-wise (plain
         full-attention layers); otherwise they run one after another. Both local runtimes
         speculate by prompt lookup and with a draft model (a GGUF for llama.cpp)."""
-        return replace(LOCAL_CAPABILITIES, shared_prefill_alternatives=self._batching)
+        runtime = self._runtime
+        batching = runtime is not None and runtime.supports_batching
+        return replace(LOCAL_CAPABILITIES, shared_prefill_alternatives=batching)
 
     @property
     def prefix_cache(self) -> KvLedger[Any] | None:
@@ -219,8 +218,9 @@ class Engine(EventSource, Backend):
         """Queue a model load; on failure the old model stays. Returns an event set when done.
 
         options: load_model's keywords, plus kernel="auto" (measure and pick the fastest
-        decode path) or a name from engine.kernels.KERNELS, and engine="auto" | "torch" |
-        "llama.cpp" (engine.runtimes: auto runs a GGUF on llama.cpp when there is no GPU)."""
+        decode path) or a name from engine.runtimes.torch.kernels.KERNELS, and engine="auto" |
+        "torch" | "llama.cpp" (engine.runtimes: auto runs a GGUF on llama.cpp when there is no
+        GPU)."""
         done = threading.Event()
         self._inbox.put(LoadModel(spec, options, done))
         return done
@@ -232,9 +232,8 @@ class Engine(EventSource, Backend):
         self.load_model(spec, **options).wait(timeout)
         if self.last_load_error is not None:
             raise ModelLoadError(self.last_load_error)
-        assert self._loaded is not None
-        info: ModelInfo = self._loaded.info
-        return info
+        assert self._runtime is not None
+        return self._runtime.info
 
     def load_draft_sync(self, spec: str | None, timeout: float | None = None,
                         **options: Any) -> None:
@@ -314,11 +313,11 @@ class Engine(EventSource, Backend):
     def peek_prefix(self, request: GenerationRequest) -> PrefixPeek | None:
         """Tokenizes the prompt on the calling thread (the tokenizers are safe to share) and
         asks the ledger's published index: the engine thread is never waited for."""
-        loaded, pool = self._loaded, self._prefix_cache
-        if loaded is None or pool is None:
+        runtime, pool = self._runtime, self._prefix_cache
+        if runtime is None or pool is None:
             return None
         try:
-            prompt = prepare_prompt(loaded, request)
+            prompt = prepare_prompt(runtime, request)
         except ContextOverflowError as exc:  # too long: the count says so, nothing is cached
             return PrefixPeek(exc.prompt_tokens, 0)
         except PhasewiseError:
@@ -328,11 +327,11 @@ class Engine(EventSource, Backend):
         return PrefixPeek(len(prompt.ids), cached, from_disk)
 
     def count_tokens(self, text: str) -> int | None:
-        loaded = self._loaded
-        if loaded is None:
+        runtime = self._runtime
+        if runtime is None:
             return None
         # As message text is encoded: no BOS, special tokens' text kept as text.
-        ids = loaded.tokenizer(text, add_special_tokens=False, split_special_tokens=True)
+        ids = runtime.tokenizer(text, add_special_tokens=False, split_special_tokens=True)
         return len(ids["input_ids"])
 
     # ----- engine thread ---------------------------------------------------------------
@@ -362,8 +361,9 @@ class Engine(EventSource, Backend):
         self._close_shelf()
         self._prefix_cache = None
         self._draft = None
-        runtimes.close(self._loaded)
-        self._loaded = None
+        if self._runtime is not None:
+            self._runtime.close()
+        self._runtime = None
 
     def _set_idle(self, idle: bool) -> None:
         """Tell the snapshot writer whether it may use the CPU (only while nothing runs)."""
@@ -400,7 +400,7 @@ class Engine(EventSource, Backend):
             self._prefix_cache.adopt(item.source, item.target)
 
     def _joins_batch(self, item: Any) -> bool:
-        if not self._batching or self._loaded is None:
+        if self._runtime is None or not self._runtime.supports_batching:
             return False
         if isinstance(item, _Group):
             return True
@@ -410,9 +410,8 @@ class Engine(EventSource, Backend):
         """Continuous batching: queued requests join between decode steps, finished ones
         leave, until the batch is empty. Returns the first inbox item that cannot join (a
         load, a speculative request, stop): nothing queued after it joins, keeping order."""
-        assert self._loaded is not None and self._prefix_cache is not None
-        batcher = runtimes.new_batcher(self._loaded, self._prefix_cache, self._deliver,
-                                       self._end_job)
+        assert self._runtime is not None and self._prefix_cache is not None
+        batcher = self._runtime.new_batcher(self._prefix_cache, self._deliver, self._end_job)
         waiting: deque[_Job | _Group] = deque([first])
         blocked: Any = None
         try:
@@ -446,10 +445,10 @@ class Engine(EventSource, Backend):
             else:
                 return item
 
-    def _end_job(self, job: _Job, result: GenerationResult | None,
+    def _end_job(self, job: ReplyJob, result: GenerationResult | None,
                  error: BaseException | None) -> None:
         """The batcher's report: a result, or the error that ended the request."""
-        request_id = job.handle.request_id
+        request_id = _queued(job).handle.request_id
         try:
             if result is not None:
                 self._deliver(job, RequestFinished(request_id, _done_ns(job), result))
@@ -464,7 +463,7 @@ class Engine(EventSource, Backend):
     def _load(self, cmd: LoadModel) -> None:
         start = time.perf_counter()
         try:
-            loaded = runtimes.load(cmd.spec, progress=self._load_progress,
+            runtime = runtimes.load(cmd.spec, progress=self._load_progress,
                                    conversion_progress=self._conversion_progress, **cmd.options)
         except PhasewiseError as exc:
             self._fail_load(str(exc), cmd)
@@ -472,21 +471,19 @@ class Engine(EventSource, Backend):
         except Exception as exc:
             self._fail_load(f"cannot load {cmd.spec}: {exc}".splitlines()[0], cmd)
             return
-        old, self._loaded = self._loaded, loaded
-        self._batching = runtimes.supports_batching(loaded)
+        old, self._runtime = self._runtime, runtime
         if self._draft is not None:  # it was checked against the old model's vocabulary
             self._draft = None
             self._broadcast(DraftModelChanged(now_ns(), None))
-        budget = self._cache_budget or default_cache_budget(loaded.device.type)
+        budget = self._cache_budget or default_cache_budget(runtime.info.device)
         self._close_shelf()
-        self._prefix_cache = runtimes.switch_prefix_cache(self._prefix_cache, old, loaded,
-                                                          budget)
+        self._prefix_cache = runtimes.switch_prefix_cache(self._prefix_cache, runtime, budget)
         if self._snapshot_dir is not None:
-            self._prefix_cache.shelf = KvShelf(self._snapshot_dir, runtimes.snapshot_key(loaded),
+            self._prefix_cache.shelf = KvShelf(self._snapshot_dir, runtimes.snapshot_key(runtime),
                                                self._snapshot_budget)
-        if old is not loaded:
-            runtimes.close(old)
-        self._broadcast(ModelLoaded(now_ns(), loaded.info, time.perf_counter() - start))
+        if old is not None:
+            old.close()
+        self._broadcast(ModelLoaded(now_ns(), runtime.info, time.perf_counter() - start))
         cmd.done.set()
 
     def _load_draft(self, cmd: LoadDraft) -> None:
@@ -497,12 +494,12 @@ class Engine(EventSource, Backend):
         if spec is None:
             self._draft = None
             self._broadcast(DraftModelChanged(now_ns(), None))
-        elif self._loaded is None:
+        elif self._runtime is None:
             self._fail_load("load a model before its draft model", cmd, draft=True)
             return
         else:
             try:
-                self._draft = runtimes.load_draft(spec, self._loaded,
+                self._draft = self._runtime.load_draft(spec,
                                                   progress=self._load_progress, **options)
             except PhasewiseError as exc:
                 self._fail_load(str(exc), cmd, draft=True)
@@ -511,7 +508,7 @@ class Engine(EventSource, Backend):
                 self._fail_load(f"cannot load draft model {spec}: {exc}".splitlines()[0], cmd,
                                 draft=True)
                 return
-            info = self._draft.loaded.info
+            info = self._draft.info
             self._broadcast(DraftModelChanged(now_ns(), info.name, info.kernel))
         cmd.done.set()
 
@@ -540,9 +537,9 @@ class Engine(EventSource, Backend):
     def _serve(self, job: _Job) -> None:
         request_id = job.handle.request_id
         try:
-            if self._loaded is None or self._prefix_cache is None:
+            if self._runtime is None or self._prefix_cache is None:
                 raise PhasewiseError("no model is loaded")
-            session = runtimes.new_session(self._loaded, self._prefix_cache, self._draft)
+            session = self._runtime.new_session(self._prefix_cache, self._draft)
             result = session.run(job.handle.request, job.timeline, job.cancel,
                                  lambda ev: self._deliver(job, ev))
             self._deliver(job, RequestFinished(request_id, _done_ns(job), result))
@@ -572,9 +569,15 @@ class Engine(EventSource, Backend):
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def _deliver(self, job: _Job, event: EngineEvent) -> None:
-        job.handle._deliver(event)
+    def _deliver(self, job: ReplyJob, event: EngineEvent) -> None:
+        _queued(job).handle._deliver(event)
         self._broadcast(event)
+
+
+def _queued(job: ReplyJob) -> _Job:
+    """A job a batch reports on: always one this engine queued (it admits nothing else)."""
+    assert isinstance(job, _Job)
+    return job
 
 
 def _jobs(item: _Job | _Group) -> list[_Job]:

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.errors import ModelLoadError  # noqa: E402  (needs the source tree on sys.path)
-from engine.loader import (  # noqa: E402
+from engine.model_files import (  # noqa: E402
     BUNDLED_MARKER,
     BUNDLED_MODEL_ENV,
     check_bundled_model,

@@ -18,7 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # temporary folder (tests/support/isolation.py), also for the child processes tests spawn.
 ISOLATED_ROOT = isolation.isolate()
 
-from engine import Engine  # noqa: E402  (after the isolation above)
+from engine.worker import Engine  # noqa: E402  (after the isolation above)
 from tests.support.serving import TOKEN  # noqa: E402
 from tests.support.tiny_model import build_tiny_model  # noqa: E402
 

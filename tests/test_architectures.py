@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import ChatMessage, Engine, GenerationRequest, SamplingParams
+from engine import ChatMessage, GenerationRequest, SamplingParams
 from engine.errors import ModelLoadError
-from engine.layer_progress import LayerProgress, decoder_layers
-from engine.prefix_cache import (
+from engine.runtimes.torch.layer_progress import LayerProgress, decoder_layers
+from engine.runtimes.torch.prefix_cache import (
     PrefixCache,
     RollbackError,
     checkpoint_if_due,
@@ -30,6 +30,7 @@ from engine.prefix_cache import (
     model_rollback_blocker,
     new_cache,
 )
+from engine.worker import Engine
 from tests.support.tiny_model import ARCHITECTURES, TINY_WINDOW, build_tiny_architecture
 
 SYSTEM = ChatMessage("system", "You are a helpful assistant. The capital of France is Paris.")
@@ -100,7 +101,8 @@ def test_greedy_reply_matches_transformers_generate(arch: Arch) -> None:
 
 
 def test_prefill_progress_comes_after_each_decoder_layer(arch: Arch) -> None:
-    """Progress within a prefill chunk (engine.layer_progress) finds every layer, in order."""
+    """Progress within a prefill chunk (engine.runtimes.torch.layer_progress) finds every layer, in
+    order."""
     seen: list[float] = []
     layers = decoder_layers(arch.reference)
     assert len(layers) == arch.reference.config.num_hidden_layers
@@ -265,7 +267,7 @@ def test_a_chat_resumes_from_disk_on_every_architecture(arch: Arch, tmp_path: Pa
     """After a restart a chat's next turn reads its KV snapshot back where the cache has a
     snapshot format (attention layers) and says so; a recurrent or convolution cache has none
     yet: no file, the turn runs cold. Either way the reply is the cold one."""
-    from engine.prefix_cache import attention_only
+    from engine.runtimes.torch.prefix_cache import attention_only
 
     shelf, first = tmp_path / "kv", [SYSTEM, QUESTION]
     with Engine(snapshot_dir=shelf) as one:

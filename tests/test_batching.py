@@ -14,7 +14,6 @@ import torch
 
 from engine import (
     ChatMessage,
-    Engine,
     EngineEvent,
     GenerationRequest,
     GenerationResult,
@@ -25,6 +24,7 @@ from engine import (
     TokenEmitted,
 )
 from engine.core.schedule import MAX_BATCH
+from engine.worker import Engine
 from tests.support.fault_injection import ForwardFault
 from tests.support.tiny_model import sharpened
 
@@ -249,7 +249,7 @@ def test_one_batch_step_serves_every_row(engine: Engine) -> None:
     """The throughput mechanism: B requests of T tokens cost B prefills plus about T decode
     forwards in all, not B x T."""
     calls = 0
-    model = engine._loaded.model
+    model = engine._runtime.loaded.model
     original = model.forward
 
     def counting(*args: Any, **kwargs: Any) -> Any:
@@ -322,8 +322,8 @@ def fake_loaded(context: int = 64, template_fallback: bool = False) -> Any:
 
 def decisions(prefill_chunk: int = 256, streaming: int = 0, **kw: Any) -> Any:
     """A Batcher with `streaming` placeholder rows (only their count matters here)."""
-    from engine.batching import Batcher
-    from engine.prefix_cache import PrefixCache
+    from engine.runtimes.torch.batching import Batcher
+    from engine.runtimes.torch.prefix_cache import PrefixCache
 
     batcher = Batcher(fake_loaded(), PrefixCache(None, 1 << 20), lambda job, e: None,
                       lambda job, result, error: None, prefill_chunk=prefill_chunk, **kw)
@@ -332,7 +332,7 @@ def decisions(prefill_chunk: int = 256, streaming: int = 0, **kw: Any) -> Any:
 
 
 def test_only_plain_requests_join_the_batch() -> None:
-    from engine.batching import batchable
+    from engine.core.batch import batchable
 
     assert batchable(ask("hi"))
     assert not batchable(ask("hi", speculative="ngram"))
@@ -344,7 +344,7 @@ def test_only_caches_of_plain_attention_layers_batch() -> None:
 
     from transformers import Lfm2Config, LlamaConfig, MistralConfig
 
-    from engine.batching import cache_supports_batching
+    from engine.runtimes.torch.batching import cache_supports_batching
 
     sizes = dict(num_hidden_layers=2, hidden_size=16, intermediate_size=32, vocab_size=50,
                  num_attention_heads=2, num_key_value_heads=1)
@@ -399,10 +399,10 @@ def test_the_budget_follows_the_clock_halfway_and_within_bounds() -> None:
 
 
 def test_a_row_may_generate_up_to_max_tokens_or_the_context_left() -> None:
-    from engine.batching import Batcher
-    from engine.chat_template import FALLBACK_STOPS
+    from engine.core.chat_template import FALLBACK_STOPS
     from engine.core.prompt import PreparedPrompt
     from engine.core.reply import DetachedJob, Reply
+    from engine.runtimes.torch.batching import Batcher
 
     batcher = decisions()
     lease = batcher.prefix_cache.cold_lease("c")
@@ -447,7 +447,7 @@ def test_batched_rows_apply_the_repetition_penalty_to_their_own_tokens(
         engine: Engine, sharp_model_dir: Path) -> None:
     """Each row's penalty covers its own prompt and reply: checked against a plain forward over
     the whole sequence per token (tests/support/reference.py), not the engine."""
-    from engine.loader import load_model
+    from engine.runtimes.torch.loader import load_model
     from tests.support.reference import reference_greedy
 
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
@@ -464,8 +464,8 @@ def test_batched_rows_apply_the_repetition_penalty_to_their_own_tokens(
 def test_a_long_prompt_is_read_beside_streaming_rows_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """The schedule of a joining prompt: beside the rows (a side thread) only when rows stream,
     both beside and interleave are on, and its uncached part is long enough; else between."""
-    from engine import batching
     from engine.core.reply import DetachedJob
+    from engine.runtimes.torch import batching
     from tests.support.prefix_cache import feed
 
     asked: list[int] = []
@@ -523,10 +523,10 @@ def test_a_joining_prompt_reports_its_prefill_and_first_logits() -> None:
 def test_chunks_alternate_with_decode_steps_while_rows_stream(tiny_model_dir: Path) -> None:
     """A 70-token prompt beside one streaming row, at a budget of 33: chunks of 32 (32, 32, 6 fed)
     with a decode step between two chunks (none after the last); alone: one chunk."""
-    from engine.batching import Batcher
     from engine.core.reply import DetachedJob
-    from engine.loader import load_model
-    from engine.prefix_cache import PrefixCache
+    from engine.runtimes.torch.batching import Batcher
+    from engine.runtimes.torch.loader import load_model
+    from engine.runtimes.torch.prefix_cache import PrefixCache
 
     loaded = load_model(str(tiny_model_dir))
     ids = list(range(3, 73))
@@ -560,10 +560,10 @@ def test_chunks_alternate_with_decode_steps_while_rows_stream(tiny_model_dir: Pa
 
 
 def test_a_cancelled_job_reads_no_more_of_its_prompt(tiny_model_dir: Path) -> None:
-    from engine.batching import Batcher
     from engine.core.reply import DetachedJob
-    from engine.loader import load_model
-    from engine.prefix_cache import PrefixCache
+    from engine.runtimes.torch.batching import Batcher
+    from engine.runtimes.torch.loader import load_model
+    from engine.runtimes.torch.prefix_cache import PrefixCache
 
     loaded = load_model(str(tiny_model_dir))
     pool = PrefixCache(loaded.model.config, 1 << 30)

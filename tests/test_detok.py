@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from engine.detok import IncrementalDetokenizer, StopMatcher
+from engine.core.detok import IncrementalDetokenizer, StopMatcher
 
 TEXTS = [
     "Hello, world! The capital of France is Paris.",

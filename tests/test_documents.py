@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from engine import ChatMessage, Engine, GenerationRequest, SamplingParams
+from engine import ChatMessage, GenerationRequest, SamplingParams
 from engine.documents import DocumentError, read_document, split_documents, with_documents
+from engine.worker import Engine
 from tests.support.child import needs_llama_cpp, run_in_child
 from tests.support.pdf import write_pdf
 
@@ -149,7 +150,7 @@ def test_a_file_that_cannot_be_attached_or_does_not_fit_says_why(
 
 
 def _count_on_llama_cpp(text: str) -> int | None:
-    from engine import Engine
+    from engine.worker import Engine
 
     with Engine() as engine:
         engine.load_model_sync("default", engine="llama.cpp")

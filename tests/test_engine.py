@@ -6,7 +6,6 @@ import pytest
 
 from engine import (
     ChatMessage,
-    Engine,
     GenerationRequest,
     PrefillStarted,
     RequestFailed,
@@ -17,6 +16,7 @@ from engine import (
     TokenEmitted,
 )
 from engine.errors import PhasewiseError
+from engine.worker import Engine
 
 
 def ask(text: str, **params) -> GenerationRequest:

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from engine.bench import run_ours
-from engine.chat_template import encode_chat_with_spans
-from engine.kernels import apply_kernel, select_kernel
-from engine.loader import LoadedModel, load_model
+from engine.core.chat_template import encode_chat_with_spans
 from engine.params import ChatMessage
-from engine.quality import greedy_continuation, perplexity, reference_ids, within_tolerance
+from engine.runtimes.torch.kernels import apply_kernel, select_kernel
+from engine.runtimes.torch.loader import LoadedModel, load_model
+from engine.runtimes.torch.quality import (
+    greedy_continuation,
+    perplexity,
+    reference_ids,
+    within_tolerance,
+)
+from engine.runtimes.torch.runtime import TorchRuntime
+from engine.tools.bench import run_ours
 
 pytestmark = pytest.mark.real_model
 GUARD_TOKENS = 32
@@ -81,7 +87,7 @@ def test_speculative_greedy_equals_plain_real(reference: LoadedModel, name: str)
     text = ("Repeat exactly: The quick brown fox jumps over the lazy dog, and the lazy dog "
             "sleeps in the warm afternoon sun.")
     ids = encode_chat_with_spans(reference.tokenizer, [ChatMessage("user", text)])[0]
-    plain = run_ours(loaded, ids, 48)
-    spec = run_ours(loaded, ids, 48, speculative="ngram")
+    plain = run_ours(TorchRuntime(loaded), ids, 48)
+    spec = run_ours(TorchRuntime(loaded), ids, 48, speculative="ngram")
     assert spec.token_ids == plain.token_ids
     assert spec.spec_accepted > 0

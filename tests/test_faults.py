@@ -10,16 +10,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from engine import (
-    ChatMessage,
-    Engine,
-    GenerationRequest,
-    RequestFailed,
-    SamplingParams,
-    TokenEmitted,
-)
+from engine import ChatMessage, GenerationRequest, RequestFailed, SamplingParams, TokenEmitted
 from engine.errors import PhasewiseError
-from engine.worker import OUT_OF_MEMORY_MESSAGE
+from engine.worker import OUT_OF_MEMORY_MESSAGE, Engine
 from tests.support.fault_injection import ForwardFault, ScriptedTokens
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

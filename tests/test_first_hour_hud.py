@@ -15,14 +15,16 @@ from PySide6.QtCore import QEvent, QPointF, Qt
 from PySide6.QtGui import QColor, QPalette
 from PySide6.QtWidgets import QApplication, QDockWidget, QFileDialog, QLabel, QMainWindow
 
-from engine import Engine, GenerationRequest, InvalidRequestError, SamplingParams
+from engine import GenerationRequest, InvalidRequestError, SamplingParams
 from engine.events import RequestFinished, TokenEmitted
-from engine.hud_model import SessionModel, advise
+from engine.worker import Engine
 from tests.support.hud_events import MS, ReplySpec, reply_events
 from tests.support.window_helpers import show_and_wait
 from ui.compare import LOCAL, CompareDialog
-from ui.hud import HudWidget, style
+from ui.hud import style
+from ui.hud.model import SessionModel, advise
 from ui.hud.panels import NO_HOVER, Panel, short_token
+from ui.hud.widget import HudWidget
 
 
 def feed(hud: HudWidget, events: list) -> None:

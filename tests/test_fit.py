@@ -1,5 +1,5 @@
-"""Will it fit? engine/fit.py's estimate against real allocations (bytes), and the refusal of a
-model that cannot fit: one line, through the CLI, before anything loads."""
+"""Will it fit? engine/tools/fit.py's estimate against real allocations (bytes), and the refusal of
+a model that cannot fit: one line, through the CLI, before anything loads."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from app.cli import main
-from engine import fit, runtimes
+from engine import runtimes
 from engine.errors import ModelLoadError
-from engine.loader import load_model
-from engine.prefix_cache import cache_nbytes, new_cache
+from engine.runtimes.torch.loader import load_model
+from engine.runtimes.torch.prefix_cache import cache_nbytes, new_cache
+from engine.tools import fit
 from tests.support.child import needs_llama_cpp, run_in_child
 from tests.support.gguf import write_gguf
 from tests.support.tiny_model import TINY_WINDOW, build_tiny_architecture
@@ -27,8 +28,9 @@ def _llama_cpp_buffers(context: int) -> dict[str, Any]:
     """In the child: load the bundled GGUF, and read the buffers llama.cpp says it made."""
     import logging
 
-    from engine import fit, runtimes
-    from engine.loader import default_gguf_path
+    from engine import runtimes
+    from engine.model_files import default_gguf_path
+    from engine.tools import fit
 
     lines: list[str] = []
 
@@ -36,7 +38,7 @@ def _llama_cpp_buffers(context: int) -> dict[str, Any]:
         def emit(self, record: logging.LogRecord) -> None:
             lines.append(record.getMessage())
 
-    logger = logging.getLogger("engine.llamacpp.model")
+    logger = logging.getLogger("engine.runtimes.llamacpp.model")
     logger.setLevel(logging.DEBUG)
     logger.addHandler(Keep())
     loaded = runtimes.load("default", runtimes.LLAMA_CPP, context_length=context)

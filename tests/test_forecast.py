@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import ChatMessage, Engine, GenerationRequest, SamplingParams
+from engine import ChatMessage, GenerationRequest, SamplingParams
 from engine.forecast import PrefillCost, forecast_text
 from engine.protocol import PrefixPeek
+from engine.worker import Engine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 SYSTEM = ChatMessage("system", "You are a helpful assistant who answers briefly.")

@@ -14,13 +14,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from engine import prefix_cache
+from engine.core.detok import IncrementalDetokenizer, StopMatcher
 from engine.core.ledger import common_prefix_len
-from engine.detok import IncrementalDetokenizer, StopMatcher
+from engine.core.sampling import filtered_probs, make_generator, sample_token
 from engine.errors import SamplingError
 from engine.params import SamplingParams
-from engine.prefix_cache import PrefixCache
-from engine.sampling import filtered_probs, make_generator, sample_token
+from engine.runtimes.torch import prefix_cache
+from engine.runtimes.torch.prefix_cache import PrefixCache
 from ui.markdown import is_safe_link, render_markdown
 
 # ----- sampler ------------------------------------------------------------------------------
@@ -65,7 +65,7 @@ def test_sampler_errors_clearly_or_draws_a_token_it_kept(
     assert 0 <= token < len(values)
     assert values[token] != -math.inf
     if not params.greedy:
-        from engine.sampling import apply_repetition_penalty
+        from engine.core.sampling import apply_repetition_penalty
 
         penalised = apply_repetition_penalty(logits, seen, params.repetition_penalty)
         probs = filtered_probs(penalised, params)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from engine.chat_template import encode_chat
+from engine.core.chat_template import encode_chat
 from engine.params import ChatMessage
 from tests.support.tiny_model import CHATML, build_tiny_tokenizer
 

@@ -1,4 +1,4 @@
-"""engine/hub.py against a fake hub on loopback (tests/support/fake_hub.py): search, a
+"""engine/tools/hub.py against a fake hub on loopback (tests/support/fake_hub.py): search, a
 repository's files, the header read by range, download with progress, resume, cancel and
 checksum, and every failure in one line with nothing lost. No test reaches the internet."""
 
@@ -15,9 +15,9 @@ from typing import IO
 import huggingface_hub.constants
 import pytest
 
-from engine import fit, hub
 from engine.gguf_header import read_gguf
-from engine.hub import DownloadCancelled, Hub, HubError, Progress, RemoteFile
+from engine.tools import fit, hub
+from engine.tools.hub import DownloadCancelled, Hub, HubError, Progress, RemoteFile
 from tests.support.fake_hub import COMMIT, FakeHub
 from tests.support.gguf import write_gguf
 

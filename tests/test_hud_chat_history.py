@@ -17,11 +17,11 @@ import pytest
 from PySide6.QtWidgets import QApplication, QFileDialog, QToolTip, QWidget
 
 from engine.events import RequestFinished
-from engine.hud_model import SavedChat, SessionModel, fmt_ms, saved_metrics, saved_reply
 from tests.support.hud_events import MS, ReplySpec, reply_events
 from tests.support.window_helpers import banner, greedy, send_and_wait, show_and_wait
-from ui.hud import HudWidget
+from ui.hud.model import SavedChat, SessionModel, fmt_ms, saved_metrics, saved_reply
 from ui.hud.panels import HISTORY_ALPHA
+from ui.hud.widget import HudWidget
 from ui.store import ChatStore, metrics_record
 
 

@@ -10,14 +10,13 @@ import math
 import numpy as np
 import pytest
 
-from engine.calibrate import DevicePeaks
 from engine.events import EngineEvent, RequestFinished, TokenEmitted
-from engine.hud_model import THROUGHPUT_WINDOW, SeriesRing, SessionModel
 from engine.metrics import NS
+from engine.tools.calibrate import DevicePeaks
 from tests.support.hud_events import MS, ReplySpec, history_events, loaded_event, reply_events
-from ui.hud import HudWidget
+from ui.hud.model import THROUGHPUT_WINDOW, SeriesRing, SessionModel
 from ui.hud.panels import nice_ceiling
-from ui.hud.widget import FINAL_REDRAW_MS, REDRAW_INTERVAL_MS
+from ui.hud.widget import FINAL_REDRAW_MS, REDRAW_INTERVAL_MS, HudWidget
 
 TOKENS = 10_000
 PER_REPLY = 250

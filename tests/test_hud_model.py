@@ -9,7 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.calibrate import (
+from engine.events import RequestFinished, TokenEmitted
+from engine.metrics import percentile
+from engine.tools.calibrate import (
     CACHE_FILE,
     DevicePeaks,
     calibration_method,
@@ -17,9 +19,6 @@ from engine.calibrate import (
     roof,
     table_peaks,
 )
-from engine.events import RequestFinished, TokenEmitted
-from engine.hud_model import Breakdown, SessionModel, advise, fmt_seconds, nice_cap
-from engine.metrics import percentile
 from tests.support.hud_events import (
     MS,
     ReplySpec,
@@ -28,6 +27,7 @@ from tests.support.hud_events import (
     loaded_event,
     reply_events,
 )
+from ui.hud.model import Breakdown, SessionModel, advise, fmt_seconds, nice_cap
 
 
 def breakdown(queue: float, prefill: float, decode: float, *, prompt: int = 100,
@@ -270,7 +270,7 @@ def test_calibration_runs_once_then_comes_from_the_cache(
 
 
 def test_real_calibration_measures_positive_peaks(tmp_path: Path) -> None:
-    from engine.calibrate import measure_peaks
+    from engine.tools.calibrate import measure_peaks
 
     gb_s, tflop_s = measure_peaks("cpu", budget_s=0.2)
     assert gb_s > 0 and tflop_s > 0

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import ChatMessage, Engine, GenerationRequest, SamplingParams
-from engine.calibrate import CACHE_FILE, DevicePeaks, calibration_method, device_name
+from engine import ChatMessage, GenerationRequest, SamplingParams
 from engine.events import EngineEvent, RequestFinished, SamplerSnapshot, TokenEmitted
+from engine.tools.calibrate import CACHE_FILE, DevicePeaks, calibration_method, device_name
+from engine.worker import Engine
 from tests.support.hud_events import (
     MS,
     ReplySpec,
@@ -20,7 +21,7 @@ from tests.support.hud_events import (
     reply_events,
 )
 from tests.support.window_helpers import new_hud
-from ui.hud import HudWidget
+from ui.hud.widget import HudWidget
 
 PEAKS = DevicePeaks("cpu: test", 28.0, 0.16, "calibrated (cached)")
 

@@ -24,12 +24,13 @@ def resolve() -> dict[str, str]:
     app's own functions; run here and in a child process."""
     import platformdirs
 
-    from engine import kernels, loader
+    from engine import model_files
+    from engine.runtimes.torch import kernels
     from ui.store import data_dir
 
     return {
-        "cache_root": str(loader.cache_root()),
-        "converted models": str(loader.models_dir()),
+        "cache_root": str(model_files.cache_root()),
+        "converted models": str(model_files.models_dir()),
         "kernel probes": str(kernels.probe_cache_path()),
         "kernel smoke runs": str(kernels.smoke_cache_path()),
         "chats": str(data_dir()),

@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import Engine, ModelLoadError
-from engine import kernels as kernels_mod
-from engine.bench import fixed_prompt_ids, run_ours
-from engine.kernels import (
+from engine import ModelLoadError
+from engine.runtimes.torch import kernels as kernels_mod
+from engine.runtimes.torch.kernels import (
     KERNELS,
     KernelPath,
     KernelUnavailableError,
@@ -25,8 +24,11 @@ from engine.kernels import (
     probe_cache_path,
     select_kernel,
 )
-from engine.loader import LoadedModel, load_model, weight_bytes_per_step
-from engine.quality import perplexity, reference_ids, within_tolerance
+from engine.runtimes.torch.loader import LoadedModel, load_model, weight_bytes_per_step
+from engine.runtimes.torch.quality import perplexity, reference_ids, within_tolerance
+from engine.runtimes.torch.runtime import TorchRuntime
+from engine.tools.bench import fixed_prompt_ids, run_ours
+from engine.worker import Engine
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +71,9 @@ def test_weight_bytes_follow_the_kernel(tiny: LoadedModel) -> None:
 def test_fast_paths_decode_and_pass_the_perplexity_guard(tiny: LoadedModel, name: str) -> None:
     fast = apply_kernel(tiny, name)
     prompt = fixed_prompt_ids(tiny, 24)
-    first = run_ours(fast, prompt, 8)
+    first = run_ours(TorchRuntime(fast), prompt, 8)
     assert len(first.token_ids) == 8
-    assert run_ours(fast, prompt, 8).token_ids == first.token_ids
+    assert run_ours(TorchRuntime(fast), prompt, 8).token_ids == first.token_ids
     text = reference_ids(tiny.tokenizer)
     assert within_tolerance(perplexity(fast.model, text), perplexity(tiny.model, text))
 
@@ -121,7 +123,7 @@ def test_auto_skips_a_path_that_fails_to_build(tiny: LoadedModel, cache_dir: Pat
     paths = {"fp32-eager": KERNELS["fp32-eager"],
              "broken": KernelPath("broken", "fails", lambda _l: None, broken)}
     monkeypatch.setattr(kernels_mod, "KERNELS", paths)
-    with caplog.at_level(logging.WARNING, logger="engine.kernels"):
+    with caplog.at_level(logging.WARNING, logger="engine.runtimes.torch.kernels"):
         chosen = select_kernel(tiny)
     assert chosen.info.kernel == "fp32-eager"
     lines = [r.getMessage() for r in caplog.records]
@@ -146,7 +148,7 @@ def test_auto_skips_a_path_whose_smoke_run_dies_by_a_signal(
              "faulty": KernelPath("faulty", "dies", lambda _l: None, faulty_build,
                                   partial(die_by, signal.SIGILL))}
     monkeypatch.setattr(kernels_mod, "KERNELS", paths)
-    with caplog.at_level(logging.WARNING, logger="engine.kernels"):
+    with caplog.at_level(logging.WARNING, logger="engine.runtimes.torch.kernels"):
         chosen = select_kernel(tiny)
     assert chosen.info.kernel in {"fp32-eager", "int8-dynamic"} and not built
     lines = [r.getMessage() for r in caplog.records]

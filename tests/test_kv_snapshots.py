@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
-from engine import ChatMessage, Engine, GenerationRequest, SamplingParams
+from engine import ChatMessage, GenerationRequest, SamplingParams
 from engine.core.snapshots import SUFFIX, KvShelf, shelf_usage
+from engine.worker import Engine
 from tests.support.child import CHILD_TIMEOUT_S, needs_llama_cpp, run_in_child
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -173,8 +174,8 @@ def test_llama_cpp_resumes_a_chat_from_disk_in_a_new_process(tmp_path: Path) -> 
 
 # ----- what the user sees ---------------------------------------------------------------------
 def test_the_hud_says_what_came_from_disk_and_what_reading_it_would_cost() -> None:
-    from engine.hud_model import Breakdown, advise
     from engine.metrics import RequestMetrics
+    from ui.hud.model import Breakdown, advise
 
     fields = {name: 0 for name in RequestMetrics.__dataclass_fields__} | {
         "prefill_complete": True, "prompt_tokens_known": True, "cached_tokens_known": True}
@@ -197,7 +198,7 @@ def test_the_hud_says_what_came_from_disk_and_what_reading_it_would_cost() -> No
 
 def test_the_picker_shows_the_space_saved_chats_take_and_clears_it(
         qtbot, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.loader import kv_snapshot_dir
+    from engine.model_files import kv_snapshot_dir
     from ui.model_picker import ModelPickerDialog
 
     monkeypatch.setenv("PHASEWISE_CACHE_DIR", str(tmp_path / "cache"))

@@ -5,6 +5,8 @@ engine, and tests that share code through tests/support/, never by importing one
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections import deque
 from pathlib import Path
 
@@ -153,3 +155,21 @@ def test_helper_modules_live_in_tests_support() -> None:
                  and not path.name.startswith("test_")
                  and path.name not in ("conftest.py", "__init__.py")]
     assert not misplaced, f"helper modules outside tests/support/: {misplaced}"
+
+
+# ----- the light front ---------------------------------------------------------------------------
+FRONT = ("engine", "engine.protocol", "engine.events", "engine.params", "engine.metrics",
+         "engine.errors", "engine.remote", "engine.forecast", "engine.model_files",
+         "engine.runtime_choice", "engine.documents", "ui.session", "ui.store", "ui.hud.model")
+HEAVY = ("torch", "transformers", "llama_cpp", "PySide6")
+
+
+def test_the_front_loads_no_runtime_and_no_qt() -> None:
+    """What the window and the commands import first (the protocol, events, params, metrics,
+    the chat session and the HUD's view-model) loads neither torch, transformers, llama.cpp nor
+    Qt: a command answers --help at once, and the session's logic is testable on its own."""
+    probe = (f"import importlib, sys\nfor name in {FRONT!r}: importlib.import_module(name)\n"
+             f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -1,4 +1,4 @@
-"""Draft-model speculation on the llama.cpp engine (engine/llamacpp/draft.py).
+"""Draft-model speculation on the llama.cpp engine (engine/runtimes/llamacpp/draft.py).
 
 The bundled GGUF drafts for itself (a self-draft is a valid draft: the same vocabulary, and
 its proposals are the target's own one-token choices). Everything that runs llama.cpp runs
@@ -37,19 +37,19 @@ def _request(ids: list[int], *, temperature: float = 0.0, conversation: str | No
         speculative="draft")
 
 
-def _run(loaded: Any, pool: Any, draft: Any, request: Any, cancel: Any = None,
+def _run(runtime: Any, pool: Any, draft: Any, request: Any, cancel: Any = None,
          on_token: Any = None) -> Any:
     import threading
 
     from engine.events import TokenEmitted
     from engine.metrics import RequestTimeline, now_ns
-    from engine.runtimes import new_session
+
 
     def emit(event: Any) -> None:
         if on_token is not None and isinstance(event, TokenEmitted):
             on_token()
 
-    return new_session(loaded, pool, draft).run(
+    return runtime.new_session(pool, draft).run(
         request, RequestTimeline(now_ns()), cancel or threading.Event(), emit)
 
 
@@ -65,19 +65,20 @@ def _agree_until_tie(got: list[int], want: list[int], margins: list[float]) -> i
 
 # ----- greedy exactness, acceptance, the draft's KV in step -----------------------------------
 def _greedy_body() -> dict:
-    from engine.runtimes import LLAMA_CPP, load, load_draft, new_prefix_cache
+    from engine.runtimes import LLAMA_CPP, load
     from tests.support.llamacpp import alone_with_margins, chat_ids
 
-    loaded = load("default", LLAMA_CPP)
-    draft = load_draft("default", loaded)
-    pool = new_prefix_cache(loaded, 1 << 30)
+    runtime = load("default", LLAMA_CPP)
+    loaded = runtime.model
+    draft = runtime.load_draft("default")
+    pool = runtime.new_prefix_cache(1 << 30)
     ids = chat_ids(loaded, PROMPT)
     plain, margins = alone_with_margins(loaded, pool, ids, TOKENS)
-    first = _run(loaded, pool, draft, _request(ids, conversation="c", reuse=True))
+    first = _run(runtime, pool, draft, _request(ids, conversation="c", reuse=True))
     # a follow-up turn on the cached sequence: the draft re-syncs its own KV to the new prompt
     follow = ids + first.token_ids[:-1]
     follow_plain, follow_margins = alone_with_margins(loaded, pool, follow, TOKENS)
-    second = _run(loaded, pool, draft, _request(follow, conversation="c", reuse=True))
+    second = _run(runtime, pool, draft, _request(follow, conversation="c", reuse=True))
     return {"plain": plain, "margins": margins, "first": first.token_ids,
             "proposed": first.spec_proposed, "accepted": first.spec_accepted,
             "method": first.speculative, "json": first.to_json_dict(),
@@ -106,17 +107,18 @@ def test_self_draft_greedy_equals_plain_and_counts_acceptance() -> None:
 
 # ----- sampled requests: the speculative sampling rule, reproducible with a seed ---------------
 def _sampled_body() -> dict:
-    from engine.runtimes import LLAMA_CPP, load, load_draft, new_prefix_cache
+    from engine.runtimes import LLAMA_CPP, load
     from tests.support.llamacpp import chat_ids
 
-    loaded = load("default", LLAMA_CPP)
-    draft = load_draft("default", loaded)
+    runtime = load("default", LLAMA_CPP)
+    loaded = runtime.model
+    draft = runtime.load_draft("default")
     ids = chat_ids(loaded, PROMPT)
     runs = []
     for _ in range(2):
         draft.reset()
-        pool = new_prefix_cache(loaded, 1 << 30)  # a new pool clears the context's memory
-        runs.append(_run(loaded, pool, draft, _request(ids, temperature=0.8, seed=7)))
+        pool = runtime.new_prefix_cache(1 << 30)  # a new pool clears the context's memory
+        runs.append(_run(runtime, pool, draft, _request(ids, temperature=0.8, seed=7)))
     return {"tokens": [r.token_ids for r in runs],
             "accepted": [r.spec_accepted for r in runs],
             "proposed": [r.spec_proposed for r in runs]}
@@ -133,14 +135,15 @@ def test_sampled_self_draft_accepts_and_repeats_with_the_seed() -> None:
 def _cancel_body() -> dict:
     import threading
 
-    from engine.runtimes import LLAMA_CPP, load, load_draft, new_prefix_cache
+    from engine.runtimes import LLAMA_CPP, load
     from tests.support.llamacpp import chat_ids
 
-    loaded = load("default", LLAMA_CPP)
-    draft = load_draft("default", loaded)
-    pool = new_prefix_cache(loaded, 1 << 30)
+    runtime = load("default", LLAMA_CPP)
+    loaded = runtime.model
+    draft = runtime.load_draft("default")
+    pool = runtime.new_prefix_cache(1 << 30)
     ids = chat_ids(loaded, PROMPT)
-    reference = _run(loaded, pool, draft, _request(ids)).token_ids
+    reference = _run(runtime, pool, draft, _request(ids)).token_ids
     # Stop pressed as the third token is shown: no later row of the verified draft is emitted
     cancel, seen = threading.Event(), []
 
@@ -149,7 +152,7 @@ def _cancel_body() -> dict:
         if len(seen) == 3:
             cancel.set()
 
-    emitted = _run(loaded, pool, draft, _request(ids, conversation="s", reuse=True), cancel,
+    emitted = _run(runtime, pool, draft, _request(ids, conversation="s", reuse=True), cancel,
                    third)
     # Stop pressed while the draft model proposes: the verify pass never runs
     cancel = threading.Event()
@@ -161,9 +164,9 @@ def _cancel_body() -> dict:
         return tokens
 
     draft.propose = propose_then_stop  # type: ignore[method-assign]
-    proposing = _run(loaded, pool, draft, _request(ids), cancel)
+    proposing = _run(runtime, pool, draft, _request(ids), cancel)
     draft.propose = original  # type: ignore[method-assign]
-    after = _run(loaded, pool, draft, _request(ids, conversation="s", reuse=True))
+    after = _run(runtime, pool, draft, _request(ids, conversation="s", reuse=True))
     return {"reference": reference,
             "emitted": (emitted.finish_reason, emitted.token_ids),
             "proposing": (proposing.finish_reason, proposing.token_ids,
@@ -202,18 +205,18 @@ def _patch_a_token(path: Path) -> str:
 
 def _draft_error(spec: str) -> str:
     from engine.errors import ModelLoadError
-    from engine.runtimes import LLAMA_CPP, load, load_draft
+    from engine.runtimes import LLAMA_CPP, load
 
-    loaded = load("default", LLAMA_CPP)
+    runtime = load("default", LLAMA_CPP)
     try:
-        load_draft(spec, loaded)
+        runtime.load_draft(spec)
     except ModelLoadError as exc:
         return str(exc)
     return "loaded"
 
 
 def test_a_draft_with_another_vocabulary_is_refused_in_one_line(tmp_path: Path) -> None:
-    from engine.loader import default_gguf_path
+    from engine.model_files import default_gguf_path
 
     other = tmp_path / "other-vocab.gguf"
     shutil.copy(default_gguf_path(), other)
@@ -227,10 +230,11 @@ def test_a_draft_with_another_vocabulary_is_refused_in_one_line(tmp_path: Path) 
 
 # ----- the engine thread: LoadDraft, capabilities, events ----------------------------------------
 def _engine_body() -> dict:
-    from engine import Engine, GenerationRequest, SamplingParams
+    from engine import GenerationRequest, SamplingParams
     from engine.events import DraftModelChanged
     from engine.params import ChatMessage
     from engine.runtimes import LLAMA_CPP
+    from engine.worker import Engine
 
     changes: list[Any] = []
     with Engine() as engine:

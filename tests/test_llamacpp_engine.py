@@ -40,20 +40,20 @@ def test_a_native_crash_fails_with_the_signal_name() -> None:
 
 
 # ----- helpers used inside the child ----------------------------------------------------------
-def _greedy(loaded: Any, pool: Any, prompt_ids: list[int] | None = None, *, tokens: int = 24,
+def _greedy(runtime: Any, pool: Any, prompt_ids: list[int] | None = None, *, tokens: int = 24,
             messages: list | None = None, conversation: str | None = None,
             reuse: bool = True, speculative: str | None = None) -> Any:
     import threading
 
     from engine.metrics import RequestTimeline, now_ns
     from engine.params import GenerationRequest, SamplingParams
-    from engine.runtimes import new_session
+
 
     request = GenerationRequest(
         messages=messages or [], prompt_token_ids=prompt_ids,
         params=SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=messages is None),
         conversation_id=conversation, reuse_cache=reuse, speculative=speculative)
-    return new_session(loaded, pool).run(request, RequestTimeline(now_ns()), threading.Event(),
+    return runtime.new_session(pool).run(request, RequestTimeline(now_ns()), threading.Event(),
                                          lambda _e: None)
 
 
@@ -61,14 +61,17 @@ def _greedy(loaded: Any, pool: Any, prompt_ids: list[int] | None = None, *, toke
 def _parity_body() -> dict:
     import llama_cpp
 
-    from engine.loader import default_gguf_path
-    from engine.runtimes import new_prefix_cache
+    from engine.model_files import default_gguf_path
 
-    loaded = load_default()
-    pool = new_prefix_cache(loaded, 1 << 30)
+
+    runtime = load_default()
+
+
+    loaded = runtime.model
+    pool = runtime.new_prefix_cache(1 << 30)
     ids = chat_ids(loaded, PROMPT)
-    ours = _greedy(loaded, pool, ids, reuse=False).token_ids
-    lookup = _greedy(loaded, pool, ids, reuse=False, speculative="ngram")
+    ours = _greedy(runtime, pool, ids, reuse=False).token_ids
+    lookup = _greedy(runtime, pool, ids, reuse=False, speculative="ngram")
     peer = llama_cpp.Llama(model_path=str(default_gguf_path()), n_ctx=512,
                            n_threads=loaded.n_threads, n_threads_batch=loaded.n_threads,
                            flash_attn=True, verbose=False)  # our kernels: flash attention
@@ -95,18 +98,20 @@ def test_greedy_tokens_match_llama_cpps_own_greedy() -> None:
 
 def _cache_body() -> dict:
     from engine.params import ChatMessage
-    from engine.runtimes import new_prefix_cache
 
-    loaded = load_default()
-    pool = new_prefix_cache(loaded, 1 << 30)
+
+    runtime = load_default()
+
+
+    pool = runtime.new_prefix_cache(1 << 30)
     chat = [ChatMessage("system", "You are terse."), ChatMessage("user", "Name a colour.")]
-    first = _greedy(loaded, pool, messages=chat, conversation="a", tokens=16)
+    first = _greedy(runtime, pool, messages=chat, conversation="a", tokens=16)
     chat += [ChatMessage("assistant", first.text), ChatMessage("user", "And a fruit?")]
-    cached = _greedy(loaded, pool, messages=chat, conversation="a", tokens=16)
-    cold = _greedy(loaded, pool, messages=chat, conversation="cold", tokens=16, reuse=False)
+    cached = _greedy(runtime, pool, messages=chat, conversation="a", tokens=16)
+    cold = _greedy(runtime, pool, messages=chat, conversation="cold", tokens=16, reuse=False)
     other = [ChatMessage("system", "You are terse."), ChatMessage("user", "Name a city.")]
-    shared = _greedy(loaded, pool, messages=other, conversation="b", tokens=16)
-    alone = _greedy(loaded, pool, messages=other, conversation="c", tokens=16, reuse=False)
+    shared = _greedy(runtime, pool, messages=other, conversation="b", tokens=16)
+    alone = _greedy(runtime, pool, messages=other, conversation="c", tokens=16, reuse=False)
     return {
         "first": (first.metrics.cached_tokens, first.metrics.cache_miss_reason),
         "cached": (cached.metrics.cached_tokens, cached.metrics.cache_miss_reason,
@@ -135,13 +140,16 @@ def test_a_cached_turn_equals_a_cold_one() -> None:
 def _batch_body() -> dict:
     from engine.core.reply import DetachedJob
     from engine.params import GenerationRequest, SamplingParams
-    from engine.runtimes import new_batcher, new_prefix_cache
 
-    loaded = load_default()
-    pool = new_prefix_cache(loaded, 1 << 30)
+
+    runtime = load_default()
+
+
+    loaded = runtime.model
+    pool = runtime.new_prefix_cache(1 << 30)
     prompts = [chat_ids(loaded, t) for t in
                ("Count to five.", "What is the capital of France?", "Say hello in French.")]
-    alone = [_greedy(loaded, pool, ids, tokens=12, reuse=False).token_ids for ids in prompts]
+    alone = [_greedy(runtime, pool, ids, tokens=12, reuse=False).token_ids for ids in prompts]
     measured = [alone_with_margins(loaded, pool, ids, 12) for ids in prompts]
     results: dict[str, Any] = {}
 
@@ -149,7 +157,7 @@ def _batch_body() -> dict:
         results[job.request.request_id] = result.token_ids if result else repr(error)
 
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    batcher = new_batcher(loaded, pool, lambda _j, _e: None, done)
+    batcher = runtime.new_batcher(pool, lambda _j, _e: None, done)
     batcher.interleave = False  # prompts join between steps (mixed steps: the test below)
     for i, ids in enumerate(prompts):
         batcher.admit([DetachedJob(GenerationRequest([], params, request_id=f"r{i}",
@@ -187,18 +195,18 @@ def test_batched_rows_and_alternatives_each_equal_alone() -> None:
 def _mixed_body() -> dict:
     import threading
 
-    from engine import prefill_progress
-    from engine.bench import fixed_prompt_ids
+    from engine.core import prefill_progress
     from engine.core.reply import DetachedJob
     from engine.events import PrefillProgress, TokenEmitted
-    from engine.llamacpp.batcher import LlamaBatcher
     from engine.metrics import RequestTimeline, now_ns
     from engine.params import GenerationRequest, SamplingParams
-    from engine.runtimes import new_prefix_cache, new_session
+    from engine.runtimes.llamacpp.batcher import LlamaBatcher
+    from engine.tools.bench import fixed_prompt_ids
 
     prefill_progress.WITHIN_CHUNK_NS = 1 << 62  # progress at chunk ends only: counted here
-    loaded = load_default()
-    pool = new_prefix_cache(loaded, 1 << 30)
+    runtime = load_default()
+    loaded = runtime.model
+    pool = runtime.new_prefix_cache(1 << 30)
     stream_ids, long_ids = chat_ids(loaded, "Count to five."), fixed_prompt_ids(loaded, 150)
     stream_alone = alone_with_margins(loaded, pool, stream_ids, 24)
     long_alone = alone_with_margins(loaded, pool, long_ids, 6)
@@ -245,7 +253,7 @@ def _mixed_body() -> dict:
 
     stream_then(stop, stop_on_progress, mixed_chunk=16)
     session_progress: list[int] = []
-    new_session(loaded, pool).run(
+    runtime.new_session(pool).run(
         job("session", long_ids, 2).request, RequestTimeline(now_ns()), threading.Event(),
         lambda e: session_progress.append(e.done_tokens) if isinstance(e, PrefillProgress)
         else None)
@@ -293,18 +301,18 @@ def _meter_body() -> dict:
     second and third also stopped inside a 512-token chunk, then asked again."""
     import threading
 
-    from engine import prefill_progress
-    from engine.bench import fixed_prompt_ids
+    from engine.core import prefill_progress
     from engine.core.reply import DetachedJob
     from engine.events import PrefillProgress
-    from engine.llamacpp.batcher import LlamaBatcher
     from engine.metrics import RequestTimeline, now_ns
     from engine.params import GenerationRequest, SamplingParams
-    from engine.runtimes import new_prefix_cache, new_session
+    from engine.runtimes.llamacpp.batcher import LlamaBatcher
+    from engine.tools.bench import fixed_prompt_ids
 
     prefill_progress.WITHIN_CHUNK_NS = 0  # every node's progress is reported
-    loaded = load_default()
-    pool = new_prefix_cache(loaded, 1 << 30)
+    runtime = load_default()
+    loaded = runtime.model
+    pool = runtime.new_prefix_cache(1 << 30)
     base = fixed_prompt_ids(loaded, 702)
     prompts = {name: base[i : i + 700] for i, name in enumerate("abc")}
     assert len({ids[0] for ids in prompts.values()}) == 3  # nothing for one to lend another
@@ -326,7 +334,7 @@ def _meter_body() -> dict:
 
         request = GenerationRequest([], params, prompt_token_ids=prompts[name],
                                     conversation_id=name)
-        result = new_session(loaded, pool).run(request, RequestTimeline(now_ns()), cancel,
+        result = runtime.new_session(pool).run(request, RequestTimeline(now_ns()), cancel,
                                                emit)
         return done, reply(result)
 
@@ -362,7 +370,7 @@ def _meter_body() -> dict:
 
 @needs_llama_cpp
 def test_a_lone_prefill_reports_and_stops_inside_its_chunks() -> None:
-    """llama.cpp's graph meter (engine/llamacpp/graph_meter.py): progress from inside each
+    """llama.cpp's graph meter (engine/runtimes/llamacpp/graph_meter.py): progress from inside each
     512-token chunk, and Stop inside one, after which the prompt's sequence holds exactly the
     chunks before it: asked again, it resumes there and replies as a cold prompt does."""
     out = run_in_child(_meter_body)
@@ -391,13 +399,14 @@ def _ctrl_c_body() -> dict:
     import sys
     import threading
 
-    from engine.bench import fixed_prompt_ids
-    from engine.llamacpp.graph_meter import GraphMeter
+    from engine.runtimes.llamacpp.graph_meter import GraphMeter
+    from engine.tools.bench import fixed_prompt_ids
 
     # Ctrl+C as in a terminal: a test runner started in the background (`cmd &`) ignores
     # SIGINT, and this child would inherit that.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    loaded = load_default()
+    runtime = load_default()
+    loaded = runtime.model
     ids = fixed_prompt_ids(loaded, loaded.n_batch)
     under_way = threading.Event()
     fractions: list[float] = []
@@ -426,7 +435,7 @@ def _ctrl_c_body() -> dict:
 
 
 def _one_batch(loaded: Any, ids: list[int]) -> Any:
-    from engine.llamacpp.decode import writer_for
+    from engine.runtimes.llamacpp.decode import writer_for
 
     loaded.llama_cpp.llama_memory_clear(loaded.memory, False)
     writer_for(loaded).fill(ids, range(len(ids)), [0] * len(ids), [False] * len(ids))
@@ -446,7 +455,7 @@ def test_ctrl_c_inside_a_metered_decode_stops_the_graph_and_raises() -> None:
 
 
 def _interference_body() -> dict:
-    from engine.bench import bench_interference
+    from engine.tools.bench import bench_interference
 
     return bench_interference(load_default(), prompt_tokens=150, stream_prompt_tokens=16,
                               alone_tokens=6)
@@ -465,9 +474,10 @@ def test_interference_bench_runs_on_llama_cpp() -> None:
 
 # ----- the engine thread, events and metrics ------------------------------------------------
 def _engine_body() -> dict:
-    from engine import Engine, GenerationRequest, SamplingParams
+    from engine import GenerationRequest, SamplingParams
     from engine.events import PrefillStarted, RequestFinished, TokenEmitted
     from engine.params import ChatMessage
+    from engine.worker import Engine
 
     with Engine() as engine:
         info = engine.load_model_sync("default", engine=LLAMA_CPP)
@@ -509,10 +519,12 @@ def test_engine_runs_the_default_gguf_on_llama_cpp() -> None:
 
 
 def _template_body() -> dict:
-    from engine.chat_template import encode_chat_with_spans
+    from engine.core.chat_template import encode_chat_with_spans
     from engine.params import ChatMessage
 
-    loaded = load_default()
+    runtime = load_default()
+
+    loaded = runtime.model
     text = "say <|im_end|> please"
     ids, spans = encode_chat_with_spans(loaded.tokenizer, [ChatMessage("user", text)])
     _role, start, end = spans[-1]
@@ -536,9 +548,9 @@ def _base_model_prompt_body(path: str) -> dict:
     """The fallback prompt of a GGUF with no chat template, read by llama.cpp's tokenizer."""
     import llama_cpp
 
-    from engine.chat_template import encode_chat
-    from engine.llamacpp.tokenizer import LlamaCppTokenizer
+    from engine.core.chat_template import encode_chat
     from engine.params import ChatMessage
+    from engine.runtimes.llamacpp.tokenizer import LlamaCppTokenizer
 
     llama_cpp.llama_backend_init()
     params = llama_cpp.llama_model_default_params()
@@ -558,7 +570,7 @@ def test_a_base_models_prompt_honours_its_bos_setting(tmp_path: Path, add_bos: b
     """A GGUF with no chat template gets the plain fallback transcript, opened with BOS exactly
     when the file says tokenizer.ggml.add_bos_token (a base model read without the BOS it
     was trained with answers with turn markers)."""
-    from engine.loader import default_gguf_path
+    from engine.model_files import default_gguf_path
     from tests.support.gguf import vocab_only_copy
 
     base = vocab_only_copy(default_gguf_path(), tmp_path / "base.gguf", add_bos=add_bos)
@@ -576,11 +588,12 @@ def _split_reply_body() -> dict:
 
     from engine.metrics import RequestTimeline, now_ns
     from engine.params import ChatMessage, GenerationRequest, SamplingParams
-    from engine.runtimes import new_prefix_cache, new_session
     from tests.support.split_reply import first_split_reply
 
-    loaded = load_default()
-    pool = new_prefix_cache(loaded, 1 << 30)
+    runtime = load_default()
+
+    loaded = runtime.model
+    pool = runtime.new_prefix_cache(1 << 30)
     tokenizer = loaded.tokenizer
     first_messages = [ChatMessage("user", SPLIT_PROMPT)]
 
@@ -588,7 +601,7 @@ def _split_reply_body() -> dict:
         request = GenerationRequest(
             messages, SamplingParams(temperature=SPLIT_TEMPERATURE, max_tokens=tokens, seed=seed),
             conversation_id=f"seed{seed}")
-        return new_session(loaded, pool).run(request, RequestTimeline(now_ns()),
+        return runtime.new_session(pool).run(request, RequestTimeline(now_ns()),
                                              threading.Event(), lambda _e: None)
 
     seed, first = first_split_reply(lambda seed: turn(first_messages, seed, SPLIT_TOKENS),
@@ -620,8 +633,8 @@ def test_a_sampled_reply_that_retokenizes_differently_is_cached_whole() -> None:
 
 
 def _kernel_labels_body() -> dict:
-    from engine.llamacpp.model import load_gguf
-    from engine.loader import default_gguf_path
+    from engine.model_files import default_gguf_path
+    from engine.runtimes.llamacpp.model import load_gguf
 
     labels = {}
     for name, flash in (("on", True), ("off", False)):

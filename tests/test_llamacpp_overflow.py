@@ -12,8 +12,9 @@ CONTEXT = 256  # a small context for the default model, so a few turns outgrow i
 
 
 def _overflow_body() -> dict[str, Any]:
-    from engine import ChatMessage, Engine, GenerationRequest, SamplingParams
+    from engine import ChatMessage, GenerationRequest, SamplingParams
     from engine.errors import PhasewiseError
+    from engine.worker import Engine
 
     history = [ChatMessage("system", "You are terse.")]
     for i in range(12):
@@ -38,7 +39,7 @@ def _overflow_body() -> dict[str, Any]:
         alone_dropped = alone.wait(120).dropped_messages  # run alone, not in the batch
         short = engine.submit(GenerationRequest(history[:2], greedy, conversation_id="c",
                                                 overflow="drop_oldest")).wait(120)
-        prompt = engine._loaded.tokenizer.decode(one.prompt_token_ids)
+        prompt = engine._runtime.tokenizer.decode(one.prompt_token_ids)
     return {"engine": info.engine, "context": info.context_length, "refused": refused,
             "dropped": one.dropped_messages, "prompt_tokens": one.metrics.prompt_tokens,
             "prompt": prompt, "alternatives": [a.dropped_messages for a in alternatives],

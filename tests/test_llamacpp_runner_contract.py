@@ -18,7 +18,9 @@ def _every_check() -> dict[str, str | None]:
     traceback."""
     from tests.support.llamacpp import load_default
 
-    loaded = load_default()
+    runtime = load_default()
+
+    loaded = runtime.model
     return run_checks(lambda: llama_kit(loaded), list(CHECKS))
 
 

@@ -29,7 +29,7 @@ import pytest
 
 from app.cli import main
 from engine import ChatMessage, GenerationRequest, SamplingParams
-from engine.loader import default_gguf_path
+from engine.model_files import default_gguf_path
 from engine.native import describe_exit, recorded_llama_cpp_build
 from engine.remote import NO_USAGE_NOTICE, RemoteConfig, RemoteEngine
 from engine.remote import now_ns as remote_now_ns

@@ -1,4 +1,4 @@
-"""A long prompt prefilled beside the streaming rows (engine/llamacpp/side_prefill.py).
+"""A long prompt prefilled beside the streaming rows (engine/runtimes/llamacpp/side_prefill.py).
 
 While a row streams, a prompt of SIDE_MIN_TOKENS or more goes through a second llama.cpp
 context in a thread of its own; its KV is then copied onto its sequence in the main context.
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from engine.llamacpp import side_prefill
+from engine.runtimes.llamacpp import side_prefill
 from tests.support.child import CHILD_TIMEOUT_S, needs_llama_cpp, run_in_child
 from tests.support.llamacpp import (
     agree_until_near_tie,
@@ -29,20 +29,21 @@ def _side_body(memory_bytes: int | None = None, long_tokens: int = LONG_TOKENS) 
     """Three prompts joining while a row streams: a cold one, one that continues a cached chat
     (its prefix is copied into the side context), one stopped at its first progress. With
     memory_bytes, the machine reports that much free memory."""
-    from engine.bench import fixed_prompt_ids
     from engine.core.reply import DetachedJob
     from engine.events import PrefillProgress, TokenEmitted
-    from engine.llamacpp.batcher import LlamaBatcher
     from engine.params import GenerationRequest, SamplingParams
-    from engine.runtimes import new_prefix_cache
+    from engine.runtimes.llamacpp.batcher import LlamaBatcher
+    from engine.tools.bench import fixed_prompt_ids
 
     if memory_bytes is not None:
         side_prefill.free_memory = lambda _device: memory_bytes  # type: ignore[assignment]
     import torch
 
-    loaded = load_default()
+    runtime = load_default()
+
+    loaded = runtime.model
     torch_threads = torch.get_num_threads()
-    pool = new_prefix_cache(loaded, 1 << 30)
+    pool = runtime.new_prefix_cache(1 << 30)
     stream_ids = chat_ids(loaded, "Count to twenty.")
     source = fixed_prompt_ids(loaded, 2 * LONG_TOKENS)
     long_ids, turn1_ids = source[:long_tokens], source[LONG_TOKENS : LONG_TOKENS + 300]
@@ -142,12 +143,13 @@ def _stop_inside_body() -> dict:
     is written), so where it lands does not hang on how two threads happen to interleave."""
     import threading
 
-    from engine.bench import fixed_prompt_ids
     from engine.core.schedule import FIRST_SIDE_CHUNK
-    from engine.runtimes import new_prefix_cache
+    from engine.tools.bench import fixed_prompt_ids
 
-    loaded = load_default()
-    pool = new_prefix_cache(loaded, 1 << 30)
+    runtime = load_default()
+
+    loaded = runtime.model
+    pool = runtime.new_prefix_cache(1 << 30)
     cancel = threading.Event()
     side = side_prefill.SidePrefill(loaded, pool.cold_lease(None), fixed_prompt_ids(
         loaded, LONG_TOKENS), cancel)

@@ -20,10 +20,10 @@ from tests.support.child import needs_llama_cpp, run_in_child
 LLAMA_CPP_PATH_MODULES = (
     "engine",
     "engine.runtimes",
-    "engine.llamacpp.model",
-    "engine.llamacpp.session",
-    "engine.llamacpp.batcher",
-    "engine.llamacpp.prefix_pool",
+    "engine.runtimes.llamacpp.model",
+    "engine.runtimes.llamacpp.session",
+    "engine.runtimes.llamacpp.batcher",
+    "engine.runtimes.llamacpp.prefix_pool",
     "app.cli",
 )
 

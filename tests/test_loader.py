@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from engine.errors import DownloadNotAllowedError, ModelLoadError
-from engine.loader import classify, load_model
+from engine.model_files import classify
+from engine.runtimes.torch.loader import load_model
 
 
 def test_loads_folder_with_config_context_length(tiny_model_dir: Path) -> None:
@@ -60,7 +61,7 @@ def test_not_a_gguf_file(tmp_path: Path) -> None:
 
 
 def test_truncated_gguf(tmp_path: Path) -> None:
-    from engine.loader import default_gguf_path
+    from engine.model_files import default_gguf_path
 
     cut = tmp_path / "cut.gguf"
     with default_gguf_path().open("rb") as src:

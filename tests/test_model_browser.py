@@ -11,8 +11,8 @@ import huggingface_hub.constants
 import pytest
 from PySide6.QtCore import Qt
 
-from engine.hub import local_models
-from engine.loader import models_dir
+from engine.model_files import models_dir
+from engine.tools.hub import local_models
 from tests.support.fake_hub import TINY_REPO, FakeHub, tiny_hub
 from ui import model_picker
 from ui.model_browser import ModelBrowserDialog

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from PySide6.QtCore import QSettings
 
-from engine import fit
+from engine.tools import fit
 from tests.support.gguf import write_gguf
 from ui.model_picker import ModelPickerDialog
 
@@ -149,8 +149,10 @@ def test_conversion_progress_comes_from_the_engine_thread_per_percent(
     events (at most one per percent), on the torch path only."""
     import threading
 
-    from engine import Engine, ModelLoadFailed, ModelLoadProgress, loader
+    from engine import ModelLoadFailed, ModelLoadProgress
     from engine.errors import ModelLoadError
+    from engine.runtimes.torch import loader
+    from engine.worker import Engine
 
     monkeypatch.setenv("PHASEWISE_CACHE_DIR", str(tmp_path / "cache"))
     threads: set[str] = set()
@@ -215,7 +217,7 @@ def test_model_defaults_apply_unless_the_user_set_them_for_that_model(
     from transformers import GenerationConfig
 
     from app.gui import build_backend, build_window
-    from engine import Engine
+    from engine.worker import Engine
     from tests.support.tiny_model import build_tiny_model
     from ui.store import ChatStore
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from app.cli import main
-from engine import fit
+from engine.tools import fit
 from tests.support.fake_hub import TINY_REPO, FakeHub, tiny_hub
 
 REPO = TINY_REPO

@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 
 from app.cli import print_decode_table
-from engine import bench as bench_mod
-from engine.bench import bench_decode
 from engine.errors import ModelLoadError
-from engine.loader import LoadedModel, load_model
 from engine.native import ChildError, NativeChild, NativeCrashError, describe_exit
-from engine.peers import LlamaCppPeer, PeerResult
+from engine.runtimes.torch.loader import LoadedModel, load_model
+from engine.runtimes.torch.runtime import TorchRuntime
+from engine.tools import bench as bench_mod
+from engine.tools.bench import bench_decode
+from engine.tools.peers import LlamaCppPeer, PeerResult
 
 FAKE_BUILD = "CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 0 | AMX_INT8 = 0"
 TIMEOUT_S = 120.0
@@ -132,8 +133,8 @@ def test_bench_reports_a_crashed_llama_cpp_peer_in_one_line_and_keeps_the_rest(
     monkeypatch.setattr(bench_mod, "LlamaCppPeer",
                         partial(LlamaCppPeer, child_main=partial(fake_llama_cpp, die_at=die_at)))
     lines: list[str] = []
-    report = bench_decode(tiny, prompt_tokens=8, max_tokens=4, repeats=2,
-                          peers=["hf", "llama.cpp"], progress=lines.append)
+    report = bench_decode(TorchRuntime(tiny), prompt_tokens=8, max_tokens=4, repeats=2,
+                          peers=["hf", "llama.cpp"], hf_reference=tiny, progress=lines.append)
     error = f"llama.cpp peer crashed: SIGILL (illegal instruction); built with {FAKE_BUILD}"
     assert report["llama_cpp_error"] == error
     assert [line for line in lines if "crashed" in line] == [error]  # said once
@@ -152,7 +153,8 @@ def test_bench_with_a_healthy_peer_child_reports_its_build(
     monkeypatch.setattr(bench_mod, "gguf_for", lambda _info: tmp_path / "m.gguf")
     monkeypatch.setattr(bench_mod, "LlamaCppPeer",
                         partial(LlamaCppPeer, child_main=partial(fake_llama_cpp, die_at="never")))
-    report = bench_decode(tiny, prompt_tokens=8, max_tokens=4, repeats=1, peers=["llama.cpp"])
+    report = bench_decode(TorchRuntime(tiny), prompt_tokens=8, max_tokens=4, repeats=1,
+                          peers=["llama.cpp"])
     assert "llama_cpp_error" not in report
     assert report["llama_cpp_build"] == FAKE_BUILD and report["llama_cpp_version"] == "0.0-test"
     assert report["llama_cpp_decode_tok_s"] == pytest.approx(1000.0)
@@ -168,7 +170,8 @@ def test_bench_compares_against_the_faster_llama_cpp_configuration(
     monkeypatch.setattr(bench_mod, "LlamaCppPeer", partial(
         LlamaCppPeer, child_main=partial(fake_llama_cpp, die_at="never",
                                          fa_on_tok_s=fa_on_tok_s)))
-    report = bench_decode(tiny, prompt_tokens=8, max_tokens=4, repeats=1, peers=["llama.cpp"])
+    report = bench_decode(TorchRuntime(tiny), prompt_tokens=8, max_tokens=4, repeats=1,
+                          peers=["llama.cpp"])
     best = max(1000.0, fa_on_tok_s)
     assert report["llama_cpp_fa_off_decode_tok_s"] == pytest.approx(1000.0)
     assert report["llama_cpp_fa_on_decode_tok_s"] == pytest.approx(fa_on_tok_s)

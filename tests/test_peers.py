@@ -14,11 +14,13 @@ import pytest
 import torch
 
 from app.cli import build_parser, main, print_decode_table
-from engine.bench import bench_decode, fixed_prompt_ids, peer_summary, run_ours
 from engine.errors import ModelLoadError
 from engine.events import ModelInfo
-from engine.loader import DEFAULT_GGUF, LoadedModel, load_model
-from engine.peers import (
+from engine.model_files import DEFAULT_GGUF
+from engine.runtimes.torch.loader import LoadedModel, load_model
+from engine.runtimes.torch.runtime import TorchRuntime
+from engine.tools.bench import bench_decode, fixed_prompt_ids, peer_summary, run_ours
+from engine.tools.peers import (
     LLAMA_CPP_MISSING,
     LlamaCppPeer,
     PeerResult,
@@ -96,7 +98,7 @@ def bundled() -> LoadedModel:
 @needs_llama_cpp
 @pytest.mark.real_model
 def test_bench_vs_llama_cpp_reports_both_sides_and_ratios(capsys, bundled: LoadedModel) -> None:
-    report = bench_decode(bundled, prompt_tokens=32, max_tokens=8, repeats=1,
+    report = bench_decode(TorchRuntime(bundled), prompt_tokens=32, max_tokens=8, repeats=1,
                           peers=["llama.cpp"])
     assert report["llama_cpp_gguf"] == DEFAULT_GGUF
     assert report["llama_cpp_threads"] == torch.get_num_threads()
@@ -124,7 +126,7 @@ def test_llama_cpp_peer_decodes_the_same_prompt_ids_greedily(bundled: LoadedMode
     """The same weights (the GGUF ours is converted from) and prompt ids: llama.cpp's greedy
     tokens start like ours, so the ratio compares equal work."""
     prompt = fixed_prompt_ids(bundled, 32)
-    ours = run_ours(bundled, prompt, 4)
+    ours = run_ours(TorchRuntime(bundled), prompt, 4)
     with LlamaCppPeer(gguf_for(bundled.info), n_threads=1, n_ctx=64) as peer:
         first = peer.run(prompt, 4)
         again = peer.run(prompt, 4)  # each run resets the KV cache first
@@ -139,7 +141,7 @@ def test_llama_cpp_peer_decodes_a_128_token_prompt(bundled: LoadedModel) -> None
     faults on it (SIGILL in ggml's AMX matmul; 1-token prompts ran): the portable build
     prefills it and decodes, greedily, what ours decodes."""
     prompt = fixed_prompt_ids(bundled, 128)
-    ours = run_ours(bundled, prompt, 4)
+    ours = run_ours(TorchRuntime(bundled), prompt, 4)
     with LlamaCppPeer(gguf_for(bundled.info), n_threads=torch.get_num_threads(),
                       n_ctx=256) as peer:
         result = peer.run(prompt, 16)

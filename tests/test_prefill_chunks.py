@@ -20,14 +20,15 @@ from engine import (
     PrefillProgress,
     SamplingParams,
     TokenEmitted,
-    prefill_progress,
 )
-from engine.batching import Batcher
+from engine.core import prefill_progress
 from engine.core.reply import DetachedJob, ReplyJob
-from engine.generate import ChunkedPrefill, DecodeSession
-from engine.loader import LoadedModel, load_model
 from engine.metrics import RequestTimeline, now_ns
-from engine.prefix_cache import PrefixCache
+from engine.runtimes.torch.batching import Batcher
+from engine.runtimes.torch.generate import ChunkedPrefill, DecodeSession
+from engine.runtimes.torch.loader import LoadedModel, load_model
+from engine.runtimes.torch.prefix_cache import PrefixCache
+from engine.runtimes.torch.runtime import TorchRuntime
 from ui.session import PromptReading
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -240,9 +241,10 @@ def test_cancel_during_a_batched_prefill(sharp: LoadedModel) -> None:
 
 
 def test_interference_bench_reports_both_modes(sharp: LoadedModel) -> None:
-    from engine.bench import bench_interference
+    from engine.tools.bench import bench_interference
 
-    r = bench_interference(sharp, prompt_tokens=150, stream_prompt_tokens=16, alone_tokens=6)
+    r = bench_interference(TorchRuntime(sharp), prompt_tokens=150, stream_prompt_tokens=16,
+                           alone_tokens=6)
     assert r["one_pass_stream_tokens_during_prefill"] == 1  # one gap spans the whole prefill
     assert r["chunked_stream_tokens_during_prefill"] >= 2
     assert r["modes"] == ["one_pass", "chunked", "beside"]  # torch on a CPU: a side thread
@@ -254,21 +256,21 @@ def test_interference_bench_reports_both_modes(sharp: LoadedModel) -> None:
 
 def test_interference_bench_has_no_beside_row_without_a_core_to_spare(
         sharp: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine import side_prefill
-    from engine.bench import interference_modes
+    from engine.runtimes.torch import side_prefill
+    from engine.tools.bench import interference_modes
 
     monkeypatch.setattr(side_prefill, "allowed_cpus", lambda: 1)
-    assert interference_modes(sharp) == ("one_pass", "chunked")
+    assert interference_modes(TorchRuntime(sharp)) == ("one_pass", "chunked")
     monkeypatch.setattr(side_prefill, "allowed_cpus", lambda: 4)
-    assert interference_modes(sharp) == ("one_pass", "chunked", "beside")
+    assert interference_modes(TorchRuntime(sharp)) == ("one_pass", "chunked", "beside")
 
 
 def test_interference_baseline_is_the_same_tokens_streamed_alone(sharp: LoadedModel) -> None:
     """The stream's own context grows while the prompt is read, so its baseline is its own
     gaps at the same positions in a run with no prompt, one for each gap during the prefill."""
-    from engine.bench import _interference_run
+    from engine.tools.bench import _interference_run
 
-    run = _interference_run(sharp, "chunked", prompt(sharp, 16), prompt(sharp, 150, 16), 6)
+    run = _interference_run(TorchRuntime(sharp), "chunked", prompt(sharp, 16), prompt(sharp, 150, 16), 6)
     assert len(run["before"]) == 6
     assert len(run["during"]) >= 2
     assert len(run["alone"]) == len(run["during"])
@@ -284,7 +286,7 @@ SIDE_THREAD = "phasewise-side-prefill"
 def beside_on_two_cores(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
     """The tiny model's prompts go beside from 100 tokens, with two cores to split whatever
     this machine has; yields the engine thread's intra-op threads before (restored after)."""
-    from engine import side_prefill
+    from engine.runtimes.torch import side_prefill
 
     monkeypatch.setattr(side_prefill, "SIDE_MIN_TOKENS", 100)
     monkeypatch.setattr(side_prefill, "allowed_cpus", lambda: 2)
@@ -406,8 +408,8 @@ def test_placeholder_reads_the_prompt_then_writes(qtbot) -> None:
 
 
 def test_the_time_left_reads_the_same_in_the_chat_and_the_hud_without_flicker() -> None:
-    from engine.hud_model import fmt_eta
     from ui.chat_view import prefill_status
+    from ui.hud.model import fmt_eta
     from ui.hud.panels import prefill_caption
 
     # A rate that wobbles between two chunks: past a minute, 10 s steps keep one label.
@@ -422,7 +424,7 @@ def test_the_time_left_reads_the_same_in_the_chat_and_the_hud_without_flicker() 
 # ----- the HUD's live view ---------------------------------------------------------------------
 def test_hud_draws_the_prefill_while_the_prompt_is_read(qtbot) -> None:
     from engine.events import PrefillStarted, RequestQueued
-    from ui.hud import HudWidget
+    from ui.hud.widget import HudWidget
 
     hud = HudWidget(calibrate=False)
     qtbot.addWidget(hud)
@@ -453,7 +455,7 @@ def test_a_reply_stopped_while_its_prompt_is_read_shows_that_prefill(qtbot) -> N
     from engine.events import GenerationResult, PrefillStarted, RequestFinished, RequestQueued
     from engine.metrics import compute_metrics
     from tests.support.hud_events import INFO, MS
-    from ui.hud import HudWidget
+    from ui.hud.widget import HudWidget
 
     hud = HudWidget(calibrate=False)
     qtbot.addWidget(hud)
@@ -487,9 +489,10 @@ def test_a_new_chats_prefill_shows_no_other_chats_numbers_and_an_unclipped_marke
     panels drop that chat's range and TTFT percentiles, and the settings marker before turn 1
     is labelled inside the plot (it was drawn off the left edge, clipped)."""
     from engine.events import PrefillStarted, RequestQueued
-    from engine.hud_model import SavedChat
     from tests.support.hud_events import MS, ReplySpec, loaded_event, reply_events
-    from ui.hud import HudWidget, style
+    from ui.hud import style
+    from ui.hud.model import SavedChat
+    from ui.hud.widget import HudWidget
 
     hud = HudWidget(calibrate=False)
     qtbot.addWidget(hud)
@@ -561,11 +564,11 @@ def test_window_shows_prompt_progress_then_the_reply_stats_line(qtbot, make_wind
 
 def test_no_time_left_is_shown_until_the_clock_can_say_it(qtbot) -> None:
     """Issue 31 item 5: the chat and the HUD show no figure while eta_s is None (too little of
-    the prompt read: engine.prefill_eta), and no 'left' bar in the live breakdown."""
+    the prompt read: engine.core.prefill_eta), and no 'left' bar in the live breakdown."""
     from engine.events import PrefillStarted, RequestQueued
     from ui.chat_view import prefill_status
-    from ui.hud import HudWidget
     from ui.hud.panels import prefill_caption
+    from ui.hud.widget import HudWidget
 
     early = PromptReading.of(PrefillProgress("r1", 2010 * 1_000_000, 90, 2000, 420.0, None))
     assert prefill_status(early) == "· Reading your prompt: 4% · estimating time left · 420 tok/s"

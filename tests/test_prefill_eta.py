@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.prefill_eta import PrefillClock
+from engine.core.prefill_eta import PrefillClock
 
 RECORDED = Path(__file__).parent / "data" / "prefill_progress_llamacpp_6000.json"
 

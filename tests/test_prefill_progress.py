@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import prefill_progress
+from engine.core import prefill_progress
+from engine.core.prefill_progress import PrefillReporter
 from engine.events import PrefillProgress
-from engine.generate import ChunkedPrefill
-from engine.layer_progress import LayerProgress, decoder_layers
-from engine.loader import LoadedModel, load_model
-from engine.prefill_progress import PrefillReporter
-from engine.prefix_cache import PrefixCache
+from engine.runtimes.torch.generate import ChunkedPrefill
+from engine.runtimes.torch.layer_progress import LayerProgress, decoder_layers
+from engine.runtimes.torch.loader import LoadedModel, load_model
+from engine.runtimes.torch.prefix_cache import PrefixCache
 
 
 @pytest.fixture

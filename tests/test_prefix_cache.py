@@ -5,10 +5,11 @@ import threading
 import pytest
 import torch
 
-from engine import ChatMessage, Engine, GenerationRequest, SamplingParams, TokenEmitted
+from engine import ChatMessage, GenerationRequest, SamplingParams, TokenEmitted
 from engine.core.ledger import common_prefix_len
-from engine.loader import load_model
-from engine.prefix_cache import PrefixCache, cache_nbytes
+from engine.runtimes.torch.loader import load_model
+from engine.runtimes.torch.prefix_cache import PrefixCache, cache_nbytes
+from engine.worker import Engine
 from tests.support.prefix_cache import assert_cached_matches_cold, feed
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
@@ -170,7 +171,7 @@ def test_drop_oldest_drops_the_fewest_messages(tiny_engine: Engine) -> None:
     """Binary search finds the same cut as dropping one message at a time would."""
     from engine.core.prompt import prepare_prompt
 
-    loaded = tiny_engine._loaded
+    loaded = tiny_engine._runtime
     history = [SYSTEM]
     for i in range(10):
         history += [ChatMessage("user", f"Question {i} about Paris?"),
@@ -190,7 +191,7 @@ def test_drop_oldest_drops_the_fewest_messages(tiny_engine: Engine) -> None:
 
 
 def _fits(loaded, messages) -> bool:
-    from engine.chat_template import encode_chat
+    from engine.core.chat_template import encode_chat
 
     return len(encode_chat(loaded.tokenizer, messages)) + 1 <= loaded.info.context_length
 
@@ -451,7 +452,7 @@ def test_a_cache_that_cannot_go_back_says_why() -> None:
 
 
 def test_a_checkpoint_goes_with_the_cache_only_while_it_is_within_it() -> None:
-    from engine.prefix_cache import Checkpoint
+    from engine.runtimes.torch.prefix_cache import Checkpoint
 
     pool = PrefixCache(None, budget_bytes=1 << 20)
     lease = pool.acquire("c", [1, 2, 3, 4, 5, 6])
@@ -518,13 +519,17 @@ def pool_with_a_ledger(names: str) -> PrefixCache:
     return pool
 
 
-def test_a_new_pool_inherits_the_ledger() -> None:
+def test_a_new_pool_takes_over_the_ledger() -> None:
+    """On a model switch every chat the old pool knew of, live or evicted, says model_changed
+    on its next turn (its cache is gone because the model changed)."""
     old = pool_with_a_ledger("mef")
     new = PrefixCache(None, budget_bytes=1 << 20)
-    new.inherit_ledger(old)
+    new.take_over(old)
     assert new.acquire("m", [1, 2]).miss_reason == "model_changed"
-    assert new.acquire("e", [1, 2]).miss_reason == "evicted"
-    assert new.acquire("f", [1, 2]).miss_reason == "first_turn"
+    assert new.acquire("e", [1, 2]).miss_reason == "model_changed"
+    assert new.acquire("f", [1, 2]).miss_reason == "model_changed"
+    assert new.acquire("x", [1, 2]).miss_reason == "first_turn"
+    assert old.conversations() == []
 
 
 def test_adopt_makes_an_alternative_the_chat_own_entry() -> None:
@@ -584,7 +589,7 @@ def test_a_checkpoint_is_taken_only_at_its_length_only_at_its_length() -> None:
     from transformers import DynamicCache
 
     from engine.core.ledger import CacheLease
-    from engine.prefix_cache import checkpoint_if_due
+    from engine.runtimes.torch.prefix_cache import checkpoint_if_due
 
     lease = CacheLease("c", [1, 2], DynamicCache(), 2, "none", checkpoint_at=3)
     checkpoint_if_due(lease)
@@ -602,7 +607,7 @@ def test_a_rolled_sliding_window_cache_lends_nothing_it_cannot_cut_back_to() -> 
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
     from engine.core.ledger import CacheEntry
-    from engine.prefix_cache import Checkpoint
+    from engine.runtimes.torch.prefix_cache import Checkpoint
 
     cache = DynamicCache()
     cache.layers = [DynamicSlidingWindowLayer(sliding_window=3)]
@@ -640,18 +645,19 @@ def test_a_recurrent_model_checkpoints_one_token_before_the_end() -> None:
     assert switched.acquire("e", [1, 2, 3]).checkpoint_at == 2
 
 
-def test_inheriting_a_ledger_keeps_the_pool_own() -> None:
+def test_taking_over_a_ledger_keeps_the_pool_own() -> None:
     old, new = pool_with_a_ledger("mef"), pool_with_a_ledger("ngh")
-    new.inherit_ledger(old)
-    reasons = {conv: new.acquire(conv, [1, 2]).miss_reason for conv in "menghf"}
-    assert reasons == {"m": "model_changed", "n": "model_changed", "e": "evicted",
-                       "g": "evicted", "h": "edited_history", "f": "first_turn"}
+    new.take_over(old)
+    reasons = {conv: new.acquire(conv, [1, 2]).miss_reason for conv in "menghfx"}
+    assert reasons == {"m": "model_changed", "n": "model_changed", "e": "model_changed",
+                       "g": "evicted", "h": "edited_history", "f": "model_changed",
+                       "x": "first_turn"}
 
 
 def test_a_cold_lease_that_never_comes_back_makes_the_next_turn_evicted() -> None:
     """A request that must not reuse the cache (a cold lease) and then fails: its chat's old
     entry is gone, and the next turn says "evicted", as for any lost lease."""
-    from engine.prefix_cache import PrefixCache
+    from engine.runtimes.torch.prefix_cache import PrefixCache
 
     pool = PrefixCache(None, 1 << 20)
     pool.cold_lease("chat")  # never released: the request failed

@@ -2,7 +2,8 @@
 
 import pytest
 
-from engine import ChatMessage, Engine, GenerationRequest, SamplingParams
+from engine import ChatMessage, GenerationRequest, SamplingParams
+from engine.worker import Engine
 from tests.support.prefix_cache import assert_cached_matches_cold
 
 pytestmark = pytest.mark.real_model
@@ -59,7 +60,7 @@ def test_cached_and_cold_multi_turn_agree(real_engine: Engine) -> None:
 
 
 def test_cached_and_cold_logits_agree_real(real_engine: Engine) -> None:
-    from engine.loader import load_model
+    from engine.runtimes.torch.loader import load_model
 
     loaded = load_model("default")  # a private copy: the engine's model is its thread's
     prompt = loaded.tokenizer(

@@ -15,7 +15,6 @@ import pytest
 from app.serve import ServerThread
 from engine import (
     ChatMessage,
-    Engine,
     GenerationRequest,
     ModelLoadError,
     PrefillStarted,
@@ -33,6 +32,7 @@ from engine.remote import (
     normalize_base_url,
     request_body,
 )
+from engine.worker import Engine
 from tests.support.fake_servers import PARTIAL, fake_app
 from tests.support.serving import TOKEN
 

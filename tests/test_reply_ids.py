@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from engine import ChatMessage, Engine, GenerationRequest, GenerationResult, SamplingParams
-from engine.chat_template import encode_chat_layout
+from engine import ChatMessage, GenerationRequest, GenerationResult, SamplingParams
+from engine.core.chat_template import encode_chat_layout
 from engine.core.ledger import common_prefix_len
+from engine.worker import Engine
 from tests.support.split_reply import first_split_reply, reply_body
 
 FIRST = [ChatMessage("user", "Hello there")]

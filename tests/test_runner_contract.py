@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.loader import LoadedModel, load_model
+from engine.runtimes.torch.loader import LoadedModel, load_model
 from tests.support.runner_checks import CHECKS, torch_kit
 from tests.support.tiny_model import sharpened
 

@@ -3,15 +3,15 @@ import math
 import pytest
 import torch
 
-from engine.errors import InvalidRequestError, SamplingError
-from engine.params import SamplingParams
-from engine.sampling import (
+from engine.core.sampling import (
     apply_repetition_penalty,
     filtered_probs,
     make_generator,
     sample_token,
     sampler_view,
 )
+from engine.errors import InvalidRequestError, SamplingError
+from engine.params import SamplingParams
 
 
 def logits_from_probs(probs: list[float]) -> torch.Tensor:

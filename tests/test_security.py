@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from PySide6.QtCore import QUrl
 
-from engine.loader import load_model
+from engine.runtimes.torch.loader import load_model
 from ui.chat_view import ChatView
 from ui.store import Message
 

@@ -21,9 +21,10 @@ from app.serve import (
     is_loopback,
     parse_messages,
 )
-from engine import ChatMessage, Engine, PhasewiseError, RequestFinished, TokenEmitted
+from engine import ChatMessage, PhasewiseError, RequestFinished, TokenEmitted
 from engine.events import GenerationResult, ModelInfo
 from engine.metrics import RequestTimeline, compute_metrics
+from engine.worker import Engine
 from tests.support.serving import TOKEN
 
 MESSAGES = [{"role": "system", "content": "You are terse."},

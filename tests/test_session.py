@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 
 from engine import (
-    Engine,
     EngineEvent,
     PrefillProgress,
     RequestFailed,
@@ -19,6 +18,7 @@ from engine import (
     TextFlushed,
     TokenEmitted,
 )
+from engine.worker import Engine
 from ui.session import ActiveReply, ChatSession, PromptReading, ReplyOptions
 from ui.store import ChatStore
 

@@ -14,13 +14,14 @@ from engine import (
     SamplingParams,
     TokenEmitted,
 )
-from engine.bench import fixed_prompt_ids, run_ours
 from engine.core import solo as solo_loop
-from engine.generate import DecodeSession
-from engine.loader import LoadedModel, load_model
+from engine.core.speculative import PromptLookup
 from engine.metrics import RequestTimeline, now_ns
-from engine.prefix_cache import PrefixCache
-from engine.speculative import PromptLookup
+from engine.runtimes.torch.generate import DecodeSession
+from engine.runtimes.torch.loader import LoadedModel, load_model
+from engine.runtimes.torch.prefix_cache import PrefixCache
+from engine.runtimes.torch.runtime import TorchRuntime
+from engine.tools.bench import fixed_prompt_ids, run_ours
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +98,8 @@ def test_greedy_output_and_cache_match_plain_decoding(
 def test_speculative_stops_at_eos_and_budget_like_plain(tiny: LoadedModel) -> None:
     prompt = fixed_prompt_ids(tiny, 32)
     for max_tokens in (1, 2, 7):
-        plain = run_ours(tiny, prompt, max_tokens)
-        spec = run_ours(tiny, prompt, max_tokens, speculative="ngram")
+        plain = run_ours(TorchRuntime(tiny), prompt, max_tokens)
+        spec = run_ours(TorchRuntime(tiny), prompt, max_tokens, speculative="ngram")
         assert spec.token_ids == plain.token_ids and len(spec.token_ids) == max_tokens
     chat = [ChatMessage("user", "Hello, how are you today?")]
     results = []
@@ -131,7 +132,7 @@ def test_unknown_method_is_refused() -> None:
 
 
 def test_json_reports_acceptance(tiny: LoadedModel) -> None:
-    spec = run_ours(tiny, fixed_prompt_ids(tiny, 32), 24, speculative="ngram")
+    spec = run_ours(TorchRuntime(tiny), fixed_prompt_ids(tiny, 32), 24, speculative="ngram")
     data = spec.to_json_dict()
     assert data["speculative"] == "ngram"
     assert data["spec_proposed"] == spec.spec_proposed > 0

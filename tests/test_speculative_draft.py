@@ -21,7 +21,6 @@ from app.cli import main as cli_main
 from engine import (
     ChatMessage,
     DraftModelChanged,
-    Engine,
     GenerationRequest,
     ModelLoadError,
     ModelLoadFailed,
@@ -29,13 +28,15 @@ from engine import (
     SamplingParams,
     TokenEmitted,
 )
-from engine.bench import bench_decode, fixed_prompt_ids
-from engine.draft import DraftModel, load_draft
-from engine.generate import DecodeSession
-from engine.loader import LoadedModel, load_model
+from engine.core.speculative import MAX_DRAFT, START_DRAFT, DraftProposer, accept_or_resample
 from engine.metrics import RequestTimeline, now_ns
-from engine.prefix_cache import PrefixCache
-from engine.speculative import MAX_DRAFT, START_DRAFT, DraftProposer, accept_or_resample
+from engine.runtimes.torch.draft import DraftModel, load_draft
+from engine.runtimes.torch.generate import DecodeSession
+from engine.runtimes.torch.loader import LoadedModel, load_model
+from engine.runtimes.torch.prefix_cache import PrefixCache
+from engine.runtimes.torch.runtime import TorchRuntime
+from engine.tools.bench import bench_decode, fixed_prompt_ids
+from engine.worker import Engine
 from tests.support.tiny_model import build_tiny_tokenizer
 
 CHAT = [ChatMessage("user", "Hello, how are you today? The capital of France is Paris.")]
@@ -353,8 +354,8 @@ def test_cancel_mid_run_then_decode_exactly_again(model_dirs: dict[str, Path],
 
 def test_bench_reports_ngram_and_draft(target: LoadedModel,
                                        drafts: dict[str, DraftModel]) -> None:
-    report = bench_decode(target, prompt_tokens=24, max_tokens=12, repeats=1, speculative=True,
-                          draft=drafts["self"])
+    report = bench_decode(TorchRuntime(target), prompt_tokens=24, max_tokens=12, repeats=1,
+                          speculative=True, draft=drafts["self"])
     assert report["spec_method"] == "ngram" and report["draft_method"] == "draft"
     assert report["draft_output_identical"] is True and report["spec_output_identical"] is True
     assert report["draft_accepted"] == report["draft_proposed"] > 0
@@ -392,14 +393,14 @@ def test_cli_refuses_draft_method_without_a_draft_model(capsys, model_dirs: dict
 def test_int8_copy_drafts_exactly_for_the_real_model() -> None:
     """The useful draft on a CPU: the default model through int8-dynamic (which fails the
     kernel quality guard as a target) drafts for fp32; verification keeps the output exact."""
-    from engine.bench import run_ours
-    from engine.chat_template import encode_chat_with_spans
+    from engine.core.chat_template import encode_chat_with_spans
+    from engine.tools.bench import run_ours
 
     target = load_model("default")
     draft = load_draft("default", target, kernel="int8-dynamic")
     question = [ChatMessage("user", "Explain in two sentences why the sky is blue.")]
     ids = encode_chat_with_spans(target.tokenizer, question)[0]
-    plain = run_ours(target, ids, 40)
-    spec = run_ours(target, ids, 40, speculative="draft", draft=draft)
+    plain = run_ours(TorchRuntime(target), ids, 40)
+    spec = run_ours(TorchRuntime(target), ids, 40, speculative="draft", draft=draft)
     assert spec.token_ids == plain.token_ids
     assert spec.spec_accepted > spec.spec_proposed / 2

@@ -1,4 +1,5 @@
-"""The static-cache decode step (engine/static_decode.py) against the DynamicCache loop.
+"""The static-cache decode step (engine/runtimes/torch/static_decode.py) against the DynamicCache
+loop.
 
 Compiled modes take minutes to build on a 2-core CPU, so tests run the step eagerly: the graph
 that torch.compile or CUDA graphs would capture is this same step, and its tokens must equal
@@ -10,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.chat_template import encode_chat_with_spans
-from engine.loader import LoadedModel, load_model
+from engine.core.chat_template import encode_chat_with_spans
 from engine.params import ChatMessage
-from engine.quality import greedy_continuation
-from engine.static_decode import StaticDecoder
+from engine.runtimes.torch.loader import LoadedModel, load_model
+from engine.runtimes.torch.quality import greedy_continuation
+from engine.runtimes.torch.static_decode import StaticDecoder
 
 PROMPTS = ("What is the capital of France? Answer in one sentence.",
            "Write a haiku about the sea.")

@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from engine import Engine, TokenEmitted
+from engine import TokenEmitted
+from engine.worker import Engine
 from tests.support.window_helpers import WAIT_MS, settings
 from ui.store import DONE
 

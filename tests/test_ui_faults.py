@@ -9,7 +9,8 @@ from PySide6.QtCore import QSettings
 from PySide6.QtWidgets import QMessageBox
 
 from app.gui import build_backend, build_window
-from engine import Engine, TokenEmitted
+from engine import TokenEmitted
+from engine.worker import Engine
 from tests.support.fault_injection import ForwardFault
 from tests.support.window_helpers import LONG, WAIT_MS, greedy, send_and_wait
 from ui.main_window import MainWindow

@@ -19,7 +19,8 @@ from PySide6.QtWidgets import QApplication, QMessageBox, QWidget
 from pytestqt.qtbot import QtBot
 from transformers import AutoTokenizer
 
-from engine import Engine, GenerationResult, PrefillStarted, RequestFinished
+from engine import GenerationResult, PrefillStarted, RequestFinished
+from engine.worker import Engine
 from tests.support.split_reply import first_split_reply
 from tests.support.window_helpers import (
     WAIT_MS,

@@ -8,7 +8,8 @@ import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QMessageBox
 
-from engine import Engine, GenerationRequest, PrefillStarted, SamplingParams, TokenEmitted
+from engine import GenerationRequest, PrefillStarted, SamplingParams, TokenEmitted
+from engine.worker import Engine
 from tests.support.window_helpers import LONG, WAIT_MS, greedy, send_and_wait
 from ui.store import STOPPED, ChatStore
 

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.timeout(CHILD_TIMEOUT_S + 60)
 TORCH, LLAMA_CPP = "torch", "llama.cpp"
 ENGINES = [TORCH, pytest.param(LLAMA_CPP, marks=needs_llama_cpp)]
 TORCH_CHUNK = 32  # PHASEWISE_PREFILL_CHUNK for the tiny model: its 256-token context holds 5
-LLAMA_CHUNK = 512  # the llama.cpp engine's batch (engine/llamacpp/model.py BATCH_TOKENS)
+LLAMA_CHUNK = 512  # the llama.cpp engine's batch (engine/runtimes/llamacpp/model.py BATCH_TOKENS)
 LLAMA_STOP_AT = 600  # prompt tokens read when Stop comes: past the first whole chunk
 # Waits that fail only when something hangs: SmolLM2 on two shared cores reads a prompt at
 # ~100 tok/s when other work runs beside it.
@@ -59,7 +59,7 @@ def _llama_window_child(names: list[str]) -> dict[str, Any]:
         from pytestqt.qtbot import QtBot
 
         from app.gui import build_backend, build_window
-        from engine import Engine
+        from engine.worker import Engine
         from ui.store import ChatStore
 
         app = QApplication.instance() or QApplication(["phasewise-test"])

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from engine import Engine, SamplerSnapshot, TokenEmitted
-from engine.hud_model import ReplyRecord
+from engine import SamplerSnapshot, TokenEmitted
+from engine.worker import Engine
 from tests.support.window_helpers import (
     LONG,
     WAIT_MS,
@@ -28,6 +28,7 @@ from tests.support.window_helpers import (
     show_and_wait,
 )
 from tests.support.window_scenarios import Gate
+from ui.hud.model import ReplyRecord
 
 BURST = 120  # tokens of the background reply handed to the window at once
 

@@ -106,7 +106,7 @@ def test_the_chat_and_the_hud_show_one_time_left_while_the_prompt_is_read(
         qtbot, make_window, monkeypatch: pytest.MonkeyPatch) -> None:
     """The session says a prompt's time left once; the reply's placeholder and the HUD's live
     breakdown both show that one (issue 27 item 6)."""
-    from engine.generate import PREFILL_CHUNK_ENV
+    from engine.runtimes.torch.generate import PREFILL_CHUNK_ENV
 
     monkeypatch.setenv(PREFILL_CHUNK_ENV, "8")  # several chunks even for a short prompt
     window = make_window()

@@ -8,8 +8,8 @@ from pathlib import Path
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QHBoxLayout, QToolButton, QWidget
 
-from engine import fit
 from engine.documents import Document
+from engine.tools import fit
 
 
 class AttachmentChips(QWidget):

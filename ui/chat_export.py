@@ -13,9 +13,8 @@ from pathlib import Path
 
 from PySide6.QtWidgets import QFileDialog, QWidget
 
-from ui.hud import HudWidget
 from ui.hud.history import saved_chat
-from ui.hud.widget import ExportOutcome, run_write
+from ui.hud.widget import ExportOutcome, HudWidget, run_write
 from ui.store import ChatStore
 
 FORMATS = {"csv": "CSV (*.csv)", "json": "JSON (*.json)"}

@@ -25,13 +25,13 @@ from engine import (
     TextFlushed,
     TokenEmitted,
 )
-from engine.hud_model import saved_request_id
 from engine.params import MAX_ALTERNATIVES
 from ui.bridge import EngineBridge
 from ui.chat_pane import LoadStatus
 from ui.chat_view import CPU_FLUSH_INTERVAL_MS, FLUSH_INTERVAL_MS, Alternative, ChatView
-from ui.hud import HudWidget
 from ui.hud.history import saved_chat
+from ui.hud.model import saved_request_id
+from ui.hud.widget import HudWidget
 from ui.session import FINISH_STATUS, ActiveReply, ChatSession
 from ui.sidebar import Sidebar
 from ui.store import DONE, Conversation, Message

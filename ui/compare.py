@@ -5,7 +5,7 @@ Each side runs on a backend object of its own, so the window's chat is not distu
 local Engine serves the local side next to the chat (its own request id), and a remote side
 gets a fresh RemoteEngine (on the GUI's qasync loop when the window has one). Every number
 comes from the engines: the table shows each reply's GenerationResult.metrics; the plots fold
-each side's events with engine.hud_model.SessionModel, as the HUD does.
+each side's events with ui.hud.model.SessionModel, as the HUD does.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from PySide6.QtWidgets import (
 
 from engine import (
     ChatMessage,
-    Engine,
     EngineEvent,
     GenerationRequest,
     GenerationResult,
@@ -50,11 +49,12 @@ from engine import (
     TokenEmitted,
 )
 from engine.backends import BackendRouter
-from engine.hud_model import SessionModel
 from engine.metrics import RequestMetrics
 from engine.remote import RemoteConfig, RemoteEngine, resolve_api_key
+from engine.worker import Engine
 from ui.bridge import EngineBridge
 from ui.hud import style
+from ui.hud.model import SessionModel
 from ui.model_picker import RemoteBackendInputs
 
 LOCAL, REMOTE = "local", "remote"

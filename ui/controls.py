@@ -53,7 +53,7 @@ OVERFLOW_MODES = (
 OVERFLOW_TIP = ("When a chat outgrows the model's context: refuse to send it (start a new chat), "
                 "or leave its oldest turns out of the prompt. The system prompt and your new "
                 "message always stay, and the chat itself keeps every turn.")
-# Prompt lookup's drafts are checked greedily (engine/speculative.py): a sampled reply decodes
+# Prompt lookup's drafts are checked greedily (engine/core/speculative.py): a sampled reply decodes
 # plainly, so the panel says so instead of leaving the setting a silent no-op.
 NGRAM_SAMPLED_NOTE = ("Prompt lookup speeds up greedy replies only: at a temperature above 0 "
                       "replies decode plainly.")

@@ -43,7 +43,7 @@ from ui.controls import ControlsPanel
 from ui.dock_widths import DockWidths, dock_column
 from ui.drafts import Drafts
 from ui.forecast import WaitForecast
-from ui.hud import HudWidget
+from ui.hud.widget import HudWidget
 from ui.model_loads import ModelLoads
 from ui.session import (
     ActiveReply,

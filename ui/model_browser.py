@@ -1,9 +1,9 @@
 """Browse models: search the Hugging Face hub for GGUF repositories, see a repository's quant
-files with size and whether each fits (its header read by range, engine/fit.py's estimate),
+files with size and whether each fits (its header read by range, engine/tools/fit.py's estimate),
 and download one with a progress bar (bytes, rate, time left) and Cancel; Download again
 resumes. Opened from the model picker, which then selects the downloaded file.
 
-Nothing reaches the network until the user ticks the consent box and searches. engine/hub.py
+Nothing reaches the network until the user ticks the consent box and searches. engine/tools/hub.py
 does the work on a worker thread ("phasewise-hub", one job at a time); its results come back
 to the GUI thread through queued signals, so the window never waits on the network.
 """
@@ -36,9 +36,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.fit import size
-from engine.hub import Hub, HubError, HubRepo, Progress, RemoteFile, iter_fits
 from engine.threads import start_worker
+from engine.tools.fit import size
+from engine.tools.hub import Hub, HubError, HubRepo, Progress, RemoteFile, iter_fits
 
 CONSENT_KEY = "hub/allowed"  # QSettings: the user agreed to reach the hub
 

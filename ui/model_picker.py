@@ -6,7 +6,7 @@ RemoteBackendInputs (URL, model, key) is shared with the Compare dialog.
 
 For a local model it also shows which engine runs it (auto, torch or llama.cpp, with the
 reason auto chose; remembered per model) and whether it fits ("needs ~3.1 GB (...), 11.2 GB
-free", engine/fit.py): one that cannot fit is not accepted, and where a smaller context fits
+free", engine/tools/fit.py): one that cannot fit is not accepted, and where a smaller context fits
 the dialog offers it. The GGUF files converted for torch are listed and can be removed.
 
 "Browse models online…" opens the hub browser (ui/model_browser.py); a file downloaded there
@@ -42,12 +42,18 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine import ModelInfo, fit, runtimes
-from engine.converted import ConvertedModel, converted_models, in_use, remove_converted
+from engine import ModelInfo, runtimes
 from engine.errors import PhasewiseError
-from engine.hub import LocalModel, local_models, remove_local
-from engine.loader import kv_snapshot_dir
+from engine.model_files import kv_snapshot_dir
 from engine.remote import REMOTE_SPEC, RemoteError, normalize_base_url, store_api_key
+from engine.runtimes.torch.converted import (
+    ConvertedModel,
+    converted_models,
+    in_use,
+    remove_converted,
+)
+from engine.tools import fit
+from engine.tools.hub import LocalModel, local_models, remove_local
 from ui.about import confirm
 from ui.model_browser import ModelBrowserDialog
 from ui.saved_caches import SavedCaches

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QWidget
 
-from engine import fit
 from engine.core.snapshots import clear_shelf, shelf_usage
+from engine.tools import fit
 from ui.about import confirm
 
 

@@ -27,9 +27,9 @@ from engine import (
     TokenEmitted,
 )
 from engine.documents import split_documents
-from engine.hud_model import fmt_eta
 from engine.params import Overflow, Role, Speculative
 from engine.protocol import Backend
+from ui.hud.model import fmt_eta
 from ui.store import (
     DONE,
     STOPPED,
@@ -56,7 +56,7 @@ class PromptReading:
     (the reply's placeholder in the chat and the HUD's live breakdown)."""
 
     progress: PrefillProgress
-    left: str  # "3 s left", "estimating time left" (engine.prefill_eta), or "" when all read
+    left: str  # "3 s left", "estimating time left" (engine.core.prefill_eta), or "" when all read
     left_s: float | None  # the figure `left` says (None: it says none)
 
     @classmethod

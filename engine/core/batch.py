@@ -14,9 +14,15 @@ from engine.core.reply import Reply, ReplyJob
 from engine.core.schedule import MAX_BATCH
 from engine.events import EngineEvent, FinishReason, GenerationResult
 from engine.metrics import now_ns
+from engine.params import GenerationRequest
 
 Emit = Callable[[ReplyJob, EngineEvent], None]
 Done = Callable[[ReplyJob, GenerationResult | None, BaseException | None], None]
+
+
+def batchable(request: GenerationRequest) -> bool:
+    """Speculative requests verify several tokens per step: they run alone."""
+    return request.speculative is None
 
 
 def alternative_cache_key(conversation_id: str | None, index: int) -> str:

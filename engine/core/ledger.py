@@ -6,8 +6,9 @@ prefix (a new chat with the same system prompt), a copy of that one's prefix. Al
 one pool, evicted least-recently-used under a byte budget.
 
 The ledger is written once for every runtime. Where the KV lives is a runtime's `KvStore`: torch
-keeps a transformers cache per entry (engine/prefix_cache.py), llama.cpp a sequence id in its
-context's KV memory (engine/llamacpp/prefix_pool.py). Only the engine thread touches a ledger.
+keeps a transformers cache per entry (engine/runtimes/torch/prefix_cache.py), llama.cpp a sequence
+id in its context's KV memory (engine/runtimes/llamacpp/prefix_pool.py). Only the engine thread
+touches a ledger.
 """
 
 from __future__ import annotations
@@ -201,9 +202,10 @@ class KvLedger(Generic[Handle]):
         self._evicted.clear()
         self._publish()
 
-    def inherit_ledger(self, previous: KvLedger[Any]) -> None:
-        """Take over which chats lost their cache in `previous` (the pool this one replaces,
-        e.g. on a switch between engines), so each one's next turn still says why."""
+    def take_over(self, previous: KvLedger[Any]) -> None:
+        """Replace `previous` (a model switch): its entries go, and which chats lost their cache
+        there carries over, so each one's next turn still says why ("model_changed")."""
+        previous.reset(model_changed=True)
         self._model_changed |= previous._model_changed
         self._evicted |= previous._evicted
 

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.chat_template import FALLBACK_STOPS, encode_chat_layout
+from engine.core.chat_template import FALLBACK_STOPS, encode_chat_layout
 from engine.core.ledger import PromptLayout
 from engine.errors import ContextOverflowError, InvalidRequestError
 from engine.events import ModelInfo

@@ -17,9 +17,11 @@ from typing import Any, Protocol
 
 import torch
 
+from engine.core.detok import IncrementalDetokenizer, StopMatcher
 from engine.core.ledger import CacheLease, KvLedger
 from engine.core.prompt import ChatModel, PreparedPrompt, prepare_prompt
-from engine.detok import IncrementalDetokenizer, StopMatcher
+from engine.core.sampling import make_generator, sample_token, sampler_view
+from engine.core.speculative import SpecStats, verify_sampled
 from engine.events import (
     EngineEvent,
     FinishReason,
@@ -32,8 +34,6 @@ from engine.events import (
 )
 from engine.metrics import RequestTimeline, compute_metrics, now_ns
 from engine.params import GenerationRequest
-from engine.sampling import make_generator, sample_token, sampler_view
-from engine.speculative import SpecStats, verify_sampled
 
 SNAPSHOT_INTERVAL_NS = 100_000_000  # sampler snapshots at most 10 per second
 EmitEvent = Callable[[EngineEvent], None]

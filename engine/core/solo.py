@@ -16,11 +16,11 @@ import torch
 from engine.core.ledger import CacheLease, KvLedger
 from engine.core.prompt import ChatModel
 from engine.core.reply import DetachedJob, EmitEvent, Reply, Vocabulary, open_reply
+from engine.core.speculative import DraftProposer, PromptLookup, TokenProposer
 from engine.errors import InvalidRequestError
 from engine.events import GenerationResult
 from engine.metrics import RequestTimeline, now_ns
 from engine.params import GenerationRequest
-from engine.speculative import DraftProposer, PromptLookup, TokenProposer
 
 
 class SoloRunner(Protocol):

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from app.serve import ServerThread, create_app
-from engine import Engine
 from engine.backends import BackendRouter
 from engine.protocol import Backend
 from engine.remote import RemoteConfig, RemoteEngine
+from engine.worker import Engine
 from tests.support.backend_checks import TINY
 
 CACHE_BYTES = 64 << 20

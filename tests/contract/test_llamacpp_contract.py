@@ -32,7 +32,7 @@ def _failed_load_keeps_the_model(backend: Backend) -> None:
 
 
 def _capabilities(backend: Backend) -> None:
-    from engine.loader import default_gguf_path
+    from engine.model_files import default_gguf_path
 
     checks.check_capabilities(backend, str(default_gguf_path()))  # the model as its own draft
 
@@ -51,8 +51,8 @@ CHECKS: dict[str, Callable[[Backend], object]] = {
 
 def _run_check(name: str) -> None:
     """In the child: a started Engine with the bundled GGUF on llama.cpp, then one check."""
-    from engine import Engine
-    from engine.loader import default_gguf_path
+    from engine.model_files import default_gguf_path
+    from engine.worker import Engine
 
     with Engine(cache_budget_bytes=CACHE_BYTES) as engine:
         engine.load_model_sync(str(default_gguf_path()), engine="llama.cpp")

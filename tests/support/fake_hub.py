@@ -1,6 +1,6 @@
-"""A fake Hugging Face hub on loopback for engine/hub.py's tests: the API routes huggingface_hub
-calls (model search, a repository's files with sizes and LFS sha256) and the file route
-(HEAD and GET of /{repo}/resolve/{revision}/{file}, with Range), with the headers the real hub
+"""A fake Hugging Face hub on loopback for engine/tools/hub.py's tests: the API routes
+huggingface_hub calls (model search, a repository's files with sizes and LFS sha256) and the file
+route (HEAD and GET of /{repo}/resolve/{revision}/{file}, with Range), with the headers the real hub
 sends. Faults are queued per file and consumed by its next GETs: a status code, "drop:N"
 (the headers promise the whole body, N bytes are sent, the connection closes), "hold:N"
 (N bytes are sent, the rest once the test sets `release`), "rate:N" (N bytes a second: for

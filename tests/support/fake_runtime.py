@@ -16,10 +16,10 @@ import torch
 
 from engine.core.batch import Done, Emit, OwnKvBatch, alternative_cache_key
 from engine.core.ledger import CacheLease, KvCheckpoint, KvLedger
+from engine.core.prefill_progress import PrefillReporter
 from engine.core.reply import Reply, ReplyJob, Vocabulary, open_reply, sibling_reply
 from engine.core.snapshots import Payload
 from engine.events import ModelInfo
-from engine.prefill_progress import PrefillReporter
 
 DIM = 16
 

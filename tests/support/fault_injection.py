@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from engine import Engine
+from engine.worker import Engine
 
 
 class ForwardFault:
@@ -15,7 +15,7 @@ class ForwardFault:
     (call 1 is the prefill of the next request, later calls are decode steps); it fires once."""
 
     def __init__(self, engine: Engine) -> None:
-        self.model = engine._loaded.model
+        self.model = engine._runtime.loaded.model
         self._original: Callable[..., Any] = self.model.forward
         self._countdown = 0
         self._error: BaseException | None = None
@@ -43,7 +43,7 @@ class ScriptedTokens:
     one-hot of the next scripted id (the prefill picks ids[0])."""
 
     def __init__(self, engine: Engine, ids: Sequence[int]) -> None:
-        self.model = engine._loaded.model
+        self.model = engine._runtime.loaded.model
         self._original: Callable[..., Any] = self.model.forward
         self._ids = list(ids)
         self._next = 0

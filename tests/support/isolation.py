@@ -17,9 +17,10 @@ import tempfile
 from pathlib import Path
 
 ROOT_ENV = "PHASEWISE_TEST_ROOT"  # the run's temporary home for everything below
-# What each variable points at under the root: the app's own overrides first (engine.loader's
-# cache_root, ui.store's data_dir), then the XDG homes that platformdirs and QStandardPaths
-# (QSettings' default file, Qt's caches) resolve, and keyring's config.
+# What each variable points at under the root: the app's own overrides first
+# (engine.runtimes.torch.loader's cache_root, ui.store's data_dir), then the XDG homes that
+# platformdirs and QStandardPaths (QSettings' default file, Qt's caches) resolve, and keyring's
+# config.
 DIRS = {
     "PHASEWISE_CACHE_DIR": "cache",
     "PHASEWISE_DATA_DIR": "data",

@@ -16,7 +16,7 @@ def load_default() -> Any:
 
 
 def chat_ids(loaded: Any, text: str) -> list[int]:
-    from engine.chat_template import encode_chat
+    from engine.core.chat_template import encode_chat
     from engine.params import ChatMessage
 
     return encode_chat(loaded.tokenizer, [ChatMessage("user", text)])
@@ -29,7 +29,7 @@ def alone_with_margins(loaded: Any, pool: Any, ids: list[int], n: int) -> tuple[
     """Greedy tokens of one prompt decoded alone, and each step's top-2 logit margin."""
     import torch
 
-    from engine.llamacpp.decode import feed
+    from engine.runtimes.llamacpp.decode import feed
 
     lease = pool.cold_lease(None)
     tokens, margins = [], []

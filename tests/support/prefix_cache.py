@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from engine.prefix_cache import PrefixCache
+from engine.runtimes.torch.prefix_cache import PrefixCache
 
 
 def feed(lease: Any, ids: list[int]) -> None:

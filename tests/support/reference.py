@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.loader import LoadedModel
+from engine.runtimes.torch.loader import LoadedModel
 
 
 def reference_greedy(loaded: LoadedModel, prompt: list[int], n: int,

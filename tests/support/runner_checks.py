@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from engine import prefill_progress
+from engine.core import prefill_progress
 from engine.core.batch import BatchCore, Done, Emit
 from engine.core.ledger import CacheLease, KvLedger
 from engine.core.prompt import ChatModel
@@ -24,7 +24,7 @@ from engine.core.reply import DetachedJob, Reply, ReplyJob, Vocabulary, open_rep
 from engine.core.solo import SoloRunner
 from engine.events import EngineEvent, GenerationResult, PrefillProgress
 from engine.params import GenerationRequest, SamplingParams
-from engine.prefix_cache import PrefixCache
+from engine.runtimes.torch.prefix_cache import PrefixCache
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 SMALL_CHUNK = 5  # tokens per lone prefill chunk where a check wants many chunks
@@ -348,9 +348,9 @@ def assert_fp_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 def torch_kit(loaded: Any) -> RunnerKit:
     """The torch runtime's runners on a loaded Hugging Face model, on a fresh prefix cache."""
-    from engine.batching import Batcher
-    from engine.bench import fixed_prompt_ids
-    from engine.generate import TorchRunner, torch_vocabulary
+    from engine.runtimes.torch.batching import Batcher
+    from engine.runtimes.torch.generate import TorchRunner, torch_vocabulary
+    from engine.tools.bench import fixed_prompt_ids
 
     pool = PrefixCache(loaded.model.config, budget_bytes=1 << 30)
 
@@ -384,10 +384,10 @@ def llama_kit(loaded: Any, assert_close: Callable[[torch.Tensor, torch.Tensor, s
               = assert_fp_close) -> RunnerKit:
     """The llama.cpp runtime's runners on a loaded GGUF (in the child: tests/support/child.py),
     on a fresh prefix cache (a new pool clears the context's KV memory)."""
-    from engine.bench import fixed_prompt_ids
-    from engine.llamacpp.batcher import LlamaBatcher
-    from engine.llamacpp.prefix_pool import SeqPrefixCache
-    from engine.llamacpp.session import LlamaRunner, llama_vocabulary
+    from engine.runtimes.llamacpp.batcher import LlamaBatcher
+    from engine.runtimes.llamacpp.prefix_pool import SeqPrefixCache
+    from engine.runtimes.llamacpp.session import LlamaRunner, llama_vocabulary
+    from engine.tools.bench import fixed_prompt_ids
 
     pool = SeqPrefixCache(loaded, 1 << 30)
 

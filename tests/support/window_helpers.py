@@ -10,7 +10,7 @@ from pytestqt.qtbot import QtBot
 
 from engine import GenerationResult
 from ui.chat_view import ACTION_SCHEME
-from ui.hud import HudWidget
+from ui.hud.widget import HudWidget
 from ui.main_window import MainWindow
 
 WAIT_MS = 30_000  # a wait that fails the test only when something hangs, never a timing check

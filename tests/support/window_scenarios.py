@@ -22,10 +22,11 @@ from typing import Any
 from PySide6.QtCore import Qt
 from pytestqt.qtbot import QtBot
 
-from engine import Engine, GenerationResult, PrefillProgress, PrefillStarted, TokenEmitted
+from engine import GenerationResult, PrefillProgress, PrefillStarted, TokenEmitted
 from engine.events import EngineEvent
-from engine.hud_model import fmt_seconds
+from engine.worker import Engine
 from tests.support.window_helpers import WAIT_MS, greedy, settings
+from ui.hud.model import fmt_seconds
 from ui.main_window import MainWindow
 
 GATE_S = 60.0  # the engine thread waits at most this long for the window (no hang, ever)

@@ -1,5 +1,2 @@
-"""The performance HUD shown in the main window's right-hand dock."""
-
-from ui.hud.widget import HudWidget
-
-__all__ = ["HudWidget"]
+"""The performance HUD shown in the main window's right-hand dock: the widget (widget.py), its
+panels (panels.py) and the Qt-free view-model that folds the engine's events (model.py)."""

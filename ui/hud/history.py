@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.hud_model import SavedChat, saved_reply
+from ui.hud.model import SavedChat, saved_reply
 from ui.store import STREAMING, Message
 
 

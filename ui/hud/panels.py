@@ -1,7 +1,7 @@
 """The HUD's nine panels. Each is a card with a title, one pyqtgraph plot, a hover readout and
 a caption, and redraws from the session model only when the HUD's throttle timer asks.
 
-Panels only read engine.hud_model; they never compute timings from a UI clock.
+Panels only read ui.hud.model; they never compute timings from a UI clock.
 """
 
 from __future__ import annotations
@@ -18,9 +18,12 @@ import pyqtgraph as pg
 from PySide6.QtCore import QEvent, QObject, QPointF, Qt, Signal
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QToolButton, QVBoxLayout
 
-from engine.calibrate import DevicePeaks, roof
 from engine.events import SamplerSnapshot
-from engine.hud_model import (
+from engine.metrics import RequestMetrics, percentiles
+from engine.tools.calibrate import DevicePeaks, roof
+from ui.hud import style
+from ui.hud.live_label import LiveLabel
+from ui.hud.model import (
     THROUGHPUT_WINDOW,
     Breakdown,
     ReplyRecord,
@@ -28,9 +31,6 @@ from engine.hud_model import (
     fmt_ms,
     fmt_seconds,
 )
-from engine.metrics import RequestMetrics, percentiles
-from ui.hud import style
-from ui.hud.live_label import LiveLabel
 from ui.session import PromptReading
 
 MAX_TURNS_SHOWN = 40  # per-turn bar plots show the latest turns only

@@ -42,7 +42,6 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.calibrate import DevicePeaks, device_peaks, measure_peaks
 from engine.events import (
     EngineEvent,
     ModelLoaded,
@@ -53,7 +52,11 @@ from engine.events import (
     SamplerSnapshot,
     TokenEmitted,
 )
-from engine.hud_model import (
+from engine.threads import start_worker
+from engine.tools.calibrate import DevicePeaks, device_peaks, measure_peaks
+from ui.hud import style
+from ui.hud.live_label import LiveLabel
+from ui.hud.model import (
     ReplyRecord,
     SavedChat,
     SessionModel,
@@ -61,9 +64,6 @@ from engine.hud_model import (
     fmt_ms,
     fmt_seconds,
 )
-from engine.threads import start_worker
-from ui.hud import style
-from ui.hud.live_label import LiveLabel
 from ui.hud.panels import PANEL_TYPES, HudContext, Panel, prefill_caption
 from ui.session import PromptReading
 

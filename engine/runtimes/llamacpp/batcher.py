@@ -10,7 +10,7 @@ row's last token, at its own position on its own sequence, into one llama_decode
 re-packed when rows join or leave: a leaving row's sequence goes back to the prefix cache as it
 is. N alternatives of one prompt share one prefill: the others' sequences are seq_cp copies of
 the first (cells shared), each samples with its own generator. Runs only on the engine thread;
-the worker drives it like engine/batching.py's.
+the worker drives it like engine/runtimes/torch/batching.py's.
 """
 
 from __future__ import annotations
@@ -22,17 +22,17 @@ import torch
 
 from engine.core.batch import Done, Emit, OwnKvBatch, alternative_cache_key
 from engine.core.ledger import CacheLease
+from engine.core.prefill_progress import PrefillReporter
 from engine.core.reply import Reply, ReplyJob, open_reply, sibling_reply
 from engine.core.schedule import FIRST_MIXED_CHUNK, STEP_STALL
-from engine.llamacpp.decode import decode, lone_chunk, prefill_meter
-from engine.llamacpp.graph_meter import GraphMeter
-from engine.llamacpp.model import LlamaCppModel
-from engine.llamacpp.prefix_pool import SeqPrefixCache
-from engine.llamacpp.session import llama_vocabulary
-from engine.llamacpp.side_prefill import SidePrefill, can_prefill_beside, set_threads
+from engine.core.side_thread import step_rows_beside
 from engine.metrics import now_ns
-from engine.prefill_progress import PrefillReporter
-from engine.side_thread import step_rows_beside
+from engine.runtimes.llamacpp.decode import decode, lone_chunk, prefill_meter
+from engine.runtimes.llamacpp.graph_meter import GraphMeter
+from engine.runtimes.llamacpp.model import LlamaCppModel
+from engine.runtimes.llamacpp.prefix_pool import SeqPrefixCache
+from engine.runtimes.llamacpp.session import llama_vocabulary
+from engine.runtimes.llamacpp.side_prefill import SidePrefill, can_prefill_beside, set_threads
 
 
 def _clamp(value: int, lowest: int, highest: int) -> int:

@@ -1,9 +1,10 @@
 """Benchmarks shared by `phasewise bench` and benchmarks/: measure, never assert.
 
-Everything runs in the calling thread on one LoadedModel, so our decode loop and the
-transformers generate() baseline see the same weights, prompt, dtype and token count; the
-llama.cpp peer (engine/peers.py) sees the same prompt ids and token count on the GGUF weights,
-in a child process: if it crashes, the report says so in one line and keeps our numbers.
+Everything runs in the calling thread on one loaded model (a `Runtime`), so our decode loop and
+the transformers generate() baseline (torch: the model as loaded) see the same weights, prompt,
+dtype and token count; the llama.cpp peer (engine/tools/peers.py) sees the same prompt ids and
+token count on the GGUF weights, in a child process: if it crashes, the report says so in one
+line and keeps our numbers.
 """
 
 from __future__ import annotations
@@ -20,18 +21,18 @@ from typing import Any
 
 import torch
 
-from engine import runtimes, side_prefill
 from engine.core.ledger import KvLedger
 from engine.core.prompt import prepare_prompt
 from engine.core.reply import DetachedJob
-from engine.draft import DraftModel
+from engine.core.runtime import BatchSchedule, Runtime
+from engine.core.speculative import TokenProposer
 from engine.errors import InvalidRequestError
 from engine.events import GenerationResult, PrefillProgress
-from engine.loader import LoadedModel
 from engine.metrics import RequestTimeline, now_ns, percentiles
 from engine.native import NativeCrashError
 from engine.params import ChatMessage, GenerationRequest, SamplingParams, Speculative
-from engine.peers import LlamaCppPeer, PeerResult, gguf_for, result_from_stamps
+from engine.runtimes.torch.loader import LoadedModel
+from engine.tools.peers import LlamaCppPeer, PeerResult, gguf_for, result_from_stamps
 
 PeerRunner = Callable[[list[int], int], PeerResult]
 
@@ -46,7 +47,7 @@ PASSAGE = (
 )
 
 
-def fixed_prompt_ids(loaded: LoadedModel, n_tokens: int) -> list[int]:
+def fixed_prompt_ids(loaded: Runtime, n_tokens: int) -> list[int]:
     """Exactly n_tokens of a fixed English passage (no chat template), the same every run."""
     tokenizer = loaded.tokenizer
     ids: list[int] = []
@@ -56,17 +57,17 @@ def fixed_prompt_ids(loaded: LoadedModel, n_tokens: int) -> list[int]:
 
 
 def run_ours(
-    loaded: LoadedModel,
+    loaded: Runtime,
     prompt_ids: list[int],
     max_tokens: int,
     cache: KvLedger[Any] | None = None,
     conversation_id: str | None = None,
     reuse_cache: bool = True,
     speculative: Speculative | None = None,
-    draft: DraftModel | None = None,
+    draft: TokenProposer | None = None,
 ) -> GenerationResult:
     """One greedy request of exactly max_tokens tokens through the engine's decode loop."""
-    pool = cache or runtimes.new_prefix_cache(loaded, budget_bytes=1 << 40)
+    pool = cache or loaded.new_prefix_cache(budget_bytes=1 << 40)
     request = GenerationRequest(
         messages=[],
         params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
@@ -76,7 +77,7 @@ def run_ours(
         speculative=speculative,
     )
     timeline = RequestTimeline(submitted_ns=now_ns())
-    session = runtimes.new_session(loaded, pool, draft)
+    session = loaded.new_session(pool, draft)
     result: GenerationResult = session.run(request, timeline, threading.Event(),
                                            lambda _e: None)
     return result
@@ -138,7 +139,7 @@ def runner_label(runner: str) -> str:
     return PEER_LABELS[runner]
 
 
-def _peer_runners(peers: Sequence[str], hf_model: LoadedModel, loaded: LoadedModel,
+def _peer_runners(peers: Sequence[str], hf_model: LoadedModel | None, loaded: Runtime,
                   n_ctx: int, stack: ExitStack, about: dict[str, Any],
                   progress: Callable[[str], None]) -> dict[str, PeerRunner]:
     """A run(prompt_ids, max_tokens) callable per requested peer, in PEERS order (llama.cpp:
@@ -146,11 +147,14 @@ def _peer_runners(peers: Sequence[str], hf_model: LoadedModel, loaded: LoadedMod
     runners: dict[str, PeerRunner] = {}
     for peer in (p for p in PEERS if p in peers):
         if peer == "hf":
+            if hf_model is None:
+                raise InvalidRequestError("--vs hf compares with transformers' generate() on "
+                                          "the torch model: load it with --engine torch")
             runners[peer] = partial(run_hf, hf_model)
             about["hf_kernel"] = hf_model.info.kernel
             continue
         gguf = gguf_for(loaded.info)
-        threads = runtimes.cpu_threads(loaded)
+        threads = loaded.cpu_threads
         about.update(llama_cpp_threads=threads, llama_cpp_gguf=gguf.name)
         for runner, flash_attn in LLAMA_CPP_CONFIGS.items():
             try:
@@ -196,14 +200,14 @@ def _run_peers(runners: dict[str, PeerRunner], prompt_ids: list[int], max_tokens
 
 
 def bench_decode(
-    loaded: LoadedModel,
+    loaded: Runtime,
     *,
     prompt_tokens: int = 128,
     max_tokens: int = 64,
     repeats: int = 3,
     peers: Sequence[str] = (),
     speculative: bool = False,
-    draft: DraftModel | None = None,
+    draft: TokenProposer | None = None,
     hf_reference: LoadedModel | None = None,
     progress: Callable[[str], None] = lambda _m: None,
 ) -> dict[str, Any]:
@@ -211,8 +215,8 @@ def bench_decode(
 
     peers ('hf', 'llama.cpp') decode the same prompt ids for the same token count. Runs
     alternate ours / each peer (/ ours with speculative drafts) so drift in machine load hits
-    all alike. generate() runs on hf_reference (the model as loaded, before a fast kernel) when
-    given, so the ratio is against stock transformers; llama.cpp runs the model's GGUF file.
+    all alike. generate() runs on hf_reference (the torch model as loaded, before a fast
+    kernel), so the ratio is against stock transformers; llama.cpp runs the model's GGUF file.
     """
     unknown = sorted(set(peers) - set(PEERS))
     if unknown:
@@ -221,7 +225,7 @@ def bench_decode(
     prompt_ids = fixed_prompt_ids(loaded, prompt_tokens)
     about: dict[str, Any] = {}
     with ExitStack() as stack:
-        runners = _peer_runners(peers, hf_reference or loaded, loaded,
+        runners = _peer_runners(peers, hf_reference, loaded,
                                 prompt_tokens + max_tokens + 8, stack, about, progress)
         progress("warm-up")
         run_ours(loaded, prompt_ids[:16], 4)
@@ -251,11 +255,11 @@ def bench_decode(
     if drafted and draft is not None:
         report.update(speculative_summary(ours, drafted, "draft", prefix="draft_"))
         report["draft_model"] = draft.name
-        report["draft_kernel"] = draft.loaded.info.kernel
+        report["draft_kernel"] = draft.info.kernel
     return report
 
 
-def decode_summary(loaded: LoadedModel, ours: list[GenerationResult], prompt_tokens: int,
+def decode_summary(loaded: Runtime, ours: list[GenerationResult], prompt_tokens: int,
                    max_tokens: int, repeats: int) -> dict[str, Any]:
     """Our side of bench_decode's report: medians over runs, ITL percentiles over all."""
     itl = [x for r in ours for x in r.metrics.itl_s]
@@ -357,7 +361,7 @@ TURN_QUESTIONS = (
 
 
 def bench_turns(
-    loaded: LoadedModel,
+    loaded: Runtime,
     *,
     turns: int = 4,
     max_tokens: int = 64,
@@ -371,7 +375,7 @@ def bench_turns(
     """
     # Small test models have tiny contexts: keep the script inside a third of it.
     context = fixed_text(loaded, min(context_tokens, loaded.info.context_length // 3))
-    pool = runtimes.new_prefix_cache(loaded, budget_bytes=1 << 40)
+    pool = loaded.new_prefix_cache(budget_bytes=1 << 40)
     messages = [ChatMessage("system", "You are a concise assistant."),
                 ChatMessage("user", context + "\n\n" + TURN_QUESTIONS[0])]
 
@@ -387,8 +391,8 @@ def bench_turns(
         )
         last_prompt = prepare_prompt(loaded, request).ids
         timeline = RequestTimeline(submitted_ns=now_ns())
-        result = runtimes.new_session(loaded, pool).run(request, timeline, threading.Event(),
-                                                  lambda _e: None)
+        result = loaded.new_session(pool).run(request, timeline, threading.Event(),
+                                              lambda _e: None)
         m = result.metrics
         rows.append({
             "turn": turn + 1,
@@ -421,13 +425,13 @@ def bench_turns(
     }
 
 
-def fixed_text(loaded: LoadedModel, n_tokens: int) -> str:
+def fixed_text(loaded: Runtime, n_tokens: int) -> str:
     return str(loaded.tokenizer.decode(fixed_prompt_ids(loaded, n_tokens)))
 
 
 @torch.inference_mode()
 def bench_batch(
-    loaded: LoadedModel,
+    loaded: Runtime,
     *,
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8),
     prompt_tokens: int = 64,
@@ -450,9 +454,9 @@ def bench_batch(
     for r in range(rounds):
         for b in batch_sizes:
             progress(f"round {r + 1}/{rounds}: batch {b}")
-            pool = runtimes.new_prefix_cache(loaded, budget_bytes=1 << 40)
-            batcher = runtimes.new_batcher(loaded, pool, lambda _job, _event: None,
-                                           lambda _job, _result, _error: None)
+            pool = loaded.new_prefix_cache(budget_bytes=1 << 40)
+            batcher = loaded.new_batcher(pool, lambda _job, _event: None,
+                                         lambda _job, _result, _error: None)
             for i in range(b):
                 ids = source[i * stride : i * stride + prompt_tokens]
                 batcher.admit([DetachedJob(GenerationRequest(
@@ -481,21 +485,15 @@ INTERFERENCE_LABELS = {"one_pass": "whole prefill between two steps",
                        "beside": "beside, on its own cores"}
 
 
-def interference_modes(loaded: LoadedModel) -> tuple[str, ...]:
+def interference_modes(loaded: Runtime) -> tuple[str, ...]:
     """The schedules an engine has here: with a core to spare, llama.cpp can also prefill on a
     side context and torch on a CPU in a side thread."""
-    if runtimes.is_llama_cpp(loaded):
-        from engine.llamacpp.side_prefill import side_threads as llama_side_threads
-
-        beside = llama_side_threads(loaded) >= 1  # type: ignore[arg-type]  # a LlamaCppModel
-    else:
-        beside = loaded.info.device == "cpu" and side_prefill.side_threads() >= 1
-    return INTERFERENCE_MODES if beside else INTERFERENCE_MODES[:2]
+    return INTERFERENCE_MODES if loaded.can_prefill_beside else INTERFERENCE_MODES[:2]
 
 
 @torch.inference_mode()
 def bench_interference(
-    loaded: LoadedModel,
+    loaded: Runtime,
     *,
     prompt_tokens: int = 4000,
     stream_prompt_tokens: int = 64,
@@ -534,7 +532,7 @@ def bench_interference(
     return report
 
 
-def _interference_batcher(loaded: LoadedModel, mode: str,
+def _interference_batcher(loaded: Runtime, mode: str,
                           progress: dict[str, list[int]] | None = None) -> Any:
     """A fresh batcher on a fresh prefix cache (llama.cpp: an empty KV memory). one_pass: the
     prompt is prefilled whole between two steps (torch: one forward; llama.cpp: n_batch
@@ -551,21 +549,9 @@ def _interference_batcher(loaded: LoadedModel, mode: str,
     def done(_job: Any, _result: Any, _error: Any) -> None:
         pass
 
-    if runtimes.is_llama_cpp(loaded):
-        from engine.llamacpp.batcher import LlamaBatcher
-        from engine.llamacpp.prefix_pool import SeqPrefixCache
-
-        native: int = loaded.n_batch  # type: ignore[attr-defined]  # a LlamaCppModel here
-        seqs = SeqPrefixCache(loaded, budget_bytes=1 << 40)  # type: ignore[arg-type]  # the same
-        return LlamaBatcher(loaded, seqs, emit, done,  # type: ignore[arg-type]
-                            interleave=not whole, beside=mode == "beside",
-                            lone_chunk=native if whole else None)
-    from engine.batching import Batcher
-    from engine.prefix_cache import PrefixCache
-
-    pool = PrefixCache(loaded.model.config, budget_bytes=1 << 40)
-    return Batcher(loaded, pool, emit, done, interleave=not whole, beside=mode == "beside",
-                   prefill_chunk=1 << 30 if whole else None)
+    schedule = BatchSchedule(interleave=not whole, beside=mode == "beside", one_pass=whole)
+    return loaded.new_batcher(loaded.new_prefix_cache(budget_bytes=1 << 40), emit, done,
+                              schedule)
 
 
 @dataclass(frozen=True)
@@ -578,7 +564,7 @@ class LonePrefill:
     longest_wait_s: float
 
 
-def lone_prefill(loaded: LoadedModel, ids: list[int], mode: str = "beside") -> LonePrefill:
+def lone_prefill(loaded: Runtime, ids: list[int], mode: str = "beside") -> LonePrefill:
     """Prefill ids through a fresh batcher of `mode` (see _interference_batcher; "beside" is
     the engine's own) with nothing else running (what chunking must not slow)."""
     progress: dict[str, list[int]] = {}
@@ -600,7 +586,7 @@ def _longest_progress_gap_s(timeline: RequestTimeline, stamps: list[int]) -> flo
     return max(b - a for a, b in pairwise(marks)) * 1e-9
 
 
-def _interference_run(loaded: LoadedModel, mode: str, stream_ids: list[int],
+def _interference_run(loaded: Runtime, mode: str, stream_ids: list[int],
                       long_ids: list[int], alone_tokens: int) -> dict[str, Any]:
     """Stream alone for alone_tokens steps, admit the long prompt (the batcher interleaves or
     not), take a few more steps together; return the stream's ITL split by phase, and the
@@ -637,14 +623,14 @@ def _interference_run(loaded: LoadedModel, mode: str, stream_ids: list[int],
     }
 
 
-def _stream_job(loaded: LoadedModel, stream_ids: list[int]) -> DetachedJob:
+def _stream_job(loaded: Runtime, stream_ids: list[int]) -> DetachedJob:
     room = loaded.info.context_length - len(stream_ids) - 1
     return DetachedJob(GenerationRequest(
         [], SamplingParams(temperature=0.0, max_tokens=room, ignore_eos=True),
         prompt_token_ids=stream_ids, reuse_cache=False))
 
 
-def _stream_alone_gaps(loaded: LoadedModel, mode: str, stream_ids: list[int],
+def _stream_alone_gaps(loaded: Runtime, mode: str, stream_ids: list[int],
                        steps: int) -> list[float]:
     """The stream's first `steps` ITLs with nothing else in the batcher."""
     batcher = _interference_batcher(loaded, mode)

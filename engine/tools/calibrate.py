@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import PhasewiseError
-from engine.loader import cache_root
+from engine.model_files import cache_root
 
 CACHE_FILE = "device_peaks.json"
 
@@ -82,7 +82,7 @@ def device_name(device: str) -> str:
         return torch.cuda.get_device_name(torch.device(device))
     if device.startswith("mps"):
         return f"mps: {platform.machine()}"
-    from engine.kernels import cpu_name  # imports torch; calibration needs it anyway
+    from engine.runtimes.torch.kernels import cpu_name  # imports torch; calibration needs it anyway
 
     return f"cpu: {cpu_name()}"
 

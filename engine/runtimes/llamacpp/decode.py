@@ -14,12 +14,12 @@ from typing import Any
 import numpy as np
 
 from engine.core.ledger import CacheLease
+from engine.core.prefill_progress import PrefillReporter
 from engine.core.schedule import FIRST_LONE_CHUNK
 from engine.errors import PhasewiseError
-from engine.llamacpp.graph_meter import GraphMeter
-from engine.llamacpp.model import LlamaCppModel
-from engine.llamacpp.prefix_pool import KvFullError, SeqPrefixCache
-from engine.prefill_progress import PrefillReporter
+from engine.runtimes.llamacpp.graph_meter import GraphMeter
+from engine.runtimes.llamacpp.model import LlamaCppModel
+from engine.runtimes.llamacpp.prefix_pool import KvFullError, SeqPrefixCache
 
 NO_KV_SLOT = 1
 ABORTED = 2  # a GraphMeter stopped the graph: the batch's positions left the KV memory

@@ -17,7 +17,7 @@ import ctypes
 from engine.core.ledger import KvCheckpoint, KvFullError, KvLedger
 from engine.core.snapshots import Payload
 from engine.errors import PhasewiseError
-from engine.llamacpp.model import LlamaCppModel
+from engine.runtimes.llamacpp.model import LlamaCppModel
 
 __all__ = ["KvFullError", "LlamaKvStore", "SeqPrefixCache"]
 

@@ -28,12 +28,12 @@ from engine.core.schedule import (
     MIN_INTERLEAVED_CHUNK,
     STEP_TOKEN_BUDGET,
 )
+from engine.core.side_thread import step_rows_beside
 from engine.events import FinishReason
-from engine.generate import ChunkedPrefill, default_prefill_chunk, torch_vocabulary
-from engine.loader import LoadedModel
 from engine.metrics import now_ns
-from engine.params import GenerationRequest
-from engine.prefix_cache import (
+from engine.runtimes.torch.generate import ChunkedPrefill, default_prefill_chunk, torch_vocabulary
+from engine.runtimes.torch.loader import LoadedModel
+from engine.runtimes.torch.prefix_cache import (
     LayerKV,
     PrefixCache,
     attention_only,
@@ -42,17 +42,11 @@ from engine.prefix_cache import (
     layer_kv,
     new_cache,
 )
-from engine.side_prefill import SidePrefill, can_prefill_beside
-from engine.side_thread import step_rows_beside
+from engine.runtimes.torch.side_prefill import SidePrefill, can_prefill_beside
 
 if TYPE_CHECKING:  # transformers is not imported at run time here: the llama.cpp batcher
     from transformers import DynamicCache  # imports this module and never needs it
 
-
-
-def batchable(request: GenerationRequest) -> bool:
-    """Speculative requests verify several tokens per step: they run alone."""
-    return request.speculative is None
 
 
 def cache_supports_batching(loaded: LoadedModel) -> bool:
@@ -79,7 +73,8 @@ class Batcher(BatchCore):
         self.adaptive_budget = step_token_budget is None
         self.step_token_budget = step_token_budget or STEP_TOKEN_BUDGET
         # A long prompt joining streaming rows on a CPU is prefilled beside them in a thread on
-        # half the cores (engine/side_prefill.py); beside=False keeps it between the steps.
+        # half the cores (engine/runtimes/torch/side_prefill.py); beside=False keeps it between the
+        # steps.
         self.beside = beside
         self.vocab = torch_vocabulary(loaded)
         self._cache: DynamicCache | None = None

@@ -34,9 +34,9 @@ from typing import IO, Any
 from urllib.parse import quote
 
 from engine.errors import PhasewiseError
-from engine.fit import Estimate, gguf_estimate, size
 from engine.gguf_header import GGUFHeader, TruncatedHeader, parse_gguf
-from engine.loader import models_dir
+from engine.model_files import models_dir
+from engine.tools.fit import Estimate, gguf_estimate, size
 
 HEADER_FIRST_READ = 1 << 20  # 1 MiB: a small vocabulary's header; SmolLM2's (1.8 MB) in 2 reads
 HEADER_MAX = 64 << 20  # a header larger than this is not a model we can estimate
@@ -242,7 +242,7 @@ class Hub:
 
     def estimate(self, file: RemoteFile, context_length: int | None = None,
                  header: GGUFHeader | None = None, free: int | None = -1) -> Estimate:
-        """Will it fit (engine/fit.py), from the remote header: `header` may be another
+        """Will it fit (engine/tools/fit.py), from the remote header: `header` may be another
         quant's of the same repository (same shape; the data offset differs by bytes)."""
         return gguf_estimate(header or self.header(file), file.size, context_length, free)
 

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from engine.llamacpp.model import LlamaCppModel
+from engine.runtimes.llamacpp.model import LlamaCppModel
 
 
 class GraphMeter:

@@ -1,7 +1,7 @@
 """Drafts for speculative decoding, runtime-neutral: prompt lookup (no draft model needed),
 and the draft-model side both runtimes share (TokenProposer, a draft model's proposal loop;
-DraftProposer, one request's drafter). The draft models themselves are engine/draft.py (torch)
-and engine/llamacpp/draft.py.
+DraftProposer, one request's drafter). The draft models themselves are
+engine/runtimes/torch/draft.py (torch) and engine/runtimes/llamacpp/draft.py.
 
 Chat replies often copy spans of the prompt (names, code, quoted text) or of themselves.
 The last few tokens are looked up in everything seen so far; the tokens that followed their
@@ -28,8 +28,9 @@ from typing import Protocol
 import torch
 
 from engine.core.ledger import common_prefix_len
+from engine.core.sampling import apply_repetition_penalty, check_logits, filtered_probs
+from engine.events import ModelInfo
 from engine.params import SamplingParams
-from engine.sampling import apply_repetition_penalty, check_logits, filtered_probs
 
 DRAFT_TOKENS = 6
 MAX_NGRAM = 3
@@ -144,6 +145,15 @@ class TokenProposer(ABC):
         self.ids: list[int] = []  # mirrors the draft's KV position by position
         self.last_probs: list[torch.Tensor] = []  # what each sampled draft token was drawn from
 
+    @property
+    @abstractmethod
+    def info(self) -> ModelInfo:
+        """The draft model's name, kernel and context, as the window shows it."""
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
     @abstractmethod
     def reset(self) -> None: ...
 
@@ -201,7 +211,7 @@ class TokenProposer(ABC):
 
 class Drafter(Protocol):
     """What DraftProposer needs of a loaded draft: DraftModel (torch) or
-    engine/llamacpp/draft.py's LlamaDraftModel."""
+    engine/runtimes/llamacpp/draft.py's LlamaDraftModel."""
 
     context: int
     last_probs: list[torch.Tensor]

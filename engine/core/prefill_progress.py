@@ -5,9 +5,9 @@ the Xeon VM a 64-token llama.cpp chunk took ~0.9 s at 4,000 tokens of context an
 torch chunk ~0.8 s, so progress only at chunk ends came less often than every 0.5 s. Smaller
 chunks cost throughput (16-token llama.cpp chunks ran at half the rate of 64-token ones), so
 the engines report from inside a chunk instead: how far the model's layers have gone through it
-(torch: a hook per decoder layer, engine/layer_progress.py; llama.cpp: the graph's nodes,
-engine/llamacpp/graph_meter.py). A chunk's share done counts as that share of its tokens, which
-is the share of its work when every layer costs the same.
+(torch: a hook per decoder layer, engine/runtimes/torch/layer_progress.py; llama.cpp: the graph's
+nodes, engine/runtimes/llamacpp/graph_meter.py). A chunk's share done counts as that share of its
+tokens, which is the share of its work when every layer costs the same.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from engine.core.prefill_eta import PrefillClock
 from engine.events import PrefillProgress
-from engine.prefill_eta import PrefillClock
 
 WITHIN_CHUNK_NS = 250_000_000  # within a chunk, progress at most this often
 

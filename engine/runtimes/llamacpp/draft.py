@@ -1,12 +1,12 @@
 """Draft-model speculation on llama.cpp: a second GGUF in a second context, same thread.
 
 The draft proposes k tokens one llama_decode at a time on its own KV sequence; the target
-verifies them all in one llama_decode (engine/llamacpp/session.py). Before each proposal the
-draft's sequence is cut back (seq_rm) to the longest prefix it shares with the tokens accepted
+verifies them all in one llama_decode (engine/runtimes/llamacpp/session.py). Before each proposal
+the draft's sequence is cut back (seq_rm) to the longest prefix it shares with the tokens accepted
 so far, so only the target's correction token (or, after a fully accepted draft, the last
 draft token and the bonus token) is fed. Acceptance rules, adaptive draft length and the
-speculative sampling rule are the torch engine's (engine/draft.py's DraftProposer,
-engine/speculative.py's verify_sampled): only proposing runs here.
+speculative sampling rule are the torch engine's (engine/runtimes/torch/draft.py's DraftProposer,
+engine/core/speculative.py's verify_sampled): only proposing runs here.
 
 A good pair is one model in two quantizations: a bigger file as the target, a 4-bit one as
 the draft. The draft must share the target's vocabulary; it is checked at load.
@@ -21,20 +21,21 @@ from pathlib import Path
 import torch
 
 from engine.core.ledger import common_prefix_len
+from engine.core.speculative import TokenProposer
 from engine.core.vocab import (
     VocabularyFacts,
     VocabularyMismatchError,
     check_same_vocabulary,
 )
-from engine.llamacpp.model import LlamaCppModel, Progress, load_gguf, warm_up_llama
-from engine.speculative import TokenProposer
+from engine.events import ModelInfo
+from engine.runtimes.llamacpp.model import LlamaCppModel, Progress, load_gguf, warm_up_llama
 
 SEQ = 0  # the draft context's only sequence
 
 
 class LlamaDraftModel(TokenProposer):
     """A draft GGUF in its own llama.cpp context. `ids` mirrors the sequence position by
-    position. Only the engine thread may use it (engine/draft.py's Drafter)."""
+    position. Only the engine thread may use it (engine/runtimes/torch/draft.py's Drafter)."""
 
     def __init__(self, loaded: LlamaCppModel, vocab_limit: int) -> None:
         super().__init__(vocab_limit, loaded.info.context_length)
@@ -43,8 +44,8 @@ class LlamaDraftModel(TokenProposer):
         self._writer = _Writer(loaded)
 
     @property
-    def name(self) -> str:
-        return self.loaded.info.name
+    def info(self) -> ModelInfo:
+        return self.loaded.info
 
     def reset(self) -> None:
         self._lib.llama_memory_clear(self.loaded.memory, False)
@@ -97,7 +98,7 @@ class _Writer:
     """One sequence's rows into the draft's llama_batch (logits for the last row only)."""
 
     def __init__(self, loaded: LlamaCppModel) -> None:
-        from engine.llamacpp.decode import writer_for
+        from engine.runtimes.llamacpp.decode import writer_for
 
         self.loaded = loaded
         self.batch = writer_for(loaded)

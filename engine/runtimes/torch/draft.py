@@ -1,7 +1,7 @@
 """Draft-model speculative decoding: a cheaper model with the target's vocabulary proposes.
 
 The draft runs k one-token greedy steps; the target checks all k in one forward pass (see
-engine/speculative.py and DecodeSession._decode) and keeps the longest prefix it agrees with,
+engine/core/speculative.py and DecodeSession._decode) and keeps the longest prefix it agrees with,
 so greedy output is the target's own whatever the draft proposes. The draft keeps its own
 KV cache: before each proposal it is cropped to the longest prefix it shares with the tokens
 accepted so far, and only the rest is fed (usually the target's one correction token).
@@ -18,11 +18,12 @@ from typing import Any
 import torch
 
 from engine.core.ledger import common_prefix_len
+from engine.core.speculative import TokenProposer
 from engine.core.vocab import VocabularyFacts
 from engine.core.vocab import check_same_vocabulary as check_vocabularies
-from engine.loader import LoadedModel, load_model
-from engine.prefix_cache import RollbackError, crop_to, new_cache
-from engine.speculative import TokenProposer
+from engine.events import ModelInfo
+from engine.runtimes.torch.loader import LoadedModel, load_model
+from engine.runtimes.torch.prefix_cache import RollbackError, crop_to, new_cache
 
 
 def tokenizer_facts(tokenizer: Any) -> VocabularyFacts:
@@ -56,8 +57,8 @@ class DraftModel(TokenProposer):
         self.reset()
 
     @property
-    def name(self) -> str:
-        return self.loaded.info.name
+    def info(self) -> ModelInfo:
+        return self.loaded.info
 
     def reset(self) -> None:
         self.cache = new_cache(self.loaded.model.config)
@@ -103,7 +104,7 @@ def load_draft(
 ) -> DraftModel:
     """Load a draft model for target, by the loader's rules (offline, no remote code,
     safetensors) on the target's device; raise ModelLoadError with one line on failure."""
-    from engine.kernels import select_kernel
+    from engine.runtimes.torch.kernels import select_kernel
 
     options = {**options, "device": target.info.device}
     loaded = load_model(spec, progress=progress, **options)

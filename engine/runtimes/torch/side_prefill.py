@@ -1,15 +1,16 @@
 """A long prompt prefilled beside the streaming rows, in a thread of its own (torch on a CPU).
 
 Between two decode steps a prefill chunk stalls every streaming row for its whole forward, and
-on a CPU a small chunk still pays a fixed cost (see STEP_TOKEN_BUDGET in engine/batching.py), so
-the rows' ITL stays several times its value alone while the prompt crawls. Here the prompt goes
-in whole chunks in a second thread on half the cores while the engine thread keeps decoding the
-rows on the rest: prefill and decode disaggregated across one machine's cores, as the llama.cpp
-engine does on a side context (engine/llamacpp/side_prefill.py). torch's intra-op thread count
-belongs to the thread that sets it, and torch releases the GIL inside each op, so the two
-forwards run at once. The prompt's cache is the lease's own: when it is in, the request joins the
-batch through the usual path. Progress events are queued here and emitted by the engine thread.
-The engine thread owns the object; only `work` runs on the side thread.
+on a CPU a small chunk still pays a fixed cost (see STEP_TOKEN_BUDGET in
+engine/runtimes/torch/batching.py), so the rows' ITL stays several times its value alone while the
+prompt crawls. Here the prompt goes in whole chunks in a second thread on half the cores while the
+engine thread keeps decoding the rows on the rest: prefill and decode disaggregated across one
+machine's cores, as the llama.cpp engine does on a side context
+(engine/runtimes/llamacpp/side_prefill.py). torch's intra-op thread count belongs to the thread that
+sets it, and torch releases the GIL inside each op, so the two forwards run at once. The prompt's
+cache is the lease's own: when it is in, the request joins the batch through the usual path.
+Progress events are queued here and emitted by the engine thread. The engine thread owns the object;
+only `work` runs on the side thread.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ import torch
 
 from engine.core.ledger import CacheLease
 from engine.core.schedule import FIRST_SIDE_CHUNK, SIDE_MIN_TOKENS, next_side_chunk
+from engine.core.side_thread import SideWorker
 from engine.events import PrefillProgress
-from engine.generate import ChunkedPrefill
-from engine.kernels import allowed_cpus
-from engine.loader import LoadedModel
-from engine.side_thread import SideWorker
+from engine.runtimes.torch.generate import ChunkedPrefill
+from engine.runtimes.torch.kernels import allowed_cpus
+from engine.runtimes.torch.loader import LoadedModel
 
 
 def side_threads() -> int:
@@ -41,7 +42,7 @@ def can_prefill_beside(loaded: LoadedModel, new_tokens: int) -> bool:
 
 
 class SidePrefill(SideWorker):
-    """Prefill `ids` on top of `lease`'s cache in a thread (see engine.side_thread), in chunks
+    """Prefill `ids` on top of `lease`'s cache in a thread (see engine.core.side_thread), in chunks
     of at most `chunk` sized to take about schedule.SIDE_CHUNK_S each. The engine thread emits
     `progress()` as it polls, then calls `finish`."""
 

@@ -1,7 +1,7 @@
 """The conversion cache: GGUF files the torch engine converted to safetensors, listed and removed.
 
-Each converted model is a folder under models_dir() (engine/loader.py) holding its marker
-(phasewise-converted.json: the source file's name, size and dtype). A folder still being
+Each converted model is a folder under models_dir() (engine/runtimes/torch/loader.py) holding its
+marker (phasewise-converted.json: the source file's name, size and dtype). A folder still being
 written (".converting-*") is not listed. The model in use is never removed.
 """
 
@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import PhasewiseError
-from engine.loader import CONVERTED_MARKER, models_dir
+from engine.model_files import models_dir
+from engine.runtimes.torch.loader import CONVERTED_MARKER
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """The torch runtime's decode pieces: its runner for the core's loop, its chunked prefill.
 
-The loop itself is the core's (engine/core/solo.py for a request alone, engine/batching.py's
-batch for the rest); this module feeds a Hugging Face model: a prompt in chunks on top of a
-prefix-cache lease (ChunkedPrefill), a forward for a step, a crop to take a draft back. Every
-token is stamped the moment it is emitted and the KV cache stays ours to reuse on the next
-turn. Runs only in the engine thread.
+The loop itself is the core's (engine/core/solo.py for a request alone,
+engine/runtimes/torch/batching.py's batch for the rest); this module feeds a Hugging Face model: a
+prompt in chunks on top of a prefix-cache lease (ChunkedPrefill), a forward for a step, a crop to
+take a draft back. Every token is stamped the moment it is emitted and the KV cache stays ours to
+reuse on the next turn. Runs only in the engine thread.
 """
 
 from __future__ import annotations
@@ -16,15 +16,20 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 
 from engine.core.ledger import CacheLease
+from engine.core.prefill_progress import PrefillReporter
 from engine.core.prompt import template_stops
 from engine.core.reply import EmitEvent, Reply, Vocabulary
 from engine.core.schedule import CPU_PREFILL_CHUNK, GPU_PREFILL_CHUNK, PREFILL_CHUNK_ENV
 from engine.core.solo import SoloSession
-from engine.layer_progress import LayerProgress, decoder_layers
-from engine.loader import LoadedModel
-from engine.prefill_progress import PrefillReporter
-from engine.prefix_cache import PrefixCache, checkpoint_if_due, crop_to, model_rollback_blocker
-from engine.speculative import TokenProposer
+from engine.core.speculative import TokenProposer
+from engine.runtimes.torch.layer_progress import LayerProgress, decoder_layers
+from engine.runtimes.torch.loader import LoadedModel
+from engine.runtimes.torch.prefix_cache import (
+    PrefixCache,
+    checkpoint_if_due,
+    crop_to,
+    model_rollback_blocker,
+)
 
 
 def default_prefill_chunk(device: torch.device) -> int:
@@ -100,7 +105,7 @@ class DecodeSession(SoloSession):
                          torch_vocabulary(loaded), draft, loaded.device)
 
 
-# ----- pieces shared with the batcher (engine/batching.py) -------------------------------------
+# ----- pieces shared with the batcher (batching.py) --------------------------------------------
 class ChunkedPrefill:
     """Feeds a prompt's uncached tokens through the model a chunk at a time on top of a lease's
     cache, and reports PrefillProgress after each chunk (on a CPU, within it too).
@@ -118,7 +123,7 @@ class ChunkedPrefill:
         self.done = 0
         self._reporter = PrefillReporter(request_id, len(ids), emit)
         # Progress from inside a chunk as its layers run: on a CPU, where a hook runs after
-        # its layer's ops (engine.layer_progress); a GPU chunk is short anyway.
+        # its layer's ops (engine.runtimes.torch.layer_progress); a GPU chunk is short anyway.
         self._layers = decoder_layers(loaded.model) if loaded.device.type == "cpu" else []
 
     @property

@@ -1,4 +1,5 @@
-"""llama.cpp's vocabulary with the few methods engine/chat_template.py and engine/detok.py use.
+"""llama.cpp's vocabulary with the few methods engine/core/chat_template.py and engine/core/detok.py
+use.
 
 Template text is tokenized with special tokens recognised and message text with them split
 into plain text (llama_tokenize's parse_special), so the safe-templating guarantee holds on this
@@ -33,7 +34,7 @@ class LlamaCppTokenizer:
         self.bos_token = self._text(self.bos_token_id)
         self.eos_token = self._text(self.eos_token_id)
 
-    # ----- what engine/chat_template.py calls ------------------------------------------------
+    # ----- what engine/core/chat_template.py calls ------------------------------------------------
     def __call__(self, text: str, add_special_tokens: bool = False,
                  split_special_tokens: bool = False) -> dict[str, list[int]]:
         return {"input_ids": self.encode(text, add_bos=add_special_tokens,

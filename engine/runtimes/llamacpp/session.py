@@ -13,14 +13,14 @@ from __future__ import annotations
 import torch
 
 from engine.core.ledger import CacheLease
+from engine.core.prefill_progress import PrefillReporter
 from engine.core.prompt import template_stops
 from engine.core.reply import Reply, Vocabulary
 from engine.core.solo import SoloSession
-from engine.llamacpp.decode import feed
-from engine.llamacpp.draft import LlamaDraftModel
-from engine.llamacpp.model import LlamaCppModel
-from engine.llamacpp.prefix_pool import SeqPrefixCache
-from engine.prefill_progress import PrefillReporter
+from engine.core.speculative import TokenProposer
+from engine.runtimes.llamacpp.decode import feed
+from engine.runtimes.llamacpp.model import LlamaCppModel
+from engine.runtimes.llamacpp.prefix_pool import SeqPrefixCache
 
 
 def eos_ids(loaded: LlamaCppModel) -> set[int]:
@@ -66,6 +66,6 @@ class LlamaSession(SoloSession):
     """A request alone on llama.cpp: the core's loop over a LlamaRunner."""
 
     def __init__(self, loaded: LlamaCppModel, prefix_cache: SeqPrefixCache,
-                 draft: LlamaDraftModel | None = None) -> None:
+                 draft: TokenProposer | None = None) -> None:
         super().__init__(loaded, LlamaRunner(loaded, prefix_cache), prefix_cache,
                          llama_vocabulary(loaded), draft, "cpu")

@@ -1,10 +1,11 @@
 """The thread both engines' side prefills run in, and the engine thread's loop around it.
 
-A long prompt that joins streaming rows is prefilled beside them (engine/side_prefill.py for
-torch, engine/llamacpp/side_prefill.py for llama.cpp): a worker thread with part of the cores
-runs its chunks while the engine thread keeps stepping the rows on the rest. This module holds
-what the two share: starting and stopping the thread, handing it every core once no row
-streams, and carrying its exception back to the engine thread.
+A long prompt that joins streaming rows is prefilled beside them
+(engine/runtimes/torch/side_prefill.py for torch, engine/runtimes/llamacpp/side_prefill.py for
+llama.cpp): a worker thread with part of the cores runs its chunks while the engine thread keeps
+stepping the rows on the rest. This module holds what the two share: starting and stopping the
+thread, handing it every core once no row streams, and carrying its exception back to the engine
+thread.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from typing import Any
 
 from engine.errors import ModelLoadError
 from engine.events import ModelInfo
-from engine.loader import default_gguf_path
+from engine.model_files import default_gguf_path
 from engine.native import ChildError, NativeChild, NativeCrashError, recorded_llama_cpp_build
 
 LLAMA_CPP_MISSING = "llama.cpp peer needs llama-cpp-python: run `make peers`"

@@ -36,11 +36,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.errors import ModelLoadError
+from engine.errors import ModelLoadError, one_line
 from engine.events import ModelInfo
-from engine.loader import LoadedModel, cache_root
+from engine.model_files import cache_root
 from engine.native import ChildError, NativeChild, NativeCrashError
-from engine.quality import perplexity, reference_ids, within_tolerance
+from engine.runtimes.torch.loader import LoadedModel
+from engine.runtimes.torch.quality import perplexity, reference_ids, within_tolerance
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +215,7 @@ def select_kernel(loaded: LoadedModel, requested: str = AUTO, *,
     try:
         return apply_kernel(loaded, choice)
     except Exception as exc:  # a cached choice that no longer builds: eager, one line
-        log.warning("kernel %s failed to build (%s); using %s", choice, _one_line(exc),
+        log.warning("kernel %s failed to build (%s); using %s", choice, one_line(exc),
                     eager_name(loaded))
         return apply_kernel(loaded, eager_name(loaded))
 
@@ -240,7 +241,7 @@ def _build_all(loaded: LoadedModel, names: list[str]) -> dict[str, LoadedModel]:
         try:
             built[name] = apply_kernel(loaded, name)
         except Exception as exc:
-            log.warning("kernel %s is unavailable here (%s); skipping it", name, _one_line(exc))
+            log.warning("kernel %s is unavailable here (%s); skipping it", name, one_line(exc))
     return built
 
 
@@ -357,7 +358,7 @@ def _smoke_child(conn: Connection, jobs: list[tuple[str, Callable[[], None]]]) -
             smoke()
             conn.send(("done", None))
         except Exception as exc:
-            conn.send(("done", f"failed: {_one_line(exc)}"))
+            conn.send(("done", f"failed: {one_line(exc)}"))
 
 
 def torch_build() -> str:
@@ -435,7 +436,7 @@ def decode_weight_bytes(model: nn.Module) -> int:
     for module in model.modules():
         total += _packed_linear_bytes(module)
     embed = model.get_input_embeddings().weight  # type: ignore[operator]  # a PreTrainedModel
-    head = model.get_output_embeddings()  # type: ignore[operator]
+    head = model.get_output_embeddings()  # type: ignore[operator]  # the same: nn.Module
     head_weight = getattr(head, "weight", None)
     tied = isinstance(head_weight, torch.Tensor) and head_weight.data_ptr() == embed.data_ptr()
     if not tied:
@@ -456,7 +457,7 @@ def _packed_linear_bytes(module: nn.Module) -> int:
             total += weight.q_per_channel_scales().numel() * 4
         else:
             total += 4
-    bias = module.bias()  # type: ignore[operator]
+    bias = module.bias()  # type: ignore[operator]  # a method there too, typed as Tensor
     if bias is not None:
         total += bias.numel() * bias.element_size()
     return int(total)
@@ -497,7 +498,3 @@ def _dtype_tag(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
         dtype, str(dtype).removeprefix("torch."))
 
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__

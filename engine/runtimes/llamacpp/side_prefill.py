@@ -25,13 +25,13 @@ import numpy as np
 import torch
 
 from engine.core.ledger import CacheLease
+from engine.core.memory import free_memory
 from engine.core.schedule import FIRST_SIDE_CHUNK, SIDE_MIN_TOKENS, next_side_chunk
+from engine.core.side_thread import SideWorker
 from engine.errors import PhasewiseError
-from engine.llamacpp.decode import ABORTED, BatchWriter, prefill_meter
-from engine.llamacpp.model import LlamaCppModel
-from engine.llamacpp.prefix_pool import KvFullError, SeqPrefixCache
-from engine.memory import free_memory
-from engine.side_thread import SideWorker
+from engine.runtimes.llamacpp.decode import ABORTED, BatchWriter, prefill_meter
+from engine.runtimes.llamacpp.model import LlamaCppModel
+from engine.runtimes.llamacpp.prefix_pool import KvFullError, SeqPrefixCache
 
 CONTEXT_PAD = 256  # the side context's tokens, rounded up (as llama.cpp pads n_ctx)
 SIDE_SEQ = 0
@@ -68,7 +68,7 @@ def _padded(tokens: int) -> int:
 
 class SidePrefill(SideWorker):
     """Prefill `ids` after `lease`'s cached prefix on a side context, in a thread (see
-    engine.side_thread); then `finish` moves the KV to the lease's sequence."""
+    engine.core.side_thread); then `finish` moves the KV to the lease's sequence."""
 
     def __init__(self, loaded: LlamaCppModel, lease: CacheLease, ids: list[int],
                  cancel: threading.Event) -> None:

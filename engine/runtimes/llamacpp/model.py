@@ -26,7 +26,7 @@ import torch
 from engine.errors import ModelLoadError
 from engine.events import ModelInfo, SamplingDefaults
 from engine.gguf_header import read_gguf
-from engine.llamacpp.tokenizer import LlamaCppTokenizer
+from engine.runtimes.llamacpp.tokenizer import LlamaCppTokenizer
 
 LLAMA_CPP = "llama.cpp"
 DEFAULT_CONTEXT = 8192  # tokens, shared by every cached and running sequence
@@ -61,6 +61,7 @@ def _init_backend(llama_cpp: Any) -> None:
     if _backend_ready:
         return
 
+    # llama-cpp-python's ctypes callback decorator carries no annotations
     @llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]
     def on_log(level: int, text: bytes, _user: Any) -> None:
         line = text.decode("utf-8", "replace").strip()
@@ -92,8 +93,8 @@ def physical_cores() -> int:
 @dataclass
 class LlamaCppModel:
     """A GGUF loaded into llama.cpp: model, context (KV memory), a reusable batch, and the
-    tokenizer adapter. Looks like engine.loader.LoadedModel to the engine (info, tokenizer,
-    device)."""
+    tokenizer adapter. Looks like engine.runtimes.torch.loader.LoadedModel to the engine (info,
+    tokenizer, device)."""
 
     llama_cpp: Any
     model: Any

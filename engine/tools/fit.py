@@ -28,8 +28,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from engine.core.memory import free_memory
 from engine.gguf_header import GGUFHeader, Shape, read_gguf
-from engine.memory import free_memory
 
 MIN_CONTEXT = 512  # a smaller context is not worth offering
 TORCH_OVERHEAD = 0.05  # of the weights: allocator slack, embeddings' copies, small buffers
@@ -106,7 +106,7 @@ def estimate(spec: str, engine: str = "auto", *, device: str = "auto", dtype: st
 
 def llama_cpp_estimate(path: Path, context_length: int | None = None,
                        free: int | None = -1) -> Estimate:
-    """As engine.llamacpp.model.load_gguf allocates: tensors mapped as stored, an f16 KV
+    """As engine.runtimes.llamacpp.model.load_gguf allocates: tensors mapped as stored, an f16 KV
     cache of n_ctx cells shared by all sequences, and the compute and output buffers."""
     return gguf_estimate(read_gguf(path), path.stat().st_size, context_length, free)
 
@@ -114,8 +114,8 @@ def llama_cpp_estimate(path: Path, context_length: int | None = None,
 def gguf_estimate(header: GGUFHeader, file_size: int, context_length: int | None = None,
                   free: int | None = -1) -> Estimate:
     """llama_cpp_estimate from a header and the file's size: a local file, or a remote one
-    whose header alone was read (engine/hub.py)."""
-    from engine.llamacpp.model import BATCH_TOKENS, DEFAULT_CONTEXT, N_SEQ_MAX
+    whose header alone was read (engine/tools/hub.py)."""
+    from engine.runtimes.llamacpp.model import BATCH_TOKENS, DEFAULT_CONTEXT, N_SEQ_MAX
 
     shape = header.shape()
     n_ctx = min(shape.context_length, context_length or DEFAULT_CONTEXT)
@@ -140,10 +140,10 @@ def gguf_estimate(header: GGUFHeader, file_size: int, context_length: int | None
 def torch_estimate(spec: str, *, device: str = "auto", dtype: str = "auto",
                    context_length: int | None = None, free: int | None = -1,
                    ) -> Estimate | None:
-    """As engine.loader loads it: every tensor in the load dtype, a KV cache in that dtype
-    (sliding layers full size), one prefill chunk's activations."""
-    from engine import loader
-    from engine.generate import default_prefill_chunk
+    """As engine.runtimes.torch.loader loads it: every tensor in the load dtype, a KV cache in that
+    dtype (sliding layers full size), one prefill chunk's activations."""
+    from engine.runtimes.torch import loader
+    from engine.runtimes.torch.generate import default_prefill_chunk
 
     torch_device = loader.pick_device(device)
     dtype_name = str(loader.pick_dtype(torch_device, dtype)).removeprefix("torch.")
@@ -189,7 +189,7 @@ def check(spec: str, engine: str = "auto", *, device: str = "auto", dtype: str =
     """The estimate; ModelLoadError with one line (and a context that fits) if it does not
     fit. A model whose files do not tell passes (None)."""
     from engine.errors import ModelLoadError
-    from engine.loader import DEFAULT_MODEL_NAME, classify
+    from engine.model_files import DEFAULT_MODEL_NAME, classify
 
     try:
         est = estimate(spec, engine, device=device, dtype=dtype, context_length=context_length)
@@ -205,11 +205,11 @@ def check(spec: str, engine: str = "auto", *, device: str = "auto", dtype: str =
 # ----- torch: what the weights hold --------------------------------------------------------
 def _torch_sources(spec: str) -> tuple[int, Shape, bool] | None:
     """(elements, shape, still to be converted) of a spec the torch engine loads."""
-    from engine import loader
+    from engine import model_files
 
-    kind = loader.classify(spec)
+    kind = model_files.classify(spec)
     if kind in ("default", "gguf"):  # the default is a GGUF too (an installer's bundled copy)
-        path = loader.default_gguf_path() if kind == "default" else Path(spec).expanduser()
+        path = model_files.default_gguf_path() if kind == "default" else Path(spec).expanduser()
         if not path.is_file():
             return None
         header = read_gguf(path)
@@ -224,7 +224,7 @@ def _torch_sources(spec: str) -> tuple[int, Shape, bool] | None:
 
 def _converted(gguf: Path) -> bool:
     """A converted copy of this GGUF is in the cache (in any dtype: the marker's size)."""
-    from engine.converted import converted_models
+    from engine.runtimes.torch.converted import converted_models
 
     size = gguf.stat().st_size
     return any(m.source == gguf.name and m.source_size == size for m in converted_models())
@@ -272,7 +272,7 @@ def config_shape(config: dict[str, Any]) -> Shape:
     with_kv = layers
     if isinstance(types, list) and types:  # conv / linear-attention layers keep no KV
         with_kv = sum(1 for t in types if "attention" in str(t) and "linear" not in str(t))
-    from engine.loader import context_length
+    from engine.runtimes.torch.loader import context_length
 
     return Shape(kv_values_per_token=with_kv * kv_heads * head_dim * 2, heads=heads,
                  hidden=hidden, vocab=int(text.get("vocab_size") or 0),
