@@ -271,7 +271,7 @@ class TorchKvStore:
     def free(self, handle: Any) -> None:
         """Nothing to do: the garbage collector frees a cache no one holds."""
 
-    def export(self, handle: Any) -> Payload | None:
+    def export(self, handle: Any, checkpoint: KvCheckpoint | None) -> Payload | None:
         """The cache's bytes, made on the shelf's writer thread: a cache's tensors are never
         written in place (an update concatenates, a cut slices), so the references taken here
         keep this moment's KV while the engine goes on."""
@@ -280,12 +280,12 @@ class TorchKvStore:
         layers = layer_kv(handle)
         return lambda: kv_to_bytes(layers)
 
-    def restore(self, data: bytes) -> Any:
+    def restore(self, data: bytes) -> tuple[DynamicCache, Checkpoint | None]:
         layers = kv_from_bytes(data, self.device)
         cache = build_cache(self.config, layers)
         if len(cache.layers) != len(layers) or not attention_only(cache):
             raise ValueError("the snapshot does not fit this model's layers")
-        return cache
+        return cache, None
 
 
 class PrefixCache(KvLedger[Any]):

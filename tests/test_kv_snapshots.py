@@ -262,9 +262,9 @@ def test_a_snapshot_is_taken_only_when_the_engine_asks_while_idle(tmp_path: Path
     exports: list[int] = []
 
     class CountingStore(FakeKvStore):
-        def export(self, handle):  # type: ignore[no-untyped-def]
+        def export(self, handle, checkpoint):  # type: ignore[no-untyped-def]
             exports.append(len(handle.states))
-            return super().export(handle)
+            return super().export(handle, checkpoint)
 
     pool: KvLedger = KvLedger(CountingStore(), budget_bytes=1 << 20)
     pool.shelf = KvShelf(tmp_path, "k" * 24)
