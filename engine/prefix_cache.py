@@ -316,7 +316,8 @@ class _Snapshot:
         if found != kinds:
             raise ValueError(f"made for other layers ({_kinds_line(found)}; this model: "
                              f"{_kinds_line(kinds)})")
-        if self.length < 1 or not 0 < (self.checkpoint or 1) <= self.length:
+        if self.length < 1 or (self.checkpoint is not None
+                                and not 0 < self.checkpoint <= self.length):
             raise ValueError(f"its lengths do not fit ({self.length}, {self.checkpoint})")
         try:
             self.tensors = load(bytes(data))
@@ -414,9 +415,13 @@ class TorchKvStore:
         self.config = config
         self.device = device
         self.takes_checkpoints = model_rollback_blocker(config) == "recurrent_state"
+        from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
         fresh = new_cache(config)
         self._kinds = cache_kinds(fresh)  # what a snapshot of this model's cache holds
-        self._states = [getattr(layer, "number_of_states", 0) for layer in fresh.layers]
+        self._states = [layer.number_of_states
+                        if isinstance(layer, LinearAttentionCacheLayerMixin) else 0
+                        for layer in fresh.layers]
 
     def fresh(self) -> DynamicCache:
         return new_cache(self.config)

@@ -219,6 +219,7 @@ def test_a_recurrent_snapshot_holds_the_moment_it_was_taken_and_its_checkpoint(
     ("missing_tensor", "it holds other tensors than this model's cache (1.v)"),
     ("longer", "its layer 1 (attention) has shapes that do not fit 28 positions"),
     ("unreadable", "its metadata is unreadable"),
+    ("checkpoint_at_0", "its lengths do not fit (27, 0)"),
 ])
 def test_a_recurrent_snapshot_that_does_not_fit_is_refused_in_one_line(
         recurrent_model: Any, how: str, says: str) -> None:
@@ -248,6 +249,8 @@ def test_a_recurrent_snapshot_that_does_not_fit_is_refused_in_one_line(
             meta["length"] = str(int(meta["length"]) + 1)
         elif how == "unreadable":
             meta["checkpoint"] = "soon"
+        elif how == "checkpoint_at_0":
+            meta["checkpoint"] = "0"
         data = save(tensors, metadata=meta)
     with pytest.raises(ValueError) as err:
         store.restore(data)
