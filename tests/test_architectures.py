@@ -11,6 +11,7 @@ Each must give exactly the tokens transformers' own generate() and a cold prompt
 
 from __future__ import annotations
 
+import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -263,27 +264,76 @@ def test_model_sampling_defaults_come_from_its_generation_config(tmp_path: Path)
     assert info.sampling_defaults == SamplingDefaults(0.6, 0.95, 20, 1.1)
 
 
+def _turn_after_restart(arch: Arch, shelf: Path, messages: list[ChatMessage]):
+    """Chat "c"'s turn in a new engine whose snapshots are in `shelf`."""
+    with Engine(snapshot_dir=shelf) as engine:
+        engine.load_model_sync(str(arch.folder), kernel="fp32-eager")
+        return engine.submit(GenerationRequest(messages, greedy(8), conversation_id="c")
+                             ).wait(120)
+
+
 def test_a_chat_resumes_from_disk_on_every_architecture(arch: Arch, tmp_path: Path) -> None:
-    """After a restart a chat's next turn reads its KV snapshot back where the cache has a
-    snapshot format (attention layers) and says so; a recurrent or convolution cache has none
-    yet: no file, the turn runs cold. Either way the reply is the cold one."""
-    from engine.runtimes.torch.prefix_cache import attention_only
+    """After a restart a chat's next turn reads its KV snapshot back and says so, on every
+    architecture: attention keys and values, a convolution layer's recorded input, a
+    recurrent state and its checkpoint. The snapshot goes back as far as the cache in memory
+    would: a regenerate to all of the prompt but its last token (a recurrent cache: from its
+    checkpoint); an edit before that, on a recurrent cache, runs cold and says why. Every
+    reply is the cold one."""
+    shelf, first = tmp_path / "kv", [SYSTEM, QUESTION]
+    r1 = _turn_after_restart(arch, shelf, first)
+    assert len(list(shelf.rglob("*.kv"))) == 1
+    tail = [r1.as_message(), ChatMessage("user", "And then?")]
+    second = [*first, *tail]
+    edited = [SYSTEM, ChatMessage("user", "Hello, how are you? Tell me about Berlin."), *tail]
+    for name, messages in (("next", second), ("regenerate", first), ("edit", edited)):
+        copy = shutil.copytree(shelf, tmp_path / name)  # each starts from turn 1's snapshot
+        warm = _turn_after_restart(arch, copy, messages)
+        assert warm.token_ids == arch.cold(messages, greedy(8)).token_ids, name
+        m = warm.metrics
+        if name == "edit" and not arch.rolls_back:
+            assert (m.cache_miss_reason, m.cached_tokens, m.restored_tokens) == (
+                "recurrent_state", 0, 0)
+            continue
+        assert m.cache_miss_reason == "restored_from_disk", name
+        assert m.restored_tokens == m.cached_tokens
+        if name == "next":  # all of turn 1's prompt, and its reply as far as the new prompt
+            # encodes it alike (a random model's reply may end in a broken UTF-8 sequence)
+            assert m.cached_tokens > r1.metrics.prompt_tokens
+        elif name == "regenerate":
+            assert m.cached_tokens == m.prompt_tokens - 1
+            assert warm.token_ids == r1.token_ids
+        else:
+            assert 0 < m.cached_tokens < m.prompt_tokens - TINY_WINDOW
+
+
+def test_a_snapshot_that_does_not_fit_the_model_is_dropped_and_the_turn_runs_cold(
+        arch: Arch, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A whole file (right key, right checksum) whose first layer holds one position or
+    column too few: refused in one log line before any tensor is used; the turn runs cold."""
+    from safetensors.torch import load, save
+
+    from engine.core.snapshots import KvShelf
+    from engine.runtimes.torch.prefix_cache import snapshot_meta
 
     shelf, first = tmp_path / "kv", [SYSTEM, QUESTION]
-    with Engine(snapshot_dir=shelf) as one:
-        one.load_model_sync(str(arch.folder), kernel="fp32-eager")
-        r1 = one.submit(GenerationRequest(first, greedy(8), conversation_id="c")).wait(120)
+    r1 = _turn_after_restart(arch, shelf, first)
+    (folder,) = shelf.iterdir()
+    shelved_on = KvShelf(shelf, folder.name)
+    found = shelved_on.find("c")
+    assert found is not None
+    data = shelved_on.load(found)
+    assert data is not None
+    tensors = load(data)
+    name = min(n for n in tensors if n.startswith("0."))  # layer 0's keys or first state
+    cut = tensors[name][..., :-1, :] if name.endswith((".k", ".v")) else tensors[name][..., :-1]
+    tensors[name] = cut.contiguous()
+    bad = save(tensors, metadata=snapshot_meta(data))
+    shelved_on.put("c", found.ids, lambda: bad)
+    assert shelved_on.flush(10)
+    shelved_on.close(10)
     second = [*first, r1.as_message(), ChatMessage("user", "And then?")]
-    with Engine(snapshot_dir=shelf) as two:
-        two.load_model_sync(str(arch.folder), kernel="fp32-eager")
-        warm = two.submit(GenerationRequest(second, greedy(8), conversation_id="c")).wait(120)
+    warm = _turn_after_restart(arch, shelf, second)
     assert warm.token_ids == arch.cold(second, greedy(8)).token_ids
-    m = warm.metrics
-    if attention_only(new_cache(arch.reference.config)):
-        assert m.cache_miss_reason == "restored_from_disk"
-        # all of turn 1's prompt, and its reply as far as the new prompt encodes it alike (a
-        # random model's reply may end in a broken UTF-8 sequence that re-encodes otherwise)
-        assert m.restored_tokens == m.cached_tokens > r1.metrics.prompt_tokens
-    else:
-        assert (m.restored_tokens, m.cached_tokens) == (0, 0)
-        assert not list(shelf.rglob("*.kv"))
+    assert (warm.metrics.cache_miss_reason, warm.metrics.restored_tokens) == ("first_turn", 0)
+    (line,) = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert "layer 0" in line and "\n" not in line

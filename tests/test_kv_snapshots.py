@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from engine import ChatMessage, GenerationRequest, SamplingParams
 from engine.core.snapshots import SUFFIX, KvShelf, shelf_usage
@@ -146,6 +147,117 @@ def test_a_snapshot_of_another_chat_under_this_chats_name_is_refused(tmp_path: P
     shelf.close(10)
 
 
+# ----- torch: a recurrent cache's snapshot format (engine/runtimes/torch/prefix_cache.py) ------
+@pytest.fixture(scope="module")
+def recurrent_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The tiny Qwen3-Next: a linear-attention layer (conv and recurrent states) and an
+    attention layer."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.tiny_model import build_tiny_architecture
+
+    folder = build_tiny_architecture(tmp_path_factory.mktemp("qwen3_next"), "qwen3_next")
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def _recurrent_cache(model: Any) -> tuple[Any, Any, list[int]]:
+    """A cache of 27 positions, with the checkpoint its prefill kept one token short of the
+    prompt (24): what a chat's entry holds after a short reply."""
+    from engine.runtimes.torch.prefix_cache import PrefixCache, checkpoint_if_due
+
+    ids = list(range(3, 30))
+    lease = PrefixCache(model.config, budget_bytes=1 << 30).acquire("c", ids[:-2])
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([ids[:-3]]), cache=lease.cache, use_cache=True)
+        lease.ids.extend(ids[:-3])
+        checkpoint_if_due(lease)
+        model(input_ids=torch.tensor([ids[-3:]]), cache=lease.cache, use_cache=True)
+    assert lease.checkpoint is not None and lease.checkpoint.length == len(ids) - 3
+    return lease.cache, lease.checkpoint, ids
+
+
+def _states(cache: Any) -> list[torch.Tensor]:
+    return [t.clone() for layer in cache.layers
+            for t in (getattr(layer, "keys", None), getattr(layer, "values", None),
+                      *getattr(layer, "conv_states", {}).values(),
+                      *getattr(layer, "recurrent_states", {}).values()) if t is not None]
+
+
+def test_a_recurrent_snapshot_holds_the_moment_it_was_taken_and_its_checkpoint(
+        recurrent_model: Any) -> None:
+    """export takes the cache on the engine thread; the bytes are made later on the writer
+    thread, after the engine went on and updated the recurrent states in place. The restored
+    cache is the one of the moment of export, and its checkpoint takes it back to cold
+    logits."""
+    from engine.runtimes.torch.prefix_cache import TorchKvStore
+
+    model = recurrent_model
+    store = TorchKvStore(model.config)
+    cache, checkpoint, ids = _recurrent_cache(model)
+    then = _states(cache)
+    payload = store.export(cache, checkpoint)
+    assert payload is not None
+    with torch.inference_mode():  # the chat's next turn runs before the writer gets to it
+        model(input_ids=torch.tensor([[7, 8]]), cache=cache, use_cache=True)
+    restored, restored_checkpoint = store.restore(bytes(payload()))
+    assert store.length(restored) == len(ids)
+    assert all(torch.equal(a, b) for a, b in zip(_states(restored), then, strict=True))
+    assert restored_checkpoint is not None and restored_checkpoint.length == checkpoint.length
+    assert store.blocker(restored) == "recurrent_state"
+    keep = checkpoint.length
+    store.cut(restored, restored_checkpoint, keep)
+    with torch.inference_mode():
+        warm = model(input_ids=torch.tensor([ids[keep:]]), cache=restored,
+                     use_cache=True).logits[0, -1]
+        cold = model(input_ids=torch.tensor([ids])).logits[0, -1]
+    assert torch.allclose(warm, cold, atol=1e-4)
+
+
+@pytest.mark.parametrize(("how", "says"), [
+    ("first_format", "not this runtime's snapshot format (none)"),
+    ("other_layers", "made for other layers (2 conv; this model: 1 recurrent, 1 attention)"),
+    ("checkpoint_state", "its layer 0 (recurrent) has shapes that do not fit"),
+    ("missing_tensor", "it holds other tensors than this model's cache (1.v)"),
+    ("longer", "its layer 1 (attention) has shapes that do not fit 28 positions"),
+    ("unreadable", "its metadata is unreadable"),
+    ("checkpoint_at_0", "its lengths do not fit (27, 0)"),
+])
+def test_a_recurrent_snapshot_that_does_not_fit_is_refused_in_one_line(
+        recurrent_model: Any, how: str, says: str) -> None:
+    """Bytes that pass the shelf's checksum but do not fit this model's cache: refused whole
+    (the ledger drops the file with this line and the turn runs cold)."""
+    import json
+
+    from safetensors.torch import load, save
+
+    from engine.runtimes.torch.prefix_cache import TorchKvStore, snapshot_meta
+
+    store = TorchKvStore(recurrent_model.config)
+    payload = store.export(*_recurrent_cache(recurrent_model)[:2])
+    assert payload is not None
+    data = bytes(payload())
+    tensors, meta = load(data), snapshot_meta(data)
+    if how == "first_format":  # the format before this one: keys and values, no metadata
+        data = save({name: t for name, t in tensors.items() if name.startswith("1.")})
+    else:
+        if how == "other_layers":
+            meta["layers"] = json.dumps(["conv", "conv"])
+        elif how == "checkpoint_state":
+            tensors["checkpoint.0.rec0"] = tensors["checkpoint.0.rec0"][:, :1].contiguous()
+        elif how == "missing_tensor":
+            del tensors["1.v"]
+        elif how == "longer":
+            meta["length"] = str(int(meta["length"]) + 1)
+        elif how == "unreadable":
+            meta["checkpoint"] = "soon"
+        elif how == "checkpoint_at_0":
+            meta["checkpoint"] = "0"
+        data = save(tensors, metadata=meta)
+    with pytest.raises(ValueError) as err:
+        store.restore(data)
+    assert says in str(err.value) and "\n" not in str(err.value)
+
+
 # ----- llama.cpp, each start in its own process -------------------------------------------------
 def _llama_start(shelf: str, conv: str, messages: list[ChatMessage], cold_too: bool) -> dict:
     with Engine(snapshot_dir=Path(shelf)) as engine:
@@ -263,9 +375,9 @@ def test_a_snapshot_is_taken_only_when_the_engine_asks_while_idle(tmp_path: Path
     exports: list[int] = []
 
     class CountingStore(FakeKvStore):
-        def export(self, handle):  # type: ignore[no-untyped-def]
+        def export(self, handle, checkpoint):  # type: ignore[no-untyped-def]
             exports.append(len(handle.states))
-            return super().export(handle)
+            return super().export(handle, checkpoint)
 
     pool: KvLedger = KvLedger(CountingStore(), budget_bytes=1 << 20)
     pool.shelf = KvShelf(tmp_path, "k" * 24)

@@ -270,7 +270,8 @@ def test_interference_baseline_is_the_same_tokens_streamed_alone(sharp: LoadedMo
     gaps at the same positions in a run with no prompt, one for each gap during the prefill."""
     from engine.tools.bench import _interference_run
 
-    run = _interference_run(TorchRuntime(sharp), "chunked", prompt(sharp, 16), prompt(sharp, 150, 16), 6)
+    run = _interference_run(TorchRuntime(sharp), "chunked", prompt(sharp, 16),
+                            prompt(sharp, 150, 16), 6)
     assert len(run["before"]) == 6
     assert len(run["during"]) >= 2
     assert len(run["alone"]) == len(run["during"])

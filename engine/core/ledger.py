@@ -122,14 +122,14 @@ class KvStore(Protocol[Handle]):
         """The ledger will not use this handle again."""
         ...
 
-    def export(self, handle: Handle) -> Payload | None:
-        """What a snapshot of this handle will hold (made into bytes off the engine thread),
-        or None when this KV has no snapshot format."""
+    def export(self, handle: Handle, checkpoint: KvCheckpoint | None) -> Payload | None:
+        """What a snapshot of this handle and its checkpoint will hold (made into bytes off
+        the engine thread), or None when this KV has no snapshot format."""
         ...
 
-    def restore(self, data: bytes) -> Handle | None:
-        """A handle holding a snapshot's KV; None when none is free; ValueError if the bytes
-        are not this runtime's."""
+    def restore(self, data: bytes) -> tuple[Handle, KvCheckpoint | None] | None:
+        """A handle holding a snapshot's KV, and the checkpoint it was written with; None when
+        no handle is free; ValueError if the bytes are not this runtime's for this model."""
         ...
 
 
@@ -285,9 +285,10 @@ class KvLedger(Generic[Handle]):
         donor_id, donor_len = self._best_donor(prompt_ids, limit)
         own_blocker = self.store.blocker(own.cache) if own is not None else None
         checkpoint, restored = None, None
-        shelved = self._from_shelf(conv, prompt_ids, limit, donor_len) if own is None else None
+        shelved, shelf_blocker = (self._from_shelf(conv, prompt_ids, limit, donor_len)
+                                  if own is None else (None, None))
         if shelved is not None:
-            handle, ids, restored = shelved
+            handle, ids, checkpoint, restored = shelved
         elif own is not None and own_len > 0 and own_len >= donor_len:
             handle, ids, checkpoint = own.cache, own.ids[:own_len], own.checkpoint
             self.store.cut(handle, checkpoint, own_len)
@@ -299,7 +300,8 @@ class KvLedger(Generic[Handle]):
                 ids = list(prompt_ids[:donor_len])
             else:
                 handle, ids = self._fresh(), []
-        blocked = own_blocker if len(ids) < shared else None  # what it shares, out of reach
+        # what its own entry (or snapshot) shares, out of reach
+        blocked = own_blocker if len(ids) < shared else shelf_blocker
         reason = self._miss_reason(conv, own, prompt_ids, shared, limit, layout, blocked)
         if restored is not None:
             reason = "restored_from_disk"
@@ -363,45 +365,52 @@ class KvLedger(Generic[Handle]):
             entry = self._entries.get(conv)
             if entry is None:  # evicted or leased again since
                 continue
-            payload = self.store.export(entry.cache)
+            payload = self.store.export(entry.cache, entry.checkpoint)
             if payload is not None:
                 shelf.put(conv, entry.ids, payload)
                 self._on_shelf[conv] = len(entry.ids)
             return True
         return False
 
-    def _from_shelf(self, conv: str, prompt_ids: Sequence[int], limit: int,
-                    better_than: int) -> tuple[Handle, list[int], Restored] | None:
-        """The chat's snapshot read back, cut to what the prompt shares with it, when that is
-        more than memory can lend; None otherwise (a bad snapshot is dropped: the turn runs
-        as if there were none)."""
+    def _from_shelf(
+        self, conv: str, prompt_ids: Sequence[int], limit: int, better_than: int,
+    ) -> tuple[tuple[Handle, list[int], KvCheckpoint | None, Restored] | None, str | None]:
+        """The chat's snapshot read back and cut to what the prompt shares with it, by an
+        entry's rules (`_reach`: a recurrent state goes back only to its checkpoint), when that
+        is more than memory can lend; else None, with the blocker when the snapshot shared more
+        than its KV could go back to. A bad snapshot is dropped: the turn runs as if there
+        were none."""
         if self.shelf is None or not _is_chat(conv):
-            return None
+            return None, None
         shelved = self.shelf.find(conv)
         shared = min(common_prefix_len(shelved.ids, prompt_ids), limit) if shelved else 0
         if shelved is None or shared <= better_than:
-            return None
+            return None, None
         start = now_ns()
         data = self.shelf.load(shelved)
         if data is None:
-            return None
+            return None, None
         try:
-            while (handle := self.store.restore(data)) is None:
+            while (kv := self.store.restore(data)) is None:
                 if not self.evict_oldest():
-                    return None
+                    return None, None
         except ValueError as exc:
             self.shelf.drop(shelved, str(exc))
-            return None
-        whole = self.store.length(handle) == len(shelved.ids)
-        if not whole or (shared < len(shelved.ids) and self.store.blocker(handle) is not None):
+            return None, None
+        handle, checkpoint = kv
+        if self.store.length(handle) != len(shelved.ids):
             self.store.free(handle)
-            if not whole:
-                self.shelf.drop(shelved, "it holds another length than its header says")
-            return None
-        self.store.cut(handle, None, shared)
+            self.shelf.drop(shelved, "it holds another length than its header says")
+            return None, None
+        reach = self._reach(CacheEntry(shelved.ids, handle, 0, checkpoint), shared)
+        if reach <= better_than:  # its state cannot go back far enough (kept for a later turn)
+            blocker = self.store.blocker(handle)
+            self.store.free(handle)
+            return None, blocker
+        self.store.cut(handle, checkpoint, reach)
         self._on_shelf[conv] = len(shelved.ids)
-        return handle, list(prompt_ids[:shared]), Restored(shared, len(data),
-                                                           (now_ns() - start) / 1e9)
+        restored = Restored(reach, len(data), (now_ns() - start) / 1e9)
+        return (handle, list(prompt_ids[:reach]), checkpoint, restored), None
 
     # ----- inside --------------------------------------------------------------------------
     def _fresh(self, keep: str | None = None) -> Handle:
@@ -458,9 +467,10 @@ class KvLedger(Generic[Handle]):
                      prompt_ids: Sequence[int], matched: int, limit: int,
                      layout: PromptLayout | None, blocked: str | None = None) -> str:
         """Why the lease holds less than the prompt: the ledger's one answer. `blocked`: the
-        cache could not be cut back to what the prompt shares (recurrent state)."""
+        cache (or the chat's snapshot) could not be cut back to what the prompt shares
+        (recurrent state)."""
         if own is None:
-            reason = self._fresh_reason(conv)
+            reason = blocked or self._fresh_reason(conv)
         else:
             reason = blocked or _own_reason(own.ids, prompt_ids, matched, limit, layout)
         if layout is not None and layout.dropped_messages and reason != "first_turn":

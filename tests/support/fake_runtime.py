@@ -75,15 +75,15 @@ class FakeKvStore:
     def free(self, handle: FakeKv) -> None:
         """Garbage-collected."""
 
-    def export(self, handle: FakeKv) -> Payload | None:
+    def export(self, handle: FakeKv, checkpoint: KvCheckpoint | None) -> Payload | None:
         states = list(handle.states)
         return lambda: torch.stack(states).numpy().tobytes() if states else b""
 
-    def restore(self, data: bytes) -> FakeKv:
+    def restore(self, data: bytes) -> tuple[FakeKv, KvCheckpoint | None]:
         if len(data) % (DIM * 4):
             raise ValueError("not this runtime's snapshot")
         flat = torch.frombuffer(bytearray(data), dtype=torch.float32).reshape(-1, DIM)
-        return FakeKv(list(flat.clone()))
+        return FakeKv(list(flat.clone())), None
 
 
 class FakeModel:

@@ -71,9 +71,9 @@ class LlamaKvStore:
         self._clear(handle)
         self._taken.discard(handle)
 
-    def export(self, handle: int) -> Payload | None:
+    def export(self, handle: int, checkpoint: KvCheckpoint | None) -> Payload | None:
         """A copy of the sequence's state, taken now (the context is the engine thread's
-        alone); the shelf's writer thread only hands the bytes on."""
+        alone); the shelf's writer thread only hands the bytes on. (No checkpoints here.)"""
         ctx = self.loaded.ctx
         size = int(self._lib.llama_state_seq_get_size(ctx, handle))
         data = bytearray(size)  # one copy, straight from llama.cpp's cells
@@ -85,7 +85,7 @@ class LlamaKvStore:
         del data[written:]
         return lambda: data
 
-    def restore(self, data: bytes) -> int | None:
+    def restore(self, data: bytes) -> tuple[int, KvCheckpoint | None] | None:
         """A sequence holding a snapshot's state; None when no sequence is free."""
         seq = self.fresh()
         if seq is None:
@@ -94,7 +94,7 @@ class LlamaKvStore:
         if int(self._lib.llama_state_seq_set_data(self.loaded.ctx, buffer, len(data), seq)) <= 0:
             self.free(seq)
             raise ValueError("llama.cpp could not read the snapshot")
-        return seq
+        return seq, None
 
     def _clear(self, seq: int) -> None:
         self._lib.llama_memory_seq_rm(self._memory, seq, -1, -1)
