@@ -40,18 +40,18 @@ lint: setup
 	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q -p no:cacheprovider tests/test_layout.py
 
 # Mutation testing of the engine's core (config: [tool.mutmut] in pyproject.toml): the sampler,
-# the metrics, the prefix cache's record, the core's reply and loop (engine/core/) and the
+# the metrics, the prefix cache's ledger and its snapshots, the core's reply and loop (engine/core/) and the
 # scheduler's decisions (the functions below; "?" stands for mutmut's "ǁ" between a class and
 # its method). One worker and one torch thread: a shared machine. MUTANTS=... runs other functions, e.g. 'engine.metrics.*'.
 # Results stay in mutants/ (ignored): the per-module score below, `$(VENV)/bin/mutmut browse`,
 # `mutmut show NAME`. mutmut retests every mutant it is given by name: each run is a full one.
-MUTANTS ?= 'engine.core.sampling.*' 'engine.metrics.*' \
-	'engine.runtimes.torch.prefix_cache.x_common_prefix_len__*' 'engine.runtimes.torch.prefix_cache.x?CacheEntry?*' \
-	'engine.runtimes.torch.prefix_cache.x?CacheLease?*' 'engine.runtimes.torch.prefix_cache.x?PrefixCache?*' \
-	'engine.core.reply.*' 'engine.core.solo.x_decode_alone__*' 'engine.core.solo.x?SoloSession?*' \
-	'engine.core.schedule.*' 'engine.core.batch.*' 'engine.runtimes.torch.batching.x_batchable__*' \
-	'engine.runtimes.torch.batching.x?Batcher?_adapt_budget__*' 'engine.runtimes.torch.batching.x?Batcher?_chunk_tokens__*' \
-	'engine.runtimes.torch.batching.x?Batcher?_prefill__*' 'engine.runtimes.torch.batching.x?Batcher?_prefill_between__*'
+MUTANTS ?= 'engine.core.sampling.*' 'engine.metrics.*' 'engine.core.ledger.*' \
+	'engine.core.snapshots.*' 'engine.core.reply.*' 'engine.core.solo.x_decode_alone__*' \
+	'engine.core.solo.x?SoloSession?*' 'engine.core.schedule.*' 'engine.core.batch.*' \
+	'engine.runtimes.torch.batching.x?Batcher?_adapt_budget__*' \
+	'engine.runtimes.torch.batching.x?Batcher?_chunk_tokens__*' \
+	'engine.runtimes.torch.batching.x?Batcher?_prefill__*' \
+	'engine.runtimes.torch.batching.x?Batcher?_prefill_between__*'
 mutation: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/mutmut run --max-children 1 $(MUTANTS)
 	$(PY) tests/support/mutation_summary.py
