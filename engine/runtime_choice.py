@@ -1,6 +1,7 @@
 """Which runtime runs a model: torch or llama.cpp, chosen from the spec, the device and what is
 installed. Light (no runtime is imported) so that the runtimes and the fit check both build on
-it: engine/runtimes.py loads what this chooses, engine/tools/fit.py estimates it before loading.
+it: engine/runtimes/__init__.py loads what this chooses, engine/tools/fit.py estimates it before
+loading.
 """
 
 from __future__ import annotations
