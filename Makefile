@@ -73,33 +73,53 @@ gpu-wheels: $(STAMP)
 
 # llama.cpp (GGUF engine, `bench --vs llama.cpp`, the llama.cpp server tests), compiled from
 # llama-cpp-python's source PORTABLY: never -march=native (a binary built on one CPU must run on
-# another: the installer, CI). x86-64 gets the x86-64-v3 baseline (AVX2, FMA, F16C, BMI2), which
-# every machine this project runs on has; AVX-512 and AMX stay off (AMX faults on VMs that
-# advertise it). Other architectures take ggml's generic build. The wheel is cached per version
-# and flags outside the tree, so a flag change rebuilds and a second clone does not.
+# another: the installer, CI). On x86-64 ggml's CPU backend is built as run-time loadable
+# variants (GGML_BACKEND_DL + GGML_CPU_ALL_VARIANTS), one library per instruction-set level:
+# LLAMA_CPU_VARIANTS picks which of ggml's (packaging/llama-cpp/cpu-variants.patch adds the
+# choice and installs them beside libllama). engine/runtimes/llamacpp/cpu_backend.py loads the
+# best one the CPU runs, smoke-run in a child process first (AMX faults on VMs that advertise
+# it: that variant is skipped there). Other architectures take ggml's generic build. The wheel is
+# cached per version, flags and patch outside the tree, so a change rebuilds and a second
+# clone does not.
 LLAMA_CPP_VERSION ?= 0.3.36
+LLAMA_PATCH    := packaging/llama-cpp/cpu-variants.patch
+# x86-64 (SSE2 only: the floor), haswell (x86-64-v3: AVX2, FMA, F16C, BMI2), alderlake (+ AVX-VNNI),
+# skylakex (AVX-512), cascadelake (+ VNNI), icelake (+ VBMI, VNNI), zen4 (+ BF16),
+# sapphirerapids (+ AMX). ggml's other x86 variants (sse42, sandybridge, ivybridge, piledriver,
+# cannonlake, cooperlake) would add build time for CPUs these cover one level down.
+LLAMA_CPU_VARIANTS ?= x64,haswell,alderlake,skylakex,cascadelake,icelake,zen4,sapphirerapids
 ifeq ($(shell uname -m),x86_64)
-LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-	-DGGML_BMI2=ON -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF \
-	-DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
-	-DGGML_AMX_BF16=OFF -DGGML_OPENMP=ON -DLLAMA_CURL=OFF
+# (ggml installs the variants to CMAKE_INSTALL_BINDIR as well: there, not in a bin/ folder of
+# site-packages.)
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON \
+	-DGGML_CPU_VARIANTS=$(LLAMA_CPU_VARIANTS) -DCMAKE_INSTALL_BINDIR=llama_cpp/lib \
+	-DGGML_OPENMP=ON -DLLAMA_CURL=OFF
 else
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_OPENMP=ON -DLLAMA_CURL=OFF
 endif
-LLAMA_KEY      := $(shell echo "$(LLAMA_CPP_VERSION) $(LLAMA_CMAKE_ARGS)" | sha256sum | cut -c1-16)
+LLAMA_KEY      := $(shell { echo "$(LLAMA_CPP_VERSION) $(LLAMA_CMAKE_ARGS)"; \
+	cat $(LLAMA_PATCH); } | sha256sum | cut -c1-16)
 WHEEL_CACHE    ?= $(HOME)/.cache/phasewise/wheels
 LLAMA_WHEELDIR := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_KEY)
 LLAMA_STAMP    := $(VENV)/.llama-cpp-$(LLAMA_KEY)
+LLAMA_SRC      := llama_cpp_python-$(LLAMA_CPP_VERSION)
 FLOCK          := $(shell command -v flock 2>/dev/null)
 
+# pip fetches the source archive (as `pip wheel llama-cpp-python==...` would), the patch goes
+# on, and the patched tree is built.
 $(LLAMA_WHEELDIR)/.built:
 	@echo "building llama-cpp-python $(LLAMA_CPP_VERSION) (portable: $(LLAMA_CMAKE_ARGS))"
 	mkdir -p $(LLAMA_WHEELDIR)
 	# One build at a time per flags (a second make waits, then finds the wheel built).
 	$(if $(FLOCK),flock $(LLAMA_WHEELDIR)/.lock) sh -c 'test -f $@ || { \
+		src=$$(mktemp -d) && \
+		$(PIP) download --quiet --no-deps --no-binary :all: -d $$src \
+		"llama-cpp-python==$(LLAMA_CPP_VERSION)" && \
+		tar -xzf $$src/$(LLAMA_SRC).tar.gz -C $$src && \
+		patch -s -p1 -d $$src/$(LLAMA_SRC) < $(LLAMA_PATCH) && \
 		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
-		$(PIP) wheel --quiet --no-deps --no-cache-dir --no-binary llama-cpp-python \
-		-w $(LLAMA_WHEELDIR) "llama-cpp-python==$(LLAMA_CPP_VERSION)" && \
+		$(PIP) wheel --quiet --no-deps --no-cache-dir -w $(LLAMA_WHEELDIR) $$src/$(LLAMA_SRC) && \
+		rm -rf $$src && \
 		echo "$(LLAMA_CMAKE_ARGS)" > $(LLAMA_WHEELDIR)/cmake-args.txt && touch $@; }'
 
 # The stamp's name carries the flags' hash: other flags, another stamp, a reinstall.

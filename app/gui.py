@@ -217,6 +217,7 @@ class _SmokeTest:
             "output_tokens": m.output_tokens, "decode_tok_s": m.decode_tok_s, "e2e_s": m.e2e_s,
             "model": info.name if info else "", "device": info.device if info else "",
             "dtype": info.dtype if info else "", "engine": info.engine if info else "",
+            "kernel": info.kernel if info else "",
             "painted_inserts": self.window.chat.insert_count,
         }), flush=True)
         if not ok:

@@ -49,7 +49,8 @@ def main() -> None:
     loaded = runtime.model
     llm = llama_cpp.Llama(model_path=str(default_gguf_path()), n_ctx=2048,
                           n_threads=loaded.n_threads, n_threads_batch=loaded.n_threads,
-                          flash_attn=True, verbose=False)  # the same kernels as ours
+                          flash_attn=loaded.info.kernel.endswith("-fa"),  # as ours
+                          verbose=False)
     ids = fixed_prompt_ids(loaded, args.prompt_tokens)
     ours(runtime, ids[:16], 4)
     greedy_run(llm, ids[:16], 4)

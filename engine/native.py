@@ -87,12 +87,14 @@ class NativeChild:
     with, and may be updated once the child has reported it."""
 
     def __init__(self, main: Callable[..., None], *args: Any, what: str,
-                 build: str = "") -> None:
+                 build: str = "", daemon: bool = True) -> None:
+        """daemon=False lets the child start children of its own (a model load's kernel
+        smoke runs); the caller must then end it (close or kill) before it exits."""
         self.what = what
         self.build = build
         self._conn, child_end = _SPAWN.Pipe()
         self._process = _SPAWN.Process(target=_child_entry, args=(main, child_end, *args),
-                                       name=what, daemon=True)
+                                       name=what, daemon=daemon)
         self._process.start()
         child_end.close()  # only the child holds it now: its death reads as EOF here
 
@@ -115,6 +117,20 @@ class NativeChild:
         if kind == "error":
             raise ChildError(payload)
         return payload
+
+    def ready(self, timeout_s: float) -> bool:
+        """A message (or the child's end) is there to receive, within timeout_s seconds."""
+        try:
+            return self._conn.poll(timeout_s)
+        except (EOFError, OSError):
+            return True  # receive() says what happened
+
+    def kill(self) -> None:
+        """End the child now (the caller gave up on it), then close. Idempotent."""
+        if not self._conn.closed and self._process.is_alive():
+            self._process.kill()
+            self._process.join(JOIN_S)
+        self.close()
 
     def call(self, request: Any, timeout_s: float | None = None) -> Any:
         self.send(request)

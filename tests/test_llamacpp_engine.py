@@ -63,10 +63,7 @@ def _parity_body() -> dict:
 
     from engine.model_files import default_gguf_path
 
-
     runtime = load_default()
-
-
     loaded = runtime.model
     pool = runtime.new_prefix_cache(1 << 30)
     ids = chat_ids(loaded, PROMPT)
@@ -74,7 +71,8 @@ def _parity_body() -> dict:
     lookup = _greedy(runtime, pool, ids, reuse=False, speculative="ngram")
     peer = llama_cpp.Llama(model_path=str(default_gguf_path()), n_ctx=512,
                            n_threads=loaded.n_threads, n_threads_batch=loaded.n_threads,
-                           flash_attn=True, verbose=False)  # our kernels: flash attention
+                           flash_attn=loaded.info.kernel.endswith("-fa"),  # our attention
+                           verbose=False)
     theirs = []
     for token in peer.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0,
                                repeat_penalty=1.0):
@@ -634,6 +632,7 @@ def test_a_sampled_reply_that_retokenizes_differently_is_cached_whole() -> None:
 
 def _kernel_labels_body() -> dict:
     from engine.model_files import default_gguf_path
+    from engine.runtimes.llamacpp.cpu_backend import BUILT_IN, loaded_backend
     from engine.runtimes.llamacpp.model import load_gguf
 
     labels = {}
@@ -641,13 +640,19 @@ def _kernel_labels_body() -> dict:
         loaded = load_gguf(default_gguf_path(), name="default", source="bundled",
                            n_threads=2, flash_attn=flash)
         labels[name] = loaded.info.kernel
+    backend = loaded_backend()
+    assert backend is not None
+    labels["variant"] = "" if backend.variant == BUILT_IN else f"-{backend.variant}"
     return labels
 
 
 @needs_llama_cpp
 def test_kernel_label_says_whether_llama_cpp_turned_flash_attention_on() -> None:
-    """llama.cpp decides "auto" as it makes the context, and says so in its log."""
-    assert run_in_child(_kernel_labels_body) == {"on": "llama.cpp-2t-fa", "off": "llama.cpp-2t"}
+    """llama.cpp decides "auto" as it makes the context, and says so in its log; the label
+    names the CPU backend variant running (none for a build with it linked in)."""
+    labels = run_in_child(_kernel_labels_body)
+    variant = labels.pop("variant")
+    assert labels == {"on": f"llama.cpp{variant}-2t-fa", "off": f"llama.cpp{variant}-2t"}
 
 
 # ----- load errors, in one line -------------------------------------------------------------

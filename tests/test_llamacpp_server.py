@@ -132,10 +132,13 @@ def wait_ready(process: subprocess.Popen, base_url: str, log: Path) -> None:
 
 @pytest.fixture(scope="session")
 def llamacpp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
-    """`python -m llama_cpp.server` on the bundled GGUF, on a free loopback port, once."""
+    """`python -m llama_cpp.server` on the bundled GGUF, on a free loopback port, once, with
+    the CPU backend variant Phasewise chooses loaded first (llama-cpp-python loads none)."""
     port, threads = free_port(), str(cpu_threads())
     log = tmp_path_factory.mktemp("llama-server") / "server.log"
-    command = [sys.executable, "-m", "llama_cpp.server", "--model", str(default_gguf_path()),
+    gguf = str(default_gguf_path())
+    command = [sys.executable, "-m", "engine.runtimes.llamacpp.cpu_backend", "--smoke-model", gguf,
+               "llama_cpp.server", "--model", gguf,
                "--model_alias", ALIAS, "--host", "127.0.0.1", "--port", str(port),
                "--n_ctx", "2048", "--n_threads", threads, "--n_threads_batch", threads,
                "--seed", "1234"]

@@ -128,9 +128,11 @@ def test_bundle_ships_the_gguf_and_the_llama_cpp_libraries(unpacked: Path) -> No
     # No converted weights anywhere in the installation.
     assert not [p for p in (unpacked / BUNDLE).rglob("*.safetensors")]
     # The library llama_cpp opens by name and the ggml libraries it links, where it looks
-    # (llama_cpp/lib); the multimodal libraries it never loads stay out.
+    # (llama_cpp/lib), with the CPU backend's variants that engine/llamacpp/cpu_backend.py
+    # loads from there; the multimodal libraries it never loads stay out.
     libs = {p.name for p in (unpacked / BUNDLE / "_internal/llama_cpp/lib").iterdir()}
-    assert {"libllama.so", "libggml.so.0", "libggml-base.so.0", "libggml-cpu.so.0"} <= libs
+    assert {"libllama.so", "libggml.so.0", "libggml-base.so.0"} <= libs
+    assert {"libggml-cpu-x64.so", "libggml-cpu-haswell.so", "libggml-cpu-zen4.so"} <= libs
     assert not [name for name in libs if "mtmd" in name or "llava" in name]
 
 
@@ -144,6 +146,9 @@ def test_frozen_smoke_test_offline_with_empty_home(unpacked: Path, tmp_path: Pat
     assert result["device"] == "cpu"
     assert result["engine"] == "llama.cpp"  # no CUDA here: auto runs the bundled GGUF on it
     assert result["dtype"] == "Q4_1"
+    # one of the CPU backend variants the bundle ships, smoke-run in a child and loaded
+    assert re.fullmatch(r"llama\.cpp-(x64|haswell|alderlake|skylakex|cascadelake|icelake|zen4|"
+                        r"sapphirerapids)-\d+t(-fa)?", result["kernel"]), result["kernel"]
     assert "Paris" in result["reply"]
     # The bundled model is used as shipped: no GGUF conversion into the user cache...
     assert not list(home.rglob("*.safetensors"))
@@ -151,6 +156,9 @@ def test_frozen_smoke_test_offline_with_empty_home(unpacked: Path, tmp_path: Pat
     assert _tree(unpacked / "opt") == before
 
 
+# Each fresh HOME is a first start: the CPU backend's smoke run in a child and the attention
+# timing come on top of the reply (~20 s a run on a loaded 2-core machine).
+@pytest.mark.timeout(900)
 def test_frozen_smoke_test_on_fresh_unpacks_never_aborts(unpacked: Path, deb: Path,
                                                           tmp_path: Path) -> None:
     """A first start (empty HOME: the HUD calibrates while the reply runs) that quits at once,

@@ -5,6 +5,8 @@ import torch
 
 from engine.core.sampling import (
     apply_repetition_penalty,
+    beyond_top_p,
+    draw,
     filtered_probs,
     make_generator,
     sample_token,
@@ -254,9 +256,9 @@ def test_sampling_draws_with_the_given_generator() -> None:
     again = [sample_token(logits, params, make_generator(99)) for _ in range(3)]
     assert first == again
     assert len(set(first)) == 1  # a fresh generator of one seed: the same first draw each time
-    expected = int(torch.multinomial(torch.full((1000,), 1e-3), 1,
-                                     generator=torch.Generator().manual_seed(99)))
-    assert first[0] == expected
+    # one uniform number from that generator picks the token (1000 equal tokens: its 1000th)
+    u = float(torch.rand((), generator=torch.Generator().manual_seed(99), dtype=torch.float64))
+    assert first[0] == int(u * 1000)
 
 
 def test_an_unseeded_generator_differs_between_requests() -> None:
@@ -307,3 +309,28 @@ def test_min_p_keeps_a_token_exactly_at_the_floor() -> None:
     assert probs.tolist() == [0.5, 0.25, 0.25]
     assert filtered_probs(logits, SamplingParams(temperature=1.0, min_p=0.51)).tolist() == \
         [1.0, 0.0, 0.0]
+
+
+def test_draws_follow_the_distribution_and_never_pick_a_zero() -> None:
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.25, 0.25, 0.0])
+    gen = make_generator(7)
+    counts = torch.bincount(torch.tensor([draw(probs, gen) for _ in range(4000)]), minlength=6)
+    assert counts[[0, 2, 5]].tolist() == [0, 0, 0]
+    assert abs(int(counts[1]) - 2000) < 150 and abs(int(counts[3]) - 1000) < 120
+    # an unnormalised vector draws as its normalised one: the same token for the same seed
+    assert draw(probs * 3, make_generator(5)) == draw(probs, make_generator(5))
+
+
+def test_top_p_on_a_large_vocabulary_drops_what_a_full_sort_drops() -> None:
+    """beyond_top_p sorts only the head: the same tokens go as with a full sort, also where
+    the head must grow (a flat tail holding most of the mass)."""
+    gen = torch.Generator().manual_seed(3)
+    for logits in (torch.randn(262_144, generator=gen) * 4,
+                   torch.cat([torch.tensor([6.0, 5.0]), torch.zeros(100_000)])):
+        probs = torch.softmax(logits, dim=-1)
+        for top_p in (0.1, 0.5, 0.9, 0.999):
+            sorted_probs, order = torch.sort(probs, descending=True, stable=True)
+            cumulative = torch.cumsum(sorted_probs, dim=-1)
+            full = torch.zeros_like(probs, dtype=torch.bool).scatter(
+                -1, order, (cumulative - sorted_probs) >= top_p)
+            assert torch.equal(beyond_top_p(probs, top_p), full), top_p

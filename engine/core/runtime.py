@@ -56,6 +56,12 @@ class Runtime(Protocol):
         ...
 
     @property
+    def system_info(self) -> str:
+        """What runs its kernels on this machine: llama.cpp's CPU features as its loaded CPU
+        backend variant reports them, or torch's build and CPU capability (`bench --json`)."""
+        ...
+
+    @property
     def cpu_threads(self) -> int:
         """The CPU threads its forward passes run on (a peer in a benchmark gets as many)."""
         ...

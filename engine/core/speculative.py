@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 
 from engine.core.ledger import common_prefix_len
-from engine.core.sampling import apply_repetition_penalty, check_logits, filtered_probs
+from engine.core.sampling import apply_repetition_penalty, check_logits, draw, filtered_probs
 from engine.events import ModelInfo
 from engine.params import SamplingParams
 
@@ -123,8 +123,8 @@ def accept_or_resample(p: torch.Tensor, q: torch.Tensor, drafted: int,
     residual = (p - q).clamp(min=0)
     total = float(residual.sum())
     if total <= 0:  # p == q up to rounding: the residual is empty, and p itself is exact
-        return int(torch.multinomial(p, 1, generator=generator))
-    return int(torch.multinomial(residual / total, 1, generator=generator))
+        return draw(p, generator)
+    return draw(residual / total, generator)
 
 
 # ----- draft models (both runtimes' draft models subclass TokenProposer) ----------------
@@ -206,7 +206,7 @@ class TokenProposer(ABC):
             return int(logits.argmax())
         probs = filtered_probs(logits, params)  # a copy: a logits view may die at the next step
         self.last_probs.append(probs)
-        return int(torch.multinomial(probs, 1, generator=generator))
+        return draw(probs, generator)
 
 
 class Drafter(Protocol):

@@ -271,6 +271,7 @@ def decode_summary(loaded: Runtime, ours: list[GenerationResult], prompt_tokens:
         "dtype": loaded.info.dtype,
         "kernel": loaded.info.kernel,
         "engine": loaded.info.engine,
+        "system_info": loaded.system_info,
         "prompt_tokens": prompt_tokens,
         "max_tokens": max_tokens,
         "repeats": repeats,

@@ -24,6 +24,7 @@ from engine.errors import ModelLoadError
 from engine.events import ModelInfo
 from engine.model_files import default_gguf_path
 from engine.native import ChildError, NativeChild, NativeCrashError, recorded_llama_cpp_build
+from engine.runtimes.llamacpp.cpu_backend import ensure_cpu_backend, system_info
 
 LLAMA_CPP_MISSING = "llama.cpp peer needs llama-cpp-python: run `make peers`"
 PEER_SEED = 1234  # fixed, although greedy decoding never draws from it
@@ -78,13 +79,6 @@ def require_llama_cpp() -> None:
         raise ModelLoadError(LLAMA_CPP_MISSING)
 
 
-def system_info(llama_cpp: Any) -> str:
-    """llama.cpp's compiled CPU features: 'CPU : SSE3 = 1 | AVX2 = 1 | ... |'."""
-    info = llama_cpp.llama_print_system_info()
-    text = info.decode("utf-8", "replace") if isinstance(info, bytes) else str(info)
-    return " ".join(text.split()).removesuffix("|").strip()
-
-
 class LlamaCppPeer:
     """llama.cpp on one GGUF with a fixed thread count, run in a child process; each run
     starts cold.
@@ -137,6 +131,9 @@ def serve_llama_cpp(conn: Connection, gguf: str, n_threads: int, n_ctx: int,
     """The child's main: report version and CPU features, load, then answer (prompt_ids,
     max_tokens) requests with PeerResults until a None arrives."""
     llama_cpp = import_llama_cpp()
+    # The CPU backend variant ours runs (cached when ours loaded; chosen by score if not: this
+    # daemonic child cannot start the smoke runs' children).
+    ensure_cpu_backend(llama_cpp, None)
     conn.send(("about", {"version": getattr(llama_cpp, "__version__", "unknown"),
                          "system_info": system_info(llama_cpp)}))
     llm = _load(llama_cpp, Path(gguf), n_threads=n_threads, n_ctx=n_ctx, flash_attn=flash_attn)

@@ -8,6 +8,11 @@ from typing import Any
 
 from engine.events import GenerationResult
 
+# Seeds searched for a split reply: on the tiny random model about 1 sampled 6-token reply in
+# 1,600 is printable and re-tokenizes differently (3 of the first 5,000 seeds with the
+# one-draw sampler; the search stops at the first, seed 50 today).
+SPLIT_SEEDS = range(0, 8000)
+
 
 def reply_body(result: GenerationResult, end_ids: set[int]) -> list[int]:
     """The reply's ids less a final end-of-turn token (it is the template's, not the text's)."""

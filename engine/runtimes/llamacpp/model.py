@@ -11,7 +11,6 @@ import collections
 import contextlib
 import ctypes
 import logging
-import mmap
 import os
 import re
 import struct
@@ -25,7 +24,8 @@ import torch
 
 from engine.errors import ModelLoadError
 from engine.events import ModelInfo, SamplingDefaults
-from engine.gguf_header import read_gguf
+from engine.gguf_header import read_gguf, read_gguf_model
+from engine.runtimes.llamacpp.cpu_backend import BUILT_IN, CpuBackend, ensure_cpu_backend
 from engine.runtimes.llamacpp.tokenizer import LlamaCppTokenizer
 
 LLAMA_CPP = "llama.cpp"
@@ -55,11 +55,14 @@ def import_llama_cpp() -> Any:
     return llama_cpp
 
 
-def _init_backend(llama_cpp: Any) -> None:
-    """Once per process: route llama.cpp's log into ours (kept for error messages)."""
+def _init_backend(llama_cpp: Any, smoke_model: Path | None = None,
+                  progress: Progress | None = None) -> CpuBackend:
+    """Once per process: route llama.cpp's log into ours (kept for error messages), and load
+    the CPU backend variant this CPU runs best (cpu_backend.py; smoke_model: the GGUF its smoke
+    runs decode when the choice is not cached yet)."""
     global _backend_ready, _log_callback
     if _backend_ready:
-        return
+        return ensure_cpu_backend(llama_cpp, smoke_model, progress=progress)
 
     # llama-cpp-python's ctypes callback decorator carries no annotations
     @llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]
@@ -74,8 +77,10 @@ def _init_backend(llama_cpp: Any) -> None:
 
     _log_callback = on_log
     llama_cpp.llama_log_set(on_log, ctypes.c_void_p(0))
+    backend = ensure_cpu_backend(llama_cpp, smoke_model, progress=progress)
     llama_cpp.llama_backend_init()
     _backend_ready = True
+    return backend
 
 
 def physical_cores() -> int:
@@ -158,14 +163,16 @@ def load_gguf(
     context_length: int | None = None,
     n_threads: int | None = None,
     progress: Progress | None = None,
-    flash_attn: bool = True,
+    flash_attn: bool | None = None,
 ) -> LlamaCppModel:
     """Load a GGUF into llama.cpp; ModelLoadError with one actionable line on failure.
-    flash_attn=False runs attention as llama-cpp-python's Llama does by default (benchmarks)."""
+    flash_attn: None chooses by a timing cached per model and CPU (attention.py); True / False
+    force it (benchmarks; False runs attention as llama-cpp-python's Llama does by
+    default)."""
     notify = progress or (lambda _m: None)
     llama_cpp = import_llama_cpp()
-    _init_backend(llama_cpp)
     _check_readable(path)
+    backend = _init_backend(llama_cpp, path, progress)
     notify("loading GGUF into llama.cpp")
     _log_tail.clear()
     params = llama_cpp.llama_model_default_params()
@@ -174,31 +181,49 @@ def load_gguf(
         raise ModelLoadError(_load_failure(path))
     try:
         return _with_context(llama_cpp, model, path, name, source, context_length, n_threads,
-                             flash_attn)
+                             flash_attn, backend.variant, progress)
     except BaseException:
         llama_cpp.llama_model_free(model)
         raise
 
 
-def _with_context(llama_cpp: Any, model: Any, path: Path, name: str, source: str,
-                  context_length: int | None, n_threads: int | None,
-                  flash_attn: bool) -> LlamaCppModel:
-    trained = llama_cpp.llama_model_n_ctx_train(model)
-    n_ctx = min(trained, context_length or DEFAULT_CONTEXT)
-    threads = n_threads or physical_cores()
+def _context_params(llama_cpp: Any, n_ctx: int, n_seq: int, threads: int,
+                    flash_attn: bool | None) -> Any:
     cparams = llama_cpp.llama_context_default_params()
     cparams.n_ctx = n_ctx
     cparams.n_batch = cparams.n_ubatch = min(BATCH_TOKENS, n_ctx)
-    cparams.n_seq_max = min(N_SEQ_MAX, llama_cpp.llama_max_parallel_sequences())
+    cparams.n_seq_max = min(n_seq, llama_cpp.llama_max_parallel_sequences())
     cparams.n_threads = cparams.n_threads_batch = threads
-    # Flash attention where the model allows it ("auto", llama.cpp's own default): besides speed,
-    # a token skips the cells its mask hides, so a row's decode step does not read the other
-    # sequences' cells of the unified KV memory (cached chats, a prompt being prefilled).
-    cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO if flash_attn
-                               else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+    # Flash attention "auto" lets llama.cpp decide per model and device (it may not be able
+    # to run it); off runs attention as a masked product over every used cell.
+    cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED if flash_attn is False
+                               else llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO)
     cparams.kv_unified = True  # one cell pool: seq_cp shares cells, sequences vary in length
     cparams.swa_full = True  # sliding-window layers keep what a rollback to a prefix needs
     cparams.no_perf = True
+    return cparams
+
+
+def _with_context(llama_cpp: Any, model: Any, path: Path, name: str, source: str,
+                  context_length: int | None, n_threads: int | None,
+                  flash_attn: bool | None, variant: str,
+                  progress: Progress | None) -> LlamaCppModel:
+    trained = llama_cpp.llama_model_n_ctx_train(model)
+    n_ctx = min(trained, context_length or DEFAULT_CONTEXT)
+    threads = n_threads or physical_cores()
+    if flash_attn is None and not llama_cpp.llama_model_is_recurrent(model):
+        from engine.runtimes.llamacpp.attention import choose_flash_attention
+
+        def probe_context(flash: bool, probe_ctx: int, n_seq: int) -> Any:
+            return _new_context(llama_cpp, model, _context_params(
+                llama_cpp, min(probe_ctx, trained), n_seq, threads, flash), flash)
+
+        flash_attn = choose_flash_attention(llama_cpp, model, path, probe_context, n_ctx,
+                                            threads, variant, progress)
+    # The engine's sequences (the prefix pool's entries plus the running rows) share the KV
+    # memory; flash attention skips the cells a row's mask hides (attention.py: chosen by
+    # measurement).
+    cparams = _context_params(llama_cpp, n_ctx, N_SEQ_MAX, threads, flash_attn)
     kv_per_token = _kv_bytes_per_token(llama_cpp, model)
     _log_tail.clear()
     _flash_attn_said.clear()
@@ -211,7 +236,7 @@ def _with_context(llama_cpp: Any, model: Any, path: Path, name: str, source: str
             "context (context_length)")
     try:
         loaded = _assemble(llama_cpp, model, ctx, path, name, source, n_ctx, threads,
-                           kv_per_token)
+                           kv_per_token, variant)
     except BaseException:
         llama_cpp.llama_free(ctx)
         raise
@@ -219,8 +244,19 @@ def _with_context(llama_cpp: Any, model: Any, path: Path, name: str, source: str
     return loaded
 
 
+def _new_context(llama_cpp: Any, model: Any, cparams: Any, flash: bool) -> Any:
+    """A context, or None where llama.cpp could not make one, or would not turn flash
+    attention on when asked (its "auto" said disabled)."""
+    _flash_attn_said.clear()
+    ctx = llama_cpp.llama_init_from_model(model, cparams)
+    if ctx and flash and _flash_attn_said[-1:] != ["enabled"]:
+        llama_cpp.llama_free(ctx)
+        return None
+    return ctx or None
+
+
 def _assemble(llama_cpp: Any, model: Any, ctx: Any, path: Path, name: str, source: str,
-              n_ctx: int, threads: int, kv_per_token: int) -> LlamaCppModel:
+              n_ctx: int, threads: int, kv_per_token: int, variant: str) -> LlamaCppModel:
     vocab = llama_cpp.llama_model_get_vocab(model)
     tokenizer = LlamaCppTokenizer(llama_cpp, model, vocab)
     info = ModelInfo(
@@ -232,7 +268,7 @@ def _assemble(llama_cpp: Any, model: Any, ctx: Any, path: Path, name: str, sourc
         context_length=n_ctx,
         parameters=int(llama_cpp.llama_model_n_params(model)),
         weight_bytes_per_step=weight_bytes_per_step(path, int(llama_cpp.llama_model_size(model))),
-        kernel=kernel_label(threads, _flash_attn_said[-1:] == ["enabled"]),
+        kernel=kernel_label(threads, _flash_attn_said[-1:] == ["enabled"], variant),
         template_fallback=tokenizer.chat_template is None,
         engine=LLAMA_CPP,
         sampling_defaults=_sampling_defaults(path),
@@ -269,10 +305,12 @@ def _check_readable(path: Path) -> None:
         raise ModelLoadError(f"{path} is not a GGUF file (bad magic bytes)")
 
 
-def kernel_label(threads: int, flash_attn: bool) -> str:
-    """"llama.cpp-2t", or "llama.cpp-2t-fa" where llama.cpp said it turned flash attention on
-    (it decides "auto" per model and device as it makes the context)."""
-    return f"llama.cpp-{threads}t" + ("-fa" if flash_attn else "")
+def kernel_label(threads: int, flash_attn: bool, variant: str = BUILT_IN) -> str:
+    """"llama.cpp-zen4-2t-fa": the CPU backend variant running (none named for a build with
+    the backend linked in), the threads, and "-fa" where llama.cpp said it turned flash
+    attention on (it decides "auto" per model and device as it makes the context)."""
+    named = "" if variant == BUILT_IN else f"-{variant}"
+    return f"llama.cpp{named}-{threads}t" + ("-fa" if flash_attn else "")
 
 
 def _last_error() -> str:
@@ -320,76 +358,14 @@ def _kv_bytes_per_token(llama_cpp: Any, model: Any) -> int:
 
 
 def weight_bytes_per_step(path: Path, total: int) -> int:
-    """Quantized bytes one decode step reads: every tensor in the file once, except an input
-    embedding table separate from the output head, of which a step reads a single row."""
+    """Quantized bytes one decode step reads (GGUFHeader.step_bytes: every tensor once, one
+    row of an untied input embedding table); `total`, llama.cpp's own size of the weights,
+    when the header cannot be read."""
     try:
-        extents = tensor_extents(path)
-    except (OSError, ValueError, struct.error):  # unreadable header: the whole file's tensors
+        header, size = read_gguf_model(path)  # a split model: all its shards
+    except (OSError, ValueError, struct.error):
         return total
-    if "token_embd.weight" not in extents or "output.weight" not in extents:
-        return total  # tied: the table is also the output head and is read in full
-    embed_bytes, rows = extents["token_embd.weight"]
-    return total - embed_bytes + embed_bytes // max(rows, 1)
-
-
-_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_STRING, _ARRAY = 8, 9
-
-
-def tensor_extents(path: Path) -> dict[str, tuple[int, int]]:
-    """name -> (bytes, rows) of each tensor, from the GGUF header alone (the gguf package's
-    reader parses every value into numpy and took seconds). A tensor's bytes run from its
-    offset to the next one's (alignment padding included, at most 31 bytes)."""
-    with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        pos = 4 + 4
-        n_tensors, n_kv = struct.unpack_from("<QQ", data, pos)
-        pos += 16
-        alignment = 32
-        for _ in range(n_kv):
-            key, pos = _string(data, pos)
-            (kind,) = struct.unpack_from("<I", data, pos)
-            if key == "general.alignment" and kind == 4:
-                (alignment,) = struct.unpack_from("<I", data, pos + 4)
-            pos = _skip_value(data, pos + 4, kind)
-        infos = []
-        for _ in range(n_tensors):
-            name, pos = _string(data, pos)
-            (n_dims,) = struct.unpack_from("<I", data, pos)
-            dims = struct.unpack_from(f"<{n_dims}Q", data, pos + 4)
-            pos += 4 + 8 * n_dims + 4
-            (offset,) = struct.unpack_from("<Q", data, pos)
-            pos += 8
-            infos.append((offset, name, dims[-1] if n_dims > 1 else 1))
-        start = -(-pos // alignment) * alignment
-        end = len(data) - start
-    infos.sort()
-    extents = {}
-    for i, (offset, name, rows) in enumerate(infos):
-        following = infos[i + 1][0] if i + 1 < len(infos) else end
-        extents[name] = (following - offset, rows)
-    return extents
-
-
-def _string(data: mmap.mmap, pos: int) -> tuple[str, int]:
-    (n,) = struct.unpack_from("<Q", data, pos)
-    return data[pos + 8 : pos + 8 + n].decode("utf-8", "replace"), pos + 8 + n
-
-
-def _skip_value(data: mmap.mmap, pos: int, kind: int) -> int:
-    if kind == _STRING:
-        (n,) = struct.unpack_from("<Q", data, pos)
-        return pos + 8 + int(n)
-    if kind == _ARRAY:
-        item, count = struct.unpack_from("<IQ", data, pos)
-        pos += 12
-        if item in _SCALAR_SIZES:
-            return pos + int(count) * _SCALAR_SIZES[item]
-        for _ in range(count):
-            pos = _skip_value(data, pos, item)
-        return pos
-    if kind not in _SCALAR_SIZES:
-        raise ValueError(f"unknown GGUF value type {kind}")
-    return pos + _SCALAR_SIZES[kind]
+    return header.step_bytes(size)
 
 
 def warm_up_llama(loaded: LlamaCppModel) -> None:

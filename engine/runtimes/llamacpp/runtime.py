@@ -20,6 +20,7 @@ from engine.events import ModelInfo
 from engine.model_files import classify
 from engine.runtime_choice import gguf_path
 from engine.runtimes.llamacpp.batcher import LlamaBatcher
+from engine.runtimes.llamacpp.cpu_backend import system_info
 from engine.runtimes.llamacpp.draft import LlamaDraftModel, load_llama_draft
 from engine.runtimes.llamacpp.model import LlamaCppModel, load_gguf, warm_up_llama
 from engine.runtimes.llamacpp.prefix_pool import SeqPrefixCache
@@ -44,6 +45,10 @@ class LlamaRuntime:
     @property
     def build(self) -> str:
         return f"llama-cpp-python {llama_cpp.__version__}"
+
+    @property
+    def system_info(self) -> str:
+        return system_info(llama_cpp)
 
     @property
     def cpu_threads(self) -> int:

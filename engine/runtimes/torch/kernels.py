@@ -38,6 +38,8 @@ from torch import nn
 
 from engine.errors import ModelLoadError, one_line
 from engine.events import ModelInfo
+from engine.machine import cpu_name as cpu_name
+from engine.machine import read_json, write_json_entry
 from engine.model_files import cache_root
 from engine.native import ChildError, NativeChild, NativeCrashError
 from engine.runtimes.torch.loader import LoadedModel
@@ -312,12 +314,12 @@ def smoke_failures(names: list[str]) -> dict[str, str]:
     if not names:
         return {}
     key = smoke_key()
-    known = _read_json(smoke_cache_path()).get(key)
+    known = read_json(smoke_cache_path()).get(key)
     known = dict(known) if isinstance(known, dict) else {}
     missing = [n for n in names if n not in known]
     if missing:
         known |= run_smoke([(n, KERNELS[n].smoke) for n in missing])
-        _write_json_entry(smoke_cache_path(), key, known)
+        write_json_entry(smoke_cache_path(), key, known, PROBE_FILE_MAX_ENTRIES)
     return {n: known[n] for n in names if known.get(n)}
 
 
@@ -399,32 +401,7 @@ def read_probe_cache(key: str) -> str | None:
 
 def write_probe_cache(key: str, report: dict[str, Any]) -> None:
     """Best effort: an unwritable cache dir only means the next start probes again."""
-    _write_json_entry(probe_cache_path(), key, report)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _write_json_entry(path: Path, key: str, value: Any) -> None:
-    """Set one entry of a JSON cache file (newest last, at most PROBE_FILE_MAX_ENTRIES);
-    best effort: an unwritable cache dir only means measuring again next time."""
-    data = _read_json(path)
-    data.pop(key, None)
-    data[key] = value
-    while len(data) > PROBE_FILE_MAX_ENTRIES:
-        data.pop(next(iter(data)))
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(path)
-    except OSError as exc:
-        log.info("cannot write %s: %s", path, exc)
+    write_json_entry(probe_cache_path(), key, report, PROBE_FILE_MAX_ENTRIES)
 
 
 # ----- sizes, threads, helpers ------------------------------------------------------------------
@@ -478,16 +455,6 @@ def configure_threads() -> int:
     if torch.get_num_threads() > allowed:
         torch.set_num_threads(allowed)
     return torch.get_num_threads()
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _param_dtype(model: nn.Module) -> torch.dtype:

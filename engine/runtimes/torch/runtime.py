@@ -48,6 +48,12 @@ class TorchRuntime:
         return f"torch {torch.__version__} transformers {transformers.__version__}"
 
     @property
+    def system_info(self) -> str:
+        from engine.runtimes.torch.kernels import torch_build
+
+        return torch_build()
+
+    @property
     def cpu_threads(self) -> int:
         return torch.get_num_threads()
 

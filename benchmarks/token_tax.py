@@ -1,0 +1,86 @@
+"""Phasewise's own per-token work on llama.cpp: the share of a decode step spent outside
+llama_decode (logits view, checks, sampling, detokenizing, events), greedy and sampled.
+
+Wraps llama_decode with a clock; a reply's decode span (first token to last, the engine's own
+stamps) less the time inside llama_decode after the first token is the tax. Largest on a large
+vocabulary: make one with benchmarks/synthetic_gguf.py --arch gemma3 --vocab 262144. Measures,
+never asserts.
+
+    .venv/bin/python benchmarks/token_tax.py [--model FILE.gguf] [--repeats 3] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import statistics
+import threading
+import time
+from typing import Any
+
+from engine.machine import cpu_name
+from engine.metrics import RequestTimeline, now_ns
+from engine.params import GenerationRequest, SamplingParams
+from engine.runtimes import LLAMA_CPP, load
+from engine.tools.bench import fixed_prompt_ids
+
+SAMPLINGS = {"greedy": SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
+             "sampled": SamplingParams(temperature=0.7, max_tokens=64, ignore_eos=True, seed=1),
+             "top-p 0.95": SamplingParams(temperature=0.7, top_p=0.95, max_tokens=64,
+                                          ignore_eos=True, seed=1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="print cProfile's top entries")
+    args = parser.parse_args()
+    runtime = load(args.model, LLAMA_CPP, context_length=1024)
+    model = runtime.model
+    lib = model.llama_cpp
+    inside: list[float] = []
+    real_decode = lib.llama_decode
+
+    def timed(ctx: Any, batch: Any) -> int:
+        start = time.perf_counter()
+        code = int(real_decode(ctx, batch))
+        inside.append(time.perf_counter() - start)
+        return code
+
+    lib.llama_decode = timed
+    pool = runtime.new_prefix_cache(1 << 30)
+    ids = fixed_prompt_ids(runtime, 64)
+    out: dict[str, Any] = {"cpu": cpu_name(), "loadavg": os.getloadavg()[0],
+                           "model": runtime.info.name, "vocab": model.n_vocab,
+                           "kernel": runtime.info.kernel}
+    for name, params in SAMPLINGS.items():
+        shares, steps = [], []
+        for i in range(args.repeats + 1):
+            inside.clear()
+            profile = cProfile.Profile() if args.profile and i == args.repeats else None
+            timeline = RequestTimeline(now_ns())
+            request = GenerationRequest([], params, prompt_token_ids=ids, reuse_cache=False)
+            if profile:
+                profile.enable()
+            runtime.new_session(pool).run(request, timeline, threading.Event(), lambda _e: None)
+            if profile:
+                profile.disable()
+                pstats.Stats(profile).sort_stats("tottime").print_stats(12)
+                continue
+            if i == 0:
+                continue  # warm-up
+            span = (timeline.token_ns[-1] - timeline.token_ns[0]) / 1e9
+            n = len(timeline.token_ns) - 1
+            in_decode = sum(inside[-n:])  # the steps after the first token (the prefill is first)
+            shares.append(1 - in_decode / span)
+            steps.append(span / n * 1e3)
+        out[name] = {"step_ms": statistics.median(steps), "tax_share": statistics.median(shares)}
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
