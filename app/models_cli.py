@@ -1,6 +1,7 @@
-"""`phasewise models`: search the Hugging Face hub for GGUF models (each quant with its size
-and whether it fits), pull one into the models folder (progress, Ctrl+C cancels, the same pull
-resumes), list and remove what is there. engine/tools/hub.py does the work; this prints it.
+"""`phasewise models`: search the Hugging Face hub for GGUF models (each quant with its size,
+whether it fits, and how fast it would run here: engine/tools/speed.py), pull one into the models
+folder (progress, Ctrl+C cancels, the same pull resumes), list and remove what is there.
+engine/tools/hub.py does the work; this prints it.
 
 Only `search` and `pull` reach the network, and only the hub at --endpoint (default:
 HF_ENDPOINT or huggingface.co); HF_HUB_OFFLINE=1 keeps them offline with one line.
@@ -18,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 from app.cli_error import CliError
 
 if TYPE_CHECKING:
-    from engine.tools.hub import Hub, Progress
+    from engine.tools.hub import Hub, HubRepo, Progress
+    from engine.tools.speed import EngineSpeed
 
 
 def add_models_parser(sub: Any) -> None:
@@ -30,6 +32,15 @@ def add_models_parser(sub: Any) -> None:
                                                "quant files with size and fit")
     search.add_argument("text", help="words of the repository's name, e.g. 'qwen 7b'")
     search.add_argument("--limit", type=int, default=5, help="repositories shown (default 5)")
+    search.add_argument("--no-speed", action="store_true",
+                        help="leave out the speed predicted on this computer (which measures "
+                             "it once, the first time: up to a minute)")
+    search.add_argument("--measure-again", action="store_true",
+                        help="measure this computer again for the speed prediction (after a "
+                             "measurement taken while it was busy, or an engine upgrade)")
+    search.add_argument("--no-folders", action="store_true",
+                        help="leave out Hugging Face folders (safetensors, for the torch "
+                             "engine): GGUF repositories only")
     add_fit_options(search)
     search.set_defaults(handler=cmd_search)
 
@@ -82,20 +93,37 @@ def _size(n: int | None) -> str:
 # ----- search ----------------------------------------------------------------------------
 def cmd_search(args: argparse.Namespace) -> int:
     from engine.core.memory import free_memory
-    from engine.tools.hub import HubError, iter_fits
+    from engine.tools.hub import HubError
 
     hub = _hub(args)
+    args.measured = set()  # engines measured (again) in this search
     try:
         repos = hub.search(args.text, limit=max(1, args.limit))
+        folders = [] if args.no_folders else hub.search_folders(args.text,
+                                                                limit=max(1, args.limit))
     except HubError as exc:
         raise CliError(str(exc)) from None
-    if not repos:
-        print(f"no GGUF repositories match {args.text!r}")
+    if not repos and not folders:
+        print(f"no GGUF repositories or Hugging Face folders match {args.text!r}")
         return 0
     print(f"memory free: {_size(free_memory('cpu'))}")
+    if repos:
+        _print_gguf_repos(hub, repos, args)
+    if folders:
+        _print_folders(hub, folders, args)
+    return 0
+
+
+def _print_gguf_repos(hub: Hub, repos: list[HubRepo], args: argparse.Namespace) -> None:
+    from engine.runtime_choice import gguf_engine
+    from engine.tools.hub import HubError, iter_fits
+    from engine.tools.speed import predict
+
+    speed = _machine_speed(args, gguf_engine())
+    if speed is not None:
+        print(speed.describe())
     for repo in repos:
-        gated = ", gated" if repo.gated else ""
-        print(f"\n{repo.id}  ({repo.downloads:,} downloads{gated})")
+        print(f"\n{_repo_line(repo)}")
         try:
             files = hub.files(repo.id)
         except HubError as exc:
@@ -103,12 +131,70 @@ def cmd_search(args: argparse.Namespace) -> int:
             continue
         if not files:
             print("  no GGUF model files")
-        width = max((len(f.local_name) for f in files), default=0)
-        for f, est, why in iter_fits(hub, sorted(files, key=lambda f: f.size), args.context):
-            verdict = _fit_words(est) if est is not None else why
-            print(f"  {f.quant or '-':<8} {f.local_name:<{width}}  {_size(f.size):>8}  {verdict}")
+        width = max((len(f.label) for f in files), default=0)
+        for row in iter_fits(hub, sorted(files, key=lambda f: f.size), args.context):
+            f = row.file
+            verdict = _fit_words(row.estimate) if row.estimate is not None else row.why
+            if speed is not None and row.cost is not None:
+                verdict += f"; {predict(row.cost, speed).text()}"
+            print(f"  {f.quant or '-':<8} {f.label:<{width}}  {_size(f.size):>8}  {verdict}")
     print(f"\ndownload one: phasewise models pull {repos[0].id}:FILE")
-    return 0
+
+
+def _print_folders(hub: Hub, repos: list[HubRepo], args: argparse.Namespace) -> None:
+    """Hugging Face folders: one row each, on the torch engine (which loads them by hub id)."""
+    from engine.runtime_choice import TORCH
+    from engine.tools.hub import HubError
+    from engine.tools.speed import predict
+
+    print("\nHugging Face folders (the torch engine loads them by hub id):")
+    speed = _machine_speed(args, TORCH)
+    if speed is not None:
+        print(speed.describe())
+    for repo in repos:
+        print(f"\n{_repo_line(repo)}")
+        try:
+            row = hub.folder_fit(hub.folder(repo.id), args.context)
+        except HubError as exc:
+            print(f"  {exc}")
+            continue
+        verdict = _fit_words(row.estimate) if row.estimate is not None else row.why
+        if speed is not None and row.cost is not None:
+            verdict += f"; {predict(row.cost, speed).text()}"
+        print(f"  {row.dtype or '-':<8} {row.folder.label}  {_size(row.folder.size):>8}  "
+              f"{verdict}")
+    print(f"\nload one: phasewise --model {repos[0].id} --allow-download")
+
+
+def _repo_line(repo: HubRepo) -> str:
+    gated = ", gated" if repo.gated else ""
+    return f"{repo.id}  ({repo.downloads:,} downloads{gated})"
+
+
+def _machine_speed(args: argparse.Namespace, engine: str) -> EngineSpeed | None:
+    """This computer's measurement for `engine`: cached, or measured now (once; said on
+    stderr); None with --no-speed or where it cannot be measured (one line)."""
+    from engine.errors import PhasewiseError
+    from engine.tools.speed import SpeedProfiles, speed_device
+
+    if args.no_speed:
+        return None
+    device = speed_device(engine)
+    profiles = SpeedProfiles()
+    known = profiles.cached(engine, device)
+    again = engine not in args.measured and (
+        args.measure_again or (known is not None and known.worth_measuring_again()))
+    if again or known is None:
+        print(f"phasewise: measuring this computer once for the speed prediction: memory "
+              f"bandwidth, then {engine} on the bundled model (up to a minute; cached after)",
+              file=sys.stderr)
+    try:
+        return profiles.get(engine, device, again=again)
+    except PhasewiseError as exc:
+        print(f"phasewise: no speed prediction: {exc}", file=sys.stderr)
+        return None
+    finally:
+        args.measured.add(engine)
 
 
 # ----- pull --------------------------------------------------------------------------------
@@ -126,7 +212,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
         file = hub.file(repo, name or None)
         check_absent(file)  # before reading its header
         est = hub.estimate(file, args.context)
-        print(f"phasewise: {file.local_name} ({_size(file.size)}): {_fit_words(est)}, "
+        print(f"phasewise: {file.label} ({_size(file.size)}): {_fit_words(est)}, "
               f"{_size(est.free_bytes)} free", file=sys.stderr)
         if not est.fits and not args.force:
             raise CliError(f"{est.refusal(file.local_name)}; --force downloads it anyway")
@@ -176,14 +262,14 @@ def cmd_list(_args: argparse.Namespace) -> int:
     print(f"models folder: {folder}")
     if not models:
         print("  no models yet: `phasewise models search TEXT`, then `phasewise models pull`")
-    width = max((len(m.name) for m in models), default=0)
+    width = max((len(m.label) for m in models), default=0)
     for m in models:
         if m.partial:
             total = f" of {_size(m.total)}" if m.total else ""
             print(f"  {m.name:<{width}}  partial download: {_size(m.size)}{total} (the same "
                   "pull resumes it)")
         else:
-            print(f"  {m.name:<{width}}  {_size(m.size):>8}")
+            print(f"  {m.label:<{width}}  {_size(m.size):>8}")
     return 0
 
 

@@ -64,6 +64,11 @@ class PrefillCost:
         restoring = cached * (self._restore_s_per_token or 0.0) if from_disk else 0.0
         return reading + restoring
 
+    def weights(self) -> tuple[float, float, float] | None:
+        """The fitted (a, b, d), None while not trusted (engine/tools/speed.py prices other models
+        from the bundled model's)."""
+        return self._weights
+
     def _fit(self) -> tuple[float, float, float] | None:
         sizes = {p - c for c, p, _ in self._seen}
         if len(self._seen) < MIN_OBSERVATIONS or len(sizes) < 2:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 import mmap
+import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,9 @@ class Shape:
     hidden: int
     vocab: int
     context_length: int  # what the model was trained for
+    # Sum over the layers that attend (those with KV) of query heads x (key + value dims): a
+    # pair of positions costs 2 x this in FLOPs (scores and weighted sum; engine/tools/speed.py).
+    attention_width: int = 0
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,8 @@ class GGUFHeader:
     metadata: dict[str, Any]  # scalars and numeric arrays; a string array is its length
     tensor_dims: dict[str, tuple[int, ...]]
     data_start: int
+    # Where each tensor's bytes start, from data_start (in the file's order of tensor infos).
+    tensor_offsets: dict[str, int] = field(default_factory=dict)
 
     def field(self, key: str, default: Any = None) -> Any:
         arch = self.metadata.get("general.architecture", "")
@@ -65,6 +71,27 @@ class GGUFHeader:
 
     def elements(self) -> int:
         return sum(math.prod(dims) for dims in self.tensor_dims.values())
+
+    def tensor_bytes(self, file_size: int) -> dict[str, int]:
+        """Each tensor's bytes as stored (quantized), from its offset to the next tensor's,
+        the last one's to the end of a file of `file_size` bytes (alignment padding included,
+        under 32 bytes a tensor): a local file or a remote one whose header alone was read."""
+        ordered = sorted((offset, name) for name, offset in self.tensor_offsets.items())
+        end = file_size - self.data_start
+        return {name: max(0, (ordered[i + 1][0] if i + 1 < len(ordered) else end) - offset)
+                for i, (offset, name) in enumerate(ordered)}
+
+    def step_bytes(self, file_size: int) -> int:
+        """Quantized bytes one decode step reads: every tensor once, except an input
+        embedding table separate from the output head, of which a step reads a single row."""
+        total = file_size - self.data_start
+        extents = self.tensor_bytes(file_size)
+        if "token_embd.weight" not in extents or "output.weight" not in extents:
+            return total  # tied: the table is also the output head and is read in full
+        dims = self.tensor_dims["token_embd.weight"]
+        rows = dims[-1] if len(dims) > 1 else 1
+        embed = extents["token_embd.weight"]
+        return total - embed + embed // max(rows, 1)
 
     def sampling_defaults(self) -> SamplingDefaults:
         """The sampling settings the file suggests (general.sampling.*; None where absent)."""
@@ -89,9 +116,12 @@ class GGUFHeader:
         key = int(self.field("attention.key_length", head_dim))
         value = int(self.field("attention.value_length", head_dim))
         vocab = self.field("vocab_size") or self.metadata.get("tokenizer.ggml.tokens", 0)
+        attention = sum(h * (key + value) for h, kv in zip(heads, kv_heads, strict=False)
+                        if kv > 0)
         return Shape(kv_values_per_token=sum(kv_heads) * (key + value), heads=max(heads),
                      hidden=hidden, vocab=int(vocab),
-                     context_length=int(self.field("context_length", 2048)))
+                     context_length=int(self.field("context_length", 2048)),
+                     attention_width=attention)
 
 
 def _per_layer(value: Any, layers: int) -> list[int]:
@@ -107,6 +137,56 @@ class TruncatedHeader(ValueError):
     def __init__(self, needed: int) -> None:
         super().__init__(f"the GGUF header needs more than the {needed:,} bytes read")
         self.needed = needed
+
+
+_SPLIT = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
+
+
+def split_name(name: str) -> tuple[str, int, int] | None:
+    """(stem, part, parts) of a shard of a model split over several files, numbered from 1
+    ('m-00002-of-00003.gguf': ('m', 2, 3)); None for any other name."""
+    match = _SPLIT.match(name)
+    if match is None or not 1 <= int(match["no"]) <= int(match["count"]):
+        return None
+    return match["stem"], int(match["no"]), int(match["count"])
+
+
+def split_parts(path: Path) -> list[Path] | None:
+    """Every shard of the split model `path` is a shard of, in order (those on this disk
+    and those missing alike); None when `path` is no shard."""
+    split = split_name(path.name)
+    if split is None:
+        return None
+    stem, _no, count = split
+    return [path.with_name(f"{stem}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
+def merge_split(parts: list[tuple[GGUFHeader, int]]) -> GGUFHeader:
+    """One header for a model split over several files, from each shard's (header, file
+    size), in order: the first shard's metadata, every shard's tensors, as if their data were
+    one run after all the headers: data_start is the headers' sum, so the shards' total size
+    minus data_start is the weights (what fit and speed read), and each tensor's offset is
+    shifted by the weights of the shards before it."""
+    first = parts[0][0]
+    dims: dict[str, tuple[int, ...]] = {}
+    offsets: dict[str, int] = {}
+    shift = 0
+    for header, size in parts:
+        dims.update(header.tensor_dims)
+        offsets.update({name: shift + offset for name, offset in header.tensor_offsets.items()})
+        shift += size - header.data_start
+    return GGUFHeader(first.metadata, dims, sum(h.data_start for h, _ in parts), offsets)
+
+
+def read_gguf_model(path: Path) -> tuple[GGUFHeader, int]:
+    """The header and size of the model `path` holds: a single file's, or for a shard of a
+    split model every shard's merged (merge_split) and their total size. OSError when a
+    shard is missing."""
+    shards = split_parts(path) or [path]
+    parts = [(read_gguf(p), p.stat().st_size) for p in shards]
+    if len(parts) == 1:
+        return parts[0]
+    return merge_split(parts), sum(size for _, size in parts)
 
 
 def read_gguf(path: Path) -> GGUFHeader:
@@ -131,17 +211,20 @@ def parse_gguf(data: Buffer) -> GGUFHeader:
             (kind,) = struct.unpack_from("<I", data, pos)
             metadata[key], pos = _value(data, pos + 4, kind)
         dims: dict[str, tuple[int, ...]] = {}
+        offsets: dict[str, int] = {}
         for _ in range(n_tensors):
             name, pos = _string(data, pos)
             (n_dims,) = struct.unpack_from("<I", data, pos)
             dims[name] = struct.unpack_from(f"<{n_dims}Q", data, pos + 4)
-            pos += 4 + 8 * n_dims + 4 + 8  # dims, type, offset
+            pos += 4 + 8 * n_dims + 4  # dims, type
+            (offsets[name],) = struct.unpack_from("<Q", data, pos)
+            pos += 8
     except struct.error:
         raise TruncatedHeader(len(data)) from None
     if pos > len(data):  # a skipped string array ran past the end without reading it
         raise TruncatedHeader(pos)
     alignment = int(metadata.get("general.alignment", 32))
-    return GGUFHeader(metadata, dims, -(-pos // alignment) * alignment)
+    return GGUFHeader(metadata, dims, -(-pos // alignment) * alignment, offsets)
 
 
 def _string(data: Buffer, pos: int) -> tuple[str, int]:

@@ -44,8 +44,15 @@ def resolve_engine(spec: str, engine: str = AUTO, device: str = AUTO) -> str:
             raise ModelLoadError(f"the llama.cpp engine runs on the CPU here (got --device "
                                  f"{device}; use --engine torch)")
         return LLAMA_CPP
-    gguf_like = kind in ("gguf", "default")  # the default model is a GGUF, bundled or not
-    if gguf_like and device in (AUTO, "cpu") and llama_cpp_installed() and not cuda_present():
+    if kind in ("gguf", "default"):  # the default model is a GGUF, bundled or not
+        return gguf_engine(device)
+    return TORCH
+
+
+def gguf_engine(device: str = AUTO) -> str:
+    """What `auto` runs a GGUF file on (one on this disk, or one on the hub not downloaded
+    yet): llama.cpp when it is installed and no CUDA GPU is present, torch otherwise."""
+    if device in (AUTO, "cpu") and llama_cpp_installed() and not cuda_present():
         return LLAMA_CPP
     return TORCH
 

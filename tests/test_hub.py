@@ -15,11 +15,11 @@ from typing import IO
 import huggingface_hub.constants
 import pytest
 
-from engine.gguf_header import read_gguf
+from engine.gguf_header import read_gguf, read_gguf_model
 from engine.tools import fit, hub
 from engine.tools.hub import DownloadCancelled, Hub, HubError, Progress, RemoteFile
 from tests.support.fake_hub import COMMIT, FakeHub
-from tests.support.gguf import write_gguf
+from tests.support.gguf import write_gguf, write_split_gguf
 
 REPO = "someone/Tiny-GGUF"
 
@@ -350,3 +350,72 @@ def test_a_second_download_of_the_same_file_is_refused_while_the_first_runs(
             fake.release.set()
         assert first.result(timeout=30).read_bytes() == model_bytes
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-Q4_K_M.gguf"]  # no lock left
+
+
+# ----- a model split over several files -------------------------------------------------------
+@pytest.fixture
+def split_repo(fake: FakeHub, tmp_path: Path) -> list[Path]:
+    """someone/Split-GGUF: a model in three files, and two of another one's three."""
+    local = write_split_gguf(tmp_path, "big-Q4_K_M")
+    other = write_split_gguf(tmp_path, "big-Q8_0")
+    fake.add("someone/Split-GGUF", {p.name: p.read_bytes() for p in [*local, *other[:2]]})
+    return local
+
+
+def test_a_split_model_is_one_model_estimated_from_its_parts_headers(
+        client: Hub, fake: FakeHub, split_repo: list[Path]) -> None:
+    files = client.files("someone/Split-GGUF")
+    [whole] = [f for f in files if f.parts]
+    assert [p.name for p in whole.parts] == [p.name for p in split_repo]
+    assert whole.name == split_repo[0].name and whole.quant == "Q4_K_M"
+    assert whole.size == sum(p.stat().st_size for p in split_repo)
+    assert whole.label == f"{split_repo[0].name} (3 files)"
+    incomplete = [f for f in files if not f.parts]
+    assert len(incomplete) == 2 and all(f.incomplete_split for f in incomplete)
+    assert client.file("someone/Split-GGUF").parts == whole.parts  # the only complete one
+    # The header: every part's, read by range (no part's weights), as the local one reads.
+    header = client.header(whole)
+    local_header, local_size = read_gguf_model(split_repo[0])
+    assert local_size == whole.size
+    assert header.tensor_dims == local_header.tensor_dims and len(header.tensor_dims) == 3
+    assert header.step_bytes(whole.size) == local_header.step_bytes(local_size)
+    assert header.step_bytes(whole.size) == 1024 * 512 * 2 + 256 * 512 * 4 + 512 * 2
+    reads = [(path, rng) for method, path, rng in fake.requests if method == "GET"
+             and "/resolve/" in path]
+    assert sorted(path.rsplit("/", 1)[1] for path, _ in reads) == [p.name for p in split_repo]
+    assert fake.sent[split_repo[1].name] < split_repo[1].stat().st_size // 2  # header only
+    [row] = [r for r in hub.iter_fits(client, [whole], 4096)]
+    assert row.estimate is not None and row.estimate.weight_bytes == whole.size - header.data_start
+    assert row.cost is not None and row.cost.step_bytes == header.step_bytes(whole.size)
+    [part] = list(hub.iter_fits(client, incomplete[:1], None))
+    assert part.estimate is None and "other parts are not all listed" in part.why
+
+
+def test_a_split_model_downloads_every_part_and_resumes_the_one_cut_short(
+        client: Hub, fake: FakeHub, split_repo: list[Path], tmp_path: Path) -> None:
+    whole = next(f for f in client.files("someone/Split-GGUF") if f.parts)
+    folder = tmp_path / "models"
+    fake.fault(split_repo[1].name, "drop:300000")
+    seen: list[Progress] = []
+    with pytest.raises(HubError, match="kept"):
+        client.download(whole, folder, progress=seen.append)
+    assert (folder / split_repo[0].name).read_bytes() == split_repo[0].read_bytes()
+    assert not (folder / split_repo[1].name).exists()
+    assert {p.total for p in seen} == {whole.size}
+    asked = len(fake.requests)
+    seen.clear()
+    path = client.download(whole, folder, progress=seen.append)
+    assert path == folder / split_repo[0].name
+    for part in split_repo:
+        assert (folder / part.name).read_bytes() == part.read_bytes()
+    gets = [(p.rsplit("/", 1)[1], rng) for m, p, rng in fake.requests[asked:] if m == "GET"]
+    assert gets == [(split_repo[1].name, "bytes=300000-"), (split_repo[2].name, "bytes=0-")]
+    assert seen[-1].done == seen[-1].total == whole.size
+    assert seen[0].done > split_repo[0].stat().st_size + 300000 - 1  # the parts already there
+    [model] = hub.local_models(folder)
+    assert model.path == path and model.size == whole.size and len(model.parts) == 3
+    assert model.label == f"{split_repo[0].name} (3 files)"
+    with pytest.raises(HubError, match="already in the models folder"):
+        client.download(whole, folder)
+    assert hub.remove_local(model) == whole.size
+    assert list(folder.iterdir()) == []

@@ -4,6 +4,7 @@ progress, Cancel and resume, and the picker choosing the downloaded file."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,8 +13,11 @@ import pytest
 from PySide6.QtCore import Qt
 
 from engine.model_files import models_dir
+from engine.runtime_choice import gguf_engine
+from engine.tools import speed
 from engine.tools.hub import local_models
 from tests.support.fake_hub import TINY_REPO, FakeHub, tiny_hub
+from tests.support.speed import CountingMeasure
 from ui import model_picker
 from ui.model_browser import ModelBrowserDialog
 from ui.model_picker import ModelPickerDialog
@@ -70,10 +74,19 @@ def test_browse_search_fit_download_and_the_picker_takes_the_file(qtbot, make_wi
     search(qtbot, browser, "tiny")
     assert browser.repos.item(0).text() == f"{REPO}  (7 downloads)"
     open_repo(qtbot, browser)
-    rows = [[browser.table.item(r, c).text() for c in range(4)]
+    rows = [[browser.table.item(r, c).text() for c in range(5)]
             for r in range(browser.table.rowCount())]
     assert [r[:2] for r in rows] == [["Q4_K_M", "tiny-Q4_K_M.gguf"], ["Q8_0", "tiny-Q8_0.gguf"]]
     assert all(r[2].endswith("MB") and r[3].startswith("Fits: needs ~") for r in rows), rows
+    # How fast here: on the engine a GGUF runs on, from the (cached) measurement of this
+    # computer, which the note under the table describes.
+    engine = gguf_engine()
+    assert browser.table.horizontalHeaderItem(4).text() == f"Speed here ({engine})"
+    assert all(re.fullmatch(r"~[\d,]+ tok/s, 4,000-token prompt ~[\d.]+ s", r[4])
+               for r in rows), rows
+    assert browser.speed_note.text().startswith(
+        "Speed predicted from one measurement of this computer (cpu: Test CPU, 2 threads")
+    assert f"{engine} on Bundled (Q4_1): decode 100 tok/s" in browser.speed_note.text()
     assert not browser.download.isEnabled()  # no file chosen yet
     asked = len(fake.requests)
     browser.context.setValue(2048)  # estimated again from what was read: no request
@@ -159,3 +172,92 @@ def test_downloaded_models_are_listed_chosen_and_removed_but_not_the_one_in_use(
     qtbot.mouseClick(box.remove, Qt.MouseButton.LeftButton)
     assert not (folder / "spare.gguf").exists() and used.exists()
     assert box.note.text().startswith("Removed spare.gguf")
+
+
+def test_this_computer_is_measured_once_off_the_gui_thread_and_then_reused(
+        qtbot, make_window, fake: FakeHub, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "cache" / speed.SPEED_FILE).unlink()  # a machine not measured yet
+    measure = CountingMeasure(hold=True)
+    monkeypatch.setattr(speed, "measure_engine", measure)
+    # Opening the browser starts the measurement; closing it stops it (nothing cached).
+    _picker, browser = open_browser(qtbot, make_window)
+    qtbot.waitUntil(lambda: len(measure.calls) == 1, timeout=WAIT_MS)
+    assert browser.measuring() and "Measuring this computer once" in browser.speed_note.text()
+    browser.reject()
+    assert not browser.measuring() and speed.SpeedProfiles().cached(gguf_engine()) is None
+    # Opened again, it measures again, and the window goes on meanwhile: a search answers.
+    _picker, browser = open_browser(qtbot, make_window)
+    qtbot.waitUntil(lambda: len(measure.calls) == 2, timeout=WAIT_MS)
+    browser.consent.setChecked(True)
+    search(qtbot, browser, "tiny")
+    open_repo(qtbot, browser)
+    assert browser.measuring()
+    assert [browser.table.item(r, 4).text() for r in range(2)] == ["measuring…"] * 2
+    assert not browser.measure_again.isVisible()
+    measure.release.set()
+    qtbot.waitUntil(lambda: not browser.measuring(), timeout=WAIT_MS)
+    assert all("4,000-token prompt" in browser.table.item(r, 4).text() for r in range(2))
+    assert browser.speed_note.text().startswith("Speed predicted from one measurement")
+    assert browser.measure_again.isVisible()
+    browser.reject()
+    # A new browser takes the cached measurement: no third one.
+    _picker, browser = open_browser(qtbot, make_window)
+    assert not browser.measuring() and browser.speed is not None
+    assert len(measure.calls) == 2
+    # Unless the user asks for one.
+    qtbot.mouseClick(browser.measure_again, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: not browser.measuring(), timeout=WAIT_MS)
+    assert len(measure.calls) == 3 and browser.speed.when == "call 3"
+
+
+def test_a_hugging_face_folder_shows_fit_and_speed_on_torch_and_is_chosen_by_hub_id(
+        qtbot, make_window, fake: FakeHub, tiny_model_dir: Path) -> None:
+    files = {p.name: p.read_bytes() for p in tiny_model_dir.iterdir() if p.is_file()}
+    fake.add("someone/Tiny-Llama", files, kind="folder", downloads=3)
+    picker, browser = open_browser(qtbot, make_window)
+    browser.consent.setChecked(True)
+    search(qtbot, browser, "tiny")
+    listed = [browser.repos.item(i).text() for i in range(browser.repos.count())]
+    assert listed == [f"{REPO}  (7 downloads)",
+                      "someone/Tiny-Llama  (Hugging Face folder for torch, 3 downloads)"]
+    browser.repos.setCurrentRow(1)
+    qtbot.waitUntil(lambda: not browser.busy() and browser.table.rowCount() == 1
+                    and browser.table.item(0, 0).text() == "F32", timeout=WAIT_MS)
+    row = [browser.table.item(0, c).text() for c in range(5)]
+    assert row[1] == "the folder (1 safetensors file)" and row[3].startswith("Fits: needs ~")
+    assert browser.table.horizontalHeaderItem(4).text() == "Speed here (torch)"
+    assert re.fullmatch(r"~[\d,]+ tok/s, a 4,000-token prompt is over its context", row[4])
+    assert "torch on Bundled (Q4_1)" in browser.speed_note.text()
+    asked = len(fake.requests)
+    browser.context.setValue(128)  # estimated again from what was read: no request
+    qtbot.waitUntil(lambda: not browser.busy() and "at 128 tokens" in
+                    browser.table.item(0, 3).text(), timeout=WAIT_MS)
+    assert len(fake.requests) == asked
+    browser.table.selectRow(0)
+    assert browser.download.text() == "Choose (downloads when loaded)"
+    qtbot.mouseClick(browser.download, Qt.MouseButton.LeftButton)
+    assert not browser.isVisible()
+    assert picker.source() == "hub" and picker.hub_id.text() == "someone/Tiny-Llama"
+    assert picker.consent.isChecked() and picker.choice().options["allow_download"]
+
+
+def test_a_busy_measurement_is_shown_then_taken_again_when_the_machine_is_idle(
+        qtbot, make_window, fake: FakeHub, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import replace
+
+    from tests.support.speed import fake_speed
+
+    engine = gguf_engine()
+    speed.SpeedProfiles().put(engine, speed.speed_device(engine),
+                              replace(fake_speed(engine), loadavg=5.0))
+    measure = CountingMeasure(hold=True)
+    monkeypatch.setattr(speed, "measure_engine", measure)
+    monkeypatch.setattr(speed, "_loadavg", lambda: 0.2)
+    _picker, browser = open_browser(qtbot, make_window)
+    assert browser.speed is not None and browser.speed.busy  # shown meanwhile
+    qtbot.waitUntil(lambda: measure.calls == [engine], timeout=WAIT_MS)
+    measure.release.set()
+    qtbot.waitUntil(lambda: not browser.measuring(), timeout=WAIT_MS)
+    assert browser.speed is not None and not browser.speed.busy
+    assert "busy then" not in browser.speed_note.text()

@@ -119,3 +119,110 @@ def header_bytes(fake: FakeHub) -> int:
     ranges = [rng for m, p, rng in fake.requests
               if m == "GET" and "/resolve/" in p and rng and not rng.endswith("-")]
     return sum(int(r.split("-")[1]) + 1 - int(r.split("=")[1].split("-")[0]) for r in ranges)
+
+
+def test_search_says_how_fast_each_file_runs_here(fake: FakeHub,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert models(fake, "search", "tiny") == 0
+    out, err = capsys.readouterr()
+    assert "Speed predicted from one measurement of this computer (cpu: Test CPU" in out
+    lines = [line for line in out.splitlines() if ".gguf" in line]
+    assert len(lines) == 2 and all("fits: needs ~" in line for line in lines)
+    assert all(re.search(r"; ~[\d,]+ tok/s, 4,000-token prompt ~[\d.]+ s$", line)
+               for line in lines), lines
+    # The larger file reads more bytes per token: it is predicted slower.
+    small, large = (int(re.search(r"~([\d,]+) tok/s", line).group(1).replace(",", ""))
+                    for line in lines)
+    assert large < small
+    assert "measuring" not in err  # the cached measurement (tiny_hub's) was used
+    assert models(fake, "search", "tiny", "--no-speed") == 0
+    assert "tok/s" not in capsys.readouterr().out
+
+
+def test_search_measures_this_computer_once(fake: FakeHub, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.tools import speed
+    from tests.support.speed import CountingMeasure
+
+    (tmp_path / "cache" / speed.SPEED_FILE).unlink()  # a machine not measured yet
+    measure = CountingMeasure()
+    monkeypatch.setattr(speed, "measure_engine", measure)
+    assert models(fake, "search", "tiny") == 0
+    out, err = capsys.readouterr()
+    assert "measuring this computer once for the speed prediction" in err
+    assert out.count("4,000-token prompt ~") == 2 and len(measure.calls) == 1
+    assert models(fake, "search", "tiny") == 0  # cached: not measured again
+    out, err = capsys.readouterr()
+    assert out.count("4,000-token prompt ~") == 2 and "measuring" not in err
+    assert len(measure.calls) == 1
+    assert models(fake, "search", "tiny", "--measure-again") == 0
+    assert len(measure.calls) == 2
+
+
+def test_a_split_model_is_searched_pulled_listed_and_removed_as_one(
+        fake: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.support.gguf import write_split_gguf
+
+    parts = write_split_gguf(tmp_path, "big-Q4_K_M")
+    fake.add("someone/Split-GGUF", {p.name: p.read_bytes() for p in parts}, downloads=3)
+    assert models(fake, "search", "split") == 0
+    out = capsys.readouterr().out
+    [line] = [line for line in out.splitlines() if ".gguf" in line]
+    assert f"Q4_K_M   {parts[0].name} (3 files)" in line
+    assert "fits: needs ~" in line and "4,000-token prompt ~" in line
+    assert models(fake, "pull", "someone/Split-GGUF") == 0
+    out, err = capsys.readouterr()
+    folder = tmp_path / "cache" / "models"
+    assert out.strip() == str(folder / parts[0].name)
+    assert all((folder / p.name).read_bytes() == p.read_bytes() for p in parts)
+    assert "(3 files)" in err and "(100%)" in err
+    assert models(fake, "list") == 0
+    assert f"{parts[0].name} (3 files)" in capsys.readouterr().out
+    assert models(fake, "rm", parts[0].name, "--yes") == 0
+    assert "removed" in capsys.readouterr().out and list(folder.iterdir()) == []
+
+
+def test_search_lists_hugging_face_folders_the_torch_engine_runs(
+        fake: FakeHub, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    files = {p.name: p.read_bytes() for p in tiny_model_dir.iterdir() if p.is_file()}
+    fake.add("someone/Folder-Llama", files, kind="folder", downloads=5)
+    fake.add("someone/Folder-Vit", {"config.json": b'{"model_type": "vit"}',
+                                    "model.safetensors": b"\0" * 64}, kind="folder")
+    assert models(fake, "search", "folder", "--context", "256") == 0
+    out = capsys.readouterr().out
+    assert "no GGUF" not in out and "Hugging Face folders (the torch engine loads" in out
+    assert "torch on Bundled (Q4_1): decode 100 tok/s" in out  # the torch measurement
+    block = out.split("someone/Folder-Llama  (5 downloads)\n")[1].splitlines()[0]
+    local = fit.torch_estimate(str(tiny_model_dir), context_length=256)
+    assert local is not None
+    assert block.startswith("  F32      the folder (1 safetensors file)")
+    assert f"fits: needs ~{fit.size(local.needed_bytes)} at 256 tokens" in block
+    assert re.search(r"; ~[\d,]+ tok/s, a 4,000-token prompt is over its context$", block)
+    assert "is a vit model, not a text-generation (causal LM) architecture" in out
+    weights = len(files["model.safetensors"])
+    assert 0 < fake.sent["model.safetensors"] < weights // 10  # its header only
+    assert "load one: phasewise --model someone/Folder-Llama --allow-download" in out
+    assert models(fake, "search", "folder", "--no-folders") == 0
+    assert "no GGUF repositories or Hugging Face folders match" in capsys.readouterr().out
+
+
+def test_a_busy_measurement_is_taken_again_when_the_machine_is_idle(
+        fake: FakeHub, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import replace
+
+    from engine.runtime_choice import gguf_engine
+    from engine.tools import speed
+    from tests.support.speed import CountingMeasure, fake_speed
+
+    engine = gguf_engine()
+    profiles = speed.SpeedProfiles()
+    profiles.put(engine, speed.speed_device(engine), replace(fake_speed(engine), loadavg=5.0))
+    measure = CountingMeasure()
+    monkeypatch.setattr(speed, "measure_engine", measure)
+    monkeypatch.setattr(speed, "_loadavg", lambda: 0.2)
+    assert models(fake, "search", "tiny", "--no-folders") == 0
+    assert "measuring this computer" in capsys.readouterr().err and measure.calls == [engine]
+    assert models(fake, "search", "tiny", "--no-folders") == 0  # taken idle now: kept
+    assert measure.calls == [engine]

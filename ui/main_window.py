@@ -55,6 +55,7 @@ from ui.session import (
 )
 from ui.shortcuts import WindowMenus
 from ui.sidebar import Sidebar
+from ui.speed_figures import SpeedFigures
 from ui.store import ChatStore
 from ui.theme import FocusRing
 from ui.window_settings import restore_layout, save_layout
@@ -188,6 +189,8 @@ class MainWindow(QMainWindow):
                              self.status, self)
         self.loads = ModelLoads(self, self.engine, self.bridge, self.status, self.controls,
                                 self.pane, self.load_options, self.settings)
+        self.speed_figures = SpeedFigures(self.bridge, self.hud, self)  # prediction vs replies
+        self.speed_figures.model_loaded(self.engine.model_info)
         self.chat.sig_action.connect(self._on_message_action)
         self.forecast = WaitForecast(
             self.engine, lambda text: self.session.forecast_request(

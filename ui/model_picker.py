@@ -5,9 +5,11 @@ window asks the engine to load (in its thread) and shows progress in the status 
 RemoteBackendInputs (URL, model, key) is shared with the Compare dialog.
 
 For a local model it also shows which engine runs it (auto, torch or llama.cpp, with the
-reason auto chose; remembered per model) and whether it fits ("needs ~3.1 GB (...), 11.2 GB
+reason auto chose; remembered per model), whether it fits ("needs ~3.1 GB (...), 11.2 GB
 free", engine/tools/fit.py): one that cannot fit is not accepted, and where a smaller context fits
-the dialog offers it. The GGUF files converted for torch are listed and can be removed.
+the dialog offers it; and how fast it runs here: predicted from this computer's measurement
+(engine/tools/speed.py) and, once it has replied, what its replies measured beside that. The GGUF
+files converted for torch are listed and can be removed.
 
 "Browse models online…" opens the hub browser (ui/model_browser.py); a file downloaded there
 is chosen here. The GGUF files in the models folder are listed (with partial downloads), can
@@ -54,6 +56,7 @@ from engine.runtimes.torch.converted import (
 )
 from engine.tools import fit
 from engine.tools.hub import LocalModel, local_models, remove_local
+from engine.tools.speed import MeasuredSpeeds, cost_of, local_model_speed, model_file
 from ui.about import confirm
 from ui.model_browser import ModelBrowserDialog
 from ui.saved_caches import SavedCaches
@@ -219,7 +222,7 @@ class DownloadedModels(RemovableFiles):
                          "models online and download it again to resume)")
             else:
                 used = "  (in use)" if self.in_use(model) else ""
-                label = f"{model.name} ({fit.size(model.size)}){used}"
+                label = f"{model.label} ({fit.size(model.size)}){used}"
             found.append((label, str(model.path), model))
         return found
 
@@ -240,6 +243,30 @@ class DownloadedModels(RemovableFiles):
     @staticmethod
     def _what(entry: LocalModel) -> str:
         return f"the partial download of {entry.name}" if entry.partial else entry.name
+
+
+def speed_text(spec: str, engine: str, device: str = "auto") -> str:
+    """How fast `spec` runs here on `engine`: the prediction from this computer's cached
+    measurement, and what its replies measured beside it ('' where neither is known)."""
+    path = model_file(spec)
+    if path is None:
+        return ""
+    try:
+        priced = local_model_speed(spec, engine, device)
+    except (PhasewiseError, OSError, ValueError):
+        priced = None
+    measured = MeasuredSpeeds().get(path, engine)
+    if priced is None:
+        line = ""
+        if cost_of(path) is not None:
+            line = ("Speed here: not predicted yet (Browse models online measures this "
+                    "computer once).")
+        return f"{line} Replies {measured.text()}.".strip() if measured else line
+    line = f"Speed here ({engine}): predicted {priced.prediction().text()}."
+    if measured is None:
+        return f"{line} Its replies will show what they measure beside this."
+    versus = priced.versus(measured)
+    return f"{line} Replies {measured.text()}" + (f"; {versus}." if versus else ".")
 
 
 class ModelPickerDialog(QDialog):
@@ -297,6 +324,9 @@ class ModelPickerDialog(QDialog):
         self.fit_label = QLabel()
         self.fit_label.setObjectName("valueLabel")
         self.fit_label.setWordWrap(True)
+        self.speed_label = QLabel()  # predicted here, and what replies measured
+        self.speed_label.setObjectName("valueLabel")
+        self.speed_label.setWordWrap(True)
         self.estimate: fit.Estimate | None = None
         self.converted = ConvertedModels(loaded_path)
         self.downloaded = DownloadedModels(loaded_path)
@@ -370,6 +400,7 @@ class ModelPickerDialog(QDialog):
         form.addWidget(QLabel("Context"), 1, 0)
         form.addWidget(self.context, 1, 1)
         form.addWidget(self.fit_label, 2, 0, 1, 3)
+        form.addWidget(self.speed_label, 3, 0, 1, 3)
         form.setColumnStretch(2, 1)
         self.local = QWidget()
         self.local.setLayout(form)
@@ -425,12 +456,15 @@ class ModelPickerDialog(QDialog):
         if spec is None:
             self.engine_reason.setText("")
             self.fit_label.setText("")
+            self.speed_label.setText("")
             return
         device = str(self.load_options.get("device", "auto"))
         chosen, reason = runtimes.engine_reason(spec, device)
         engine = self.engine.currentData()
         self.engine_reason.setText(f"auto: {chosen} ({reason})" if engine == "auto"
                                    else f"auto would choose {chosen}")
+        self.speed_label.setText(speed_text(spec, chosen if engine == "auto" else engine,
+                                            device))
         try:
             self.estimate = fit.estimate(
                 spec, engine, device=device, dtype=str(self.load_options.get("dtype", "auto")),
@@ -459,9 +493,11 @@ class ModelPickerDialog(QDialog):
     def browse_models(self) -> ModelBrowserDialog:
         """The hub browser, over this dialog; a file it downloads is chosen here."""
         if self.browser is None:
-            self.browser = ModelBrowserDialog(self, settings=self.settings,
-                                              context=self.context.value())
+            self.browser = ModelBrowserDialog(
+                self, settings=self.settings, context=self.context.value(),
+                device=str(self.load_options.get("device", "auto")))
             self.browser.sig_downloaded.connect(self.use_downloaded)
+            self.browser.sig_hub_id.connect(self.use_hub_id)
         self.browser.open()
         return self.browser
 
@@ -470,6 +506,13 @@ class ModelPickerDialog(QDialog):
         self.downloaded.refresh()
         self.gguf_path.setText(path)
         self.radios["gguf"].setChecked(True)
+
+    def use_hub_id(self, repo: str) -> None:
+        """A Hugging Face folder chosen in the browser: its hub id, downloads allowed (the
+        user agreed to reach the hub there); the torch engine downloads it as it loads."""
+        self.hub_id.setText(repo)
+        self.consent.setChecked(True)
+        self.radios["hub"].setChecked(True)
 
     def _use_listed(self, item: QListWidgetItem | None) -> None:
         model = item.data(Qt.ItemDataRole.UserRole) if item is not None else None

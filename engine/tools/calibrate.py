@@ -178,8 +178,11 @@ def device_peaks(
     name: str | None = None,
     directory: Path | None = None,
     measure: Callable[[str], tuple[float, float]] = measure_peaks,
+    refresh: bool = False,
 ) -> DevicePeaks:
-    """Peaks for a device: spec table for known GPUs, else a cached or fresh calibration."""
+    """Peaks for a device: spec table for known GPUs, else a cached or fresh calibration
+    (`refresh`: fresh in any case, and cached for the HUD: engine/tools/speed.py measures the
+    machine with it, so the roofline and the speed prediction share one figure)."""
     name = name or device_name(device)
     if device.startswith("cuda"):
         known = table_peaks(name)
@@ -190,7 +193,7 @@ def device_peaks(
     entry = cache.get(name)
     method = calibration_method(device)
     # An entry measured another way (an older, smaller GEMM) is measured again.
-    if (isinstance(entry, dict) and {"bandwidth_gb_s", "tflop_s"} <= entry.keys()
+    if (not refresh and isinstance(entry, dict) and {"bandwidth_gb_s", "tflop_s"} <= entry.keys()
             and entry.get("method") == method):
         return DevicePeaks(name, float(entry["bandwidth_gb_s"]), float(entry["tflop_s"]),
                            "calibrated (cached)", method)

@@ -29,7 +29,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from engine.core.memory import free_memory
-from engine.gguf_header import GGUFHeader, Shape, read_gguf
+from engine.gguf_header import GGUFHeader, Shape, read_gguf_model
 
 MIN_CONTEXT = 512  # a smaller context is not worth offering
 TORCH_OVERHEAD = 0.05  # of the weights: allocator slack, embeddings' copies, small buffers
@@ -107,8 +107,10 @@ def estimate(spec: str, engine: str = "auto", *, device: str = "auto", dtype: st
 def llama_cpp_estimate(path: Path, context_length: int | None = None,
                        free: int | None = -1) -> Estimate:
     """As engine.runtimes.llamacpp.model.load_gguf allocates: tensors mapped as stored, an f16 KV
-    cache of n_ctx cells shared by all sequences, and the compute and output buffers."""
-    return gguf_estimate(read_gguf(path), path.stat().st_size, context_length, free)
+    cache of n_ctx cells shared by all sequences, and the compute and output buffers (a
+    split model: every shard's tensors)."""
+    header, file_size = read_gguf_model(path)
+    return gguf_estimate(header, file_size, context_length, free)
 
 
 def gguf_estimate(header: GGUFHeader, file_size: int, context_length: int | None = None,
@@ -140,18 +142,28 @@ def gguf_estimate(header: GGUFHeader, file_size: int, context_length: int | None
 def torch_estimate(spec: str, *, device: str = "auto", dtype: str = "auto",
                    context_length: int | None = None, free: int | None = -1,
                    ) -> Estimate | None:
-    """As engine.runtimes.torch.loader loads it: every tensor in the load dtype, a KV cache in that
-    dtype (sliding layers full size), one prefill chunk's activations."""
+    """As engine.runtimes.torch.loader loads it: every tensor in the load dtype, a KV cache in
+    that dtype (sliding layers full size), one prefill chunk's activations."""
+    found = _torch_sources(spec)
+    if found is None:
+        return None
+    elements, shape, converting = found
+    return torch_sources_estimate(elements, shape, converting, device=device, dtype=dtype,
+                                  context_length=context_length, free=free)
+
+
+def torch_sources_estimate(elements: int, shape: Shape, converting: bool = False, *,
+                           device: str = "auto", dtype: str = "auto",
+                           context_length: int | None = None, free: int | None = -1,
+                           ) -> Estimate:
+    """torch_estimate from what the files hold: a local folder's, or a hub folder's whose
+    config and safetensors headers alone were read (engine/tools/hub.py)."""
     from engine.runtimes.torch import loader
     from engine.runtimes.torch.generate import default_prefill_chunk
 
     torch_device = loader.pick_device(device)
     dtype_name = str(loader.pick_dtype(torch_device, dtype)).removeprefix("torch.")
     size = _TORCH_BYTES.get(dtype_name, 4)
-    found = _torch_sources(spec)
-    if found is None:
-        return None
-    elements, shape, converting = found
     weights = elements * size
     n_ctx = min(shape.context_length, context_length or shape.context_length)
     chunk = default_prefill_chunk(torch_device)
@@ -212,7 +224,7 @@ def _torch_sources(spec: str) -> tuple[int, Shape, bool] | None:
         path = model_files.default_gguf_path() if kind == "default" else Path(spec).expanduser()
         if not path.is_file():
             return None
-        header = read_gguf(path)
+        header, _size = read_gguf_model(path)
         return header.elements(), header.shape(), not _converted(path)
     if kind == "folder":
         return _folder_sources(Path(spec).expanduser())
@@ -253,10 +265,21 @@ def _folder_sources(folder: Path) -> tuple[int, Shape, bool] | None:
 
 def safetensors_elements(path: Path) -> int:
     """Elements of every tensor in a .safetensors file, from its header."""
+    return sum(math.prod(shape) for shape, _dtype in safetensors_tensors(path).values())
+
+
+def safetensors_tensors(path: Path) -> dict[str, tuple[list[int], str]]:
+    """name -> (shape, dtype) of each tensor in a .safetensors file, from its header."""
     with path.open("rb") as fh:
         (length,) = struct.unpack("<Q", fh.read(8))
         header = json.loads(fh.read(length))
-    return sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+    return {k: (list(v["shape"]), str(v["dtype"])) for k, v in header.items()
+            if k != "__metadata__"}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a safetensors dtype ("BF16": 2); 4 when unknown."""
+    return _SAFETENSORS_BYTES.get(dtype, 4)
 
 
 def config_shape(config: dict[str, Any]) -> Shape:
@@ -276,4 +299,5 @@ def config_shape(config: dict[str, Any]) -> Shape:
 
     return Shape(kv_values_per_token=with_kv * kv_heads * head_dim * 2, heads=heads,
                  hidden=hidden, vocab=int(text.get("vocab_size") or 0),
-                 context_length=context_length(SimpleNamespace(**text)))
+                 context_length=context_length(SimpleNamespace(**text)),
+                 attention_width=with_kv * heads * head_dim * 2)

@@ -1,6 +1,9 @@
-"""Models from the Hugging Face hub: search GGUF repositories, list a repository's quant files,
-estimate whether one fits from its header alone (an HTTP range read), and download one into
-the user's models folder with progress, cancel, resume and the hub's checksum.
+"""Models from the Hugging Face hub: search GGUF repositories, list a repository's quant files
+(a model split over several files as one), estimate whether one fits and what a token costs it
+(engine/tools/speed.py) from its header alone (an HTTP range read), and download one into
+the user's models folder with progress, cancel, resume and the hub's checksum. Hugging Face
+folders the torch engine runs are searched too, estimated from config.json and their
+safetensors headers.
 
 The hub's API goes through huggingface_hub (HfApi, get_hf_file_metadata); the file bytes
 through its HTTP session, with the hub's auth headers. Nothing here touches the network until
@@ -23,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import sys
 import threading
 import time
@@ -34,17 +38,25 @@ from typing import IO, Any
 from urllib.parse import quote
 
 from engine.errors import PhasewiseError
-from engine.gguf_header import GGUFHeader, TruncatedHeader, parse_gguf
+from engine.gguf_header import (
+    GGUFHeader,
+    TruncatedHeader,
+    merge_split,
+    parse_gguf,
+    split_name,
+    split_parts,
+)
 from engine.model_files import models_dir
 from engine.tools.fit import Estimate, gguf_estimate, size
+from engine.tools.speed import ModelCost
 
 HEADER_FIRST_READ = 1 << 20  # 1 MiB: a small vocabulary's header; SmolLM2's (1.8 MB) in 2 reads
+PART_READ = 64 << 10  # a split model's later part: its tensors' infos, no vocabulary
 HEADER_MAX = 64 << 20  # a header larger than this is not a model we can estimate
 PROGRESS_EVERY_S = 0.1
 CHUNK = 1 << 20  # read at a time to hash a file
 READ_TIMEOUT_S = 30.0  # a stalled connection is given up after this (the partial is kept)
 DISK_MARGIN = 64 << 20  # left free after a download: a full disk breaks more than this app
-_SPLIT = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)
 _QUANT = re.compile(r"(?:^|[-_.])((?:I?Q\d[A-Z0-9_]*?)|F16|BF16|F32)(?=\.gguf$|[-.])",
                     re.IGNORECASE)
 
@@ -63,17 +75,63 @@ class HubRepo:
     downloads: int
     likes: int
     gated: bool
+    kind: str = "gguf"  # "gguf": GGUF files; "folder": a Hugging Face folder (safetensors)
+
+
+@dataclass(frozen=True)
+class RemoteFolder:
+    """A Hugging Face folder on the hub (config.json and safetensors weights): what the torch
+    engine loads by its hub id."""
+
+    repo: str
+    revision: str
+    config: RemoteFile | None
+    weights: tuple[RemoteFile, ...]  # the .safetensors files
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.weights)
+
+    @property
+    def label(self) -> str:
+        n = len(self.weights)
+        return f"the folder ({n} safetensors file{'s' if n != 1 else ''})"
+
+
+@dataclass(frozen=True)
+class FolderFit:
+    """A hub folder as its config and safetensors headers tell it, on the torch engine."""
+
+    folder: RemoteFolder
+    dtype: str  # the weights' stored dtype ("BF16"), the most common one
+    estimate: Estimate | None
+    cost: ModelCost | None
+    why: str = ""
 
 
 @dataclass(frozen=True)
 class RemoteFile:
-    """A .gguf file in a hub repository, as its listing describes it."""
+    """A .gguf file in a hub repository, as its listing describes it; or a model split over
+    several files ('-00001-of-00003.gguf'), all of them listed: then `parts` are the files,
+    and name, size and sha256 are the first part's name, their total and None."""
 
     repo: str
     name: str  # path inside the repository
     size: int
     sha256: str | None  # the LFS object's sha256 (None: not stored with LFS)
     revision: str  # the commit it was listed at: a download resumes only on the same one
+    parts: tuple[RemoteFile, ...] = ()
+
+    @property
+    def incomplete_split(self) -> bool:
+        """One part of a split model whose other parts are not all listed."""
+        return is_split(self.name) and not self.parts
+
+    @property
+    def label(self) -> str:
+        """Its file name, and for a split model how many files it is."""
+        return (f"{self.local_name} ({len(self.parts)} files)" if self.parts
+                else self.local_name)
 
     @property
     def quant(self) -> str:
@@ -119,22 +177,59 @@ def _duration(seconds: float) -> str:
 
 @dataclass(frozen=True)
 class LocalModel:
-    """A GGUF in the models folder, or a partial download of one."""
+    """A GGUF in the models folder, or a partial download of one. A model split over
+    several files, all of them there, is one: `path` is its first part (the one to load),
+    `parts` all of them and `size` their total."""
 
     path: Path
     size: int
     partial: bool
     total: int = 0  # a partial's full size, from its record (0: unknown)
+    parts: tuple[Path, ...] = ()
 
     @property
     def name(self) -> str:
         return self.path.name.removeprefix(".").removesuffix(".part") if self.partial \
             else self.path.name
 
+    @property
+    def label(self) -> str:
+        """Its name, and for a split model how many files it is."""
+        return f"{self.name} ({len(self.parts)} files)" if self.parts else self.name
+
+
+def _product(dims: list[int]) -> int:
+    n = 1
+    for d in dims:
+        n *= int(d)
+    return n
+
 
 def is_split(name: str) -> bool:
     """A shard of a model split over several files ('-00001-of-00003.gguf')."""
-    return bool(_SPLIT.search(name))
+    return split_name(Path(name).name) is not None
+
+
+def group_splits(files: list[RemoteFile]) -> list[RemoteFile]:
+    """The files, with each split model whose parts are all listed made one RemoteFile
+    (its parts in order); the parts of an incomplete one stay as they are."""
+    sets: dict[tuple[str, int], dict[int, RemoteFile]] = {}
+    single = []
+    for f in files:
+        split = split_name(Path(f.name).name)
+        if split is None:
+            single.append(f)
+            continue
+        stem, no, count = split
+        sets.setdefault((str(Path(f.name).parent / stem), count), {})[no] = f
+    for (_stem, count), found in sets.items():
+        if len(found) == count:
+            parts = tuple(found[i] for i in range(1, count + 1))
+            single.append(RemoteFile(parts[0].repo, parts[0].name, sum(p.size for p in parts),
+                                     None, parts[0].revision, parts))
+        else:
+            single.extend(found.values())
+    return single
 
 
 def is_model_file(name: str) -> bool:
@@ -155,6 +250,8 @@ class Hub:
         self.token = token
         self.api = HfApi(endpoint=self.endpoint, token=token)
         self._headers: dict[RemoteFile, GGUFHeader] = {}  # a revision's file never changes
+        # a folder's config.json and its tensors' (shape, dtype), read once per revision
+        self._folder_facts: dict[RemoteFolder, tuple[Any, dict[str, tuple[list[int], str]]]] = {}
         self.progress_every_s = PROGRESS_EVERY_S  # 0: a report per read (tests)
         self._lock = threading.Lock()
 
@@ -167,6 +264,90 @@ class Hub:
         return [HubRepo(m.id, int(m.downloads or 0), int(m.likes or 0), bool(m.gated))
                 for m in found]
 
+    def search_folders(self, text: str, limit: int = 10) -> list[HubRepo]:
+        """Hugging Face folders (transformers, safetensors, text generation) whose id matches
+        `text`, most downloaded first: what the torch engine loads by hub id."""
+        with self._errors(f"searching for {text!r}", ""):
+            self._reach()
+            found = list(self.api.list_models(search=text,
+                                              filter=["transformers", "safetensors"],
+                                              pipeline_tag="text-generation",
+                                              sort="downloads", limit=limit))
+        return [HubRepo(m.id, int(m.downloads or 0), int(m.likes or 0), bool(m.gated),
+                        "folder") for m in found]
+
+    def folder(self, repo: str, revision: str | None = None) -> RemoteFolder:
+        """The repository's config.json and safetensors files, with sizes."""
+        with self._errors(repo, repo):
+            info = self.api.model_info(repo, revision=revision, files_metadata=True)
+        commit = str(info.sha or revision or "main")
+        files = [RemoteFile(repo, s.rfilename, int(s.size or 0),
+                            s.lfs.sha256 if s.lfs is not None else None, commit)
+                 for s in info.siblings or []]
+        config = next((f for f in files if f.name == "config.json"), None)
+        return RemoteFolder(repo, commit, config,
+                            tuple(f for f in files if f.name.endswith(".safetensors")
+                                  and "/" not in f.name))
+
+    def folder_fit(self, folder: RemoteFolder, context_length: int | None = None,
+                   device: str = "auto") -> FolderFit:
+        """Will it fit on the torch engine, and what a token costs it: from config.json and
+        each safetensors file's header, read by range (no weights)."""
+        from engine.runtimes.torch.loader import config_refusal
+        from engine.tools.fit import config_shape, torch_sources_estimate
+
+        if folder.config is None or not folder.weights:
+            return FolderFit(folder, "", None, None,
+                             "no config.json and safetensors weights: not a folder the torch "
+                             "engine loads")
+        with self._lock:
+            known = self._folder_facts.get(folder)
+        if known is None:
+            with self._errors(folder.repo, folder.repo):
+                raw = self._range(folder.config, 0, max(0, folder.config.size - 1))
+            try:
+                config = json.loads(raw)
+            except ValueError:
+                return FolderFit(folder, "", None, None,
+                                 f"{folder.repo}: config.json is not JSON")
+            refusal = (config_refusal(config, folder.repo) if isinstance(config, dict)
+                       else "config.json is not an object")
+            if refusal is not None:
+                return FolderFit(folder, "", None, None, refusal)
+            tensors: dict[str, tuple[list[int], str]] = {}
+            try:
+                for f in folder.weights:
+                    tensors.update(self._safetensors_header(f))
+            except HubError as exc:
+                return FolderFit(folder, "", None, None, str(exc))
+            with self._lock:
+                self._folder_facts[folder] = known = (config, tensors)
+        config, tensors = known
+        counts: dict[str, int] = {}
+        for dims, dtype in tensors.values():
+            counts[dtype] = counts.get(dtype, 0) + _product(dims)
+        elements = sum(counts.values())
+        estimate = torch_sources_estimate(elements, config_shape(config), device=device,
+                                          context_length=context_length)
+        return FolderFit(folder, max(counts, key=lambda d: counts[d], default=""), estimate,
+                         ModelCost.from_config(config, tensors))
+
+    def _safetensors_header(self, file: RemoteFile) -> dict[str, tuple[list[int], str]]:
+        """name -> (shape, dtype) of a remote .safetensors file's tensors: two range reads."""
+        with self._errors(file.local_name, file.repo):
+            first = self._range(file, 0, 7)
+            length = struct.unpack("<Q", first)[0] if len(first) == 8 else 0
+            if not 0 < length <= HEADER_MAX:
+                raise HubError(f"{file.local_name} in {file.repo} is not a safetensors file")
+            raw = self._range(file, 8, 8 + length - 1)
+        try:
+            header = json.loads(raw)
+            return {k: (list(v["shape"]), str(v["dtype"])) for k, v in header.items()
+                    if k != "__metadata__"}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise HubError(f"{file.local_name} in {file.repo} is not a safetensors file") \
+                from None
+
     def _reach(self) -> None:
         """Fail at once when the hub cannot be reached: huggingface_hub's search retries a
         refused connection five times with backoff (23 s, a warning per try) before failing."""
@@ -175,29 +356,30 @@ class Hub:
         get_session().head(f"{self.endpoint}/", timeout=READ_TIMEOUT_S)
 
     def files(self, repo: str, revision: str | None = None) -> list[RemoteFile]:
-        """The repository's .gguf model files with sizes and checksums, largest first."""
+        """The repository's .gguf models with sizes and checksums, largest first (a split
+        model is one, its files its `parts`)."""
         with self._errors(repo, repo):
             info = self.api.model_info(repo, revision=revision, files_metadata=True)
         commit = str(info.sha or revision or "main")
         found = [RemoteFile(repo, s.rfilename, int(s.size or 0),
                             s.lfs.sha256 if s.lfs is not None else None, commit)
                  for s in info.siblings or [] if is_model_file(s.rfilename)]
-        return sorted(found, key=lambda f: -f.size)
+        return sorted(group_splits(found), key=lambda f: -f.size)
 
     def file(self, repo: str, name: str | None = None) -> RemoteFile:
         """One model file of `repo`: `name`, or the repository's only one."""
         files = self.files(repo)
         if name is not None:
             for f in files:
-                if name in (f.name, f.local_name):
+                if name in (f.name, f.local_name, *(p.local_name for p in f.parts)):
                     return f
             raise HubError(f"{repo} has no file {name}; `phasewise models search {repo}` "
                            "lists its files")
-        whole = [f for f in files if not is_split(f.name)]
+        whole = [f for f in files if not f.incomplete_split]
         if len(whole) == 1:
             return whole[0]
         if not whole:
-            raise HubError(f"{repo} has no single-file GGUF model")
+            raise HubError(f"{repo} has no complete GGUF model (only parts of a split one)")
         quants = ", ".join(f.quant or f.local_name for f in sorted(whole, key=lambda f: f.size))
         raise HubError(f"{repo} has {len(whole)} GGUF files ({quants}): name one as "
                        f"{repo}:FILE")
@@ -213,9 +395,16 @@ class Hub:
     def header(self, file: RemoteFile, first_read: int = HEADER_FIRST_READ) -> GGUFHeader:
         """The file's GGUF header from its first bytes only: one range request, and more
         while the header runs past what was read (a large vocabulary); read once per file
-        and revision."""
-        if is_split(file.name):
-            raise HubError(f"{file.local_name} is one part of a split model: not supported yet")
+        and revision. A split model's is every part's, merged (gguf_header.merge_split)."""
+        if file.incomplete_split:
+            raise HubError(f"{file.local_name} is one part of a split model whose other parts "
+                           "are not all listed")
+        if file.parts:  # the parts after the first hold only their tensors' infos
+            return merge_split([(self._file_header(p, first_read if i == 0 else PART_READ),
+                                 p.size) for i, p in enumerate(file.parts)])
+        return self._file_header(file, first_read)
+
+    def _file_header(self, file: RemoteFile, first_read: int) -> GGUFHeader:
         with self._lock:
             known = self._headers.get(file)
         if known is not None:
@@ -263,10 +452,21 @@ class Hub:
                  progress: Callable[[Progress], None] | None = None,
                  cancel: threading.Event | None = None) -> Path:
         """The file in `folder` (the models folder), verified; resumes a partial download of
-        the same revision. HubError (DownloadCancelled) with one line otherwise."""
-        if is_split(file.name):
-            raise HubError(f"{file.local_name} is one part of a split model: not supported yet")
+        the same revision. HubError (DownloadCancelled) with one line otherwise. A split
+        model's parts are downloaded one after the other (those already there skipped), with
+        one progress over them all; the first part's path is returned (llama.cpp loads the
+        rest from beside it)."""
+        if file.incomplete_split:
+            raise HubError(f"{file.local_name} is one part of a split model whose other parts "
+                           "are not all listed")
         folder = folder or models_dir()
+        if file.parts:
+            return self._download_parts(file, folder, progress, cancel)
+        return self._download_file(file, folder, progress, cancel)
+
+    def _download_file(self, file: RemoteFile, folder: Path,
+                       progress: Callable[[Progress], None] | None,
+                       cancel: threading.Event | None) -> Path:
         target = folder / file.local_name
         part, _record = partial_paths(target)
         try:
@@ -278,6 +478,23 @@ class Hub:
         except OSError as exc:  # the models folder: not writable, an I/O error
             raise HubError(f"{file.local_name}: cannot write to {folder}: "
                            f"{exc.strerror or exc}; {_kept(part, file.size)}") from None
+
+    def _download_parts(self, file: RemoteFile, folder: Path,
+                        progress: Callable[[Progress], None] | None,
+                        cancel: threading.Event | None) -> Path:
+        check_absent(file, folder)
+        missing = [p for p in file.parts if not (folder / p.local_name).exists()]
+        have = sum(partial_size(folder / p.local_name) for p in missing)
+        folder.mkdir(parents=True, exist_ok=True)
+        _check_disk(folder, sum(p.size for p in missing) - have, file)
+        done = file.size - sum(p.size for p in missing)  # the parts already there
+        for part in missing:
+            def each(p: Progress, before: int = done) -> None:
+                if progress is not None:
+                    progress(Progress(before + p.done, file.size, p.rate))
+            self._download_file(part, folder, each, cancel)
+            done += part.size
+        return folder / file.parts[0].local_name
 
     def _download(self, file: RemoteFile, folder: Path, target: Path,
                   progress: Callable[[Progress], None] | None,
@@ -403,11 +620,20 @@ def hub_error_line(exc: BaseException, what: str, page: str) -> str | None:
 
 # ----- the models folder -------------------------------------------------------------------
 def check_absent(file: RemoteFile, folder: Path | None = None) -> None:
-    """HubError when the models folder has this file already (a download would not start)."""
+    """HubError when the models folder has this file already (a download would not start;
+    a split model: all its parts)."""
     folder = folder or models_dir()
-    if (folder / file.local_name).exists():
+    if all((folder / p.local_name).exists() for p in file.parts or (file,)):
         raise HubError(f"{file.local_name} is already in the models folder ({folder}): "
                        "choose it, or remove it first to download it again")
+
+
+def partial_size(target: Path) -> int:
+    """Bytes of `target` already downloaded (its partial file), 0 when none."""
+    try:
+        return partial_paths(target)[0].stat().st_size
+    except OSError:
+        return 0
 
 
 def partial_paths(target: Path) -> tuple[Path, Path]:
@@ -417,9 +643,10 @@ def partial_paths(target: Path) -> tuple[Path, Path]:
 
 
 def local_models(folder: Path | None = None) -> list[LocalModel]:
-    """The GGUF files in the models folder and the partial downloads, by name."""
+    """The GGUF files in the models folder and the partial downloads, by name (a split
+    model with all its parts there: one, by its first part's name)."""
     folder = folder or models_dir()
-    found = []
+    found: list[LocalModel] = []
     for path in sorted(folder.iterdir()) if folder.is_dir() else []:
         if not path.is_file():
             continue
@@ -431,7 +658,27 @@ def local_models(folder: Path | None = None) -> list[LocalModel]:
             found.append(LocalModel(path, path.stat().st_size, True, total))
         elif path.suffix.lower() == ".gguf" and not path.name.startswith("."):
             found.append(LocalModel(path, path.stat().st_size, False))
-    return found
+    return _group_local_splits(found)
+
+
+def _group_local_splits(models: list[LocalModel]) -> list[LocalModel]:
+    """Each split model whose parts are all there made one LocalModel, where its first part
+    was; the parts of an incomplete one stay as they are."""
+    complete: dict[Path, list[LocalModel]] = {}
+    for m in models:
+        parts = split_parts(m.path) if not m.partial else None
+        if parts is not None and all(p.is_file() for p in parts):
+            complete.setdefault(parts[0], []).append(m)
+    out = []
+    for m in models:
+        shards = split_parts(m.path) if not m.partial else None
+        if shards is None or shards[0] not in complete:
+            out.append(m)
+        elif m.path == shards[0]:
+            group = complete[shards[0]]
+            out.append(LocalModel(m.path, sum(g.size for g in group), False,
+                                  parts=tuple(shards)))
+    return out
 
 
 def find_local(name: str, folder: Path | None = None) -> list[LocalModel]:
@@ -441,8 +688,11 @@ def find_local(name: str, folder: Path | None = None) -> list[LocalModel]:
 
 
 def remove_local(model: LocalModel) -> int:
-    """Delete a model file (or a partial download and its record); the bytes freed."""
+    """Delete a model file (every part of a split one; or a partial download and its
+    record); the bytes freed."""
     freed = model.size
+    for part in model.parts[1:]:
+        part.unlink(missing_ok=True)
     model.path.unlink()
     if model.partial:  # its record, and a lock file a crashed download left behind
         model.path.with_name(model.path.name + ".json").unlink(missing_ok=True)
@@ -574,17 +824,35 @@ def _kept(part: Path, total: int, have: int | None = None) -> str:
             f"(`phasewise models rm {part.name[1:-5]}` removes it)")
 
 
+@dataclass(frozen=True)
+class FileFit:
+    """A remote file as its header tells it: whether it fits (`estimate`) and what a token
+    costs it (`cost`, for engine/tools/speed.py's prediction); `why` where neither can be said."""
+
+    file: RemoteFile
+    estimate: Estimate | None
+    cost: ModelCost | None
+    why: str = ""
+
+
 def iter_fits(hub: Hub, files: list[RemoteFile], context_length: int | None,
-              ) -> Iterator[tuple[RemoteFile, Estimate | None, str]]:
-    """Each file with its estimate, reading one header per repository (every quant of a
-    repository has the model's shape); (file, None, why) where it cannot be estimated."""
+              ) -> Iterator[FileFit]:
+    """Each file with its estimate and cost, reading one header per repository (every quant
+    of a repository has the model's shape; its bytes per step scale with its size)."""
     header: GGUFHeader | None = None
+    read: RemoteFile | None = None  # the file whose header was read
     for f in files:
-        if is_split(f.name):
-            yield f, None, "split over several files: not supported yet"
+        if f.incomplete_split:
+            yield FileFit(f, None, None, "one part of a split model whose other parts are not "
+                                         "all listed")
             continue
         try:
-            header = header or hub.header(f)
-            yield f, hub.estimate(f, context_length, header), ""
+            if header is None:
+                header, read = hub.header(f), f
+            assert read is not None
+            cost = ModelCost.from_gguf(header, read.size)
+            if f != read:
+                cost = cost.for_file_size(header, read.size, f.size)
+            yield FileFit(f, hub.estimate(f, context_length, header), cost)
         except HubError as exc:
-            yield f, None, str(exc)
+            yield FileFit(f, None, None, str(exc))

@@ -40,6 +40,7 @@ class FakeRepo:
     downloads: int = 0
     listed_sha256: dict[str, str] = field(default_factory=dict)  # overrides (a wrong sum)
     in_git: set[str] = field(default_factory=set)  # stored in git, not LFS: ETag = blob sha1
+    kind: str = "gguf"  # "folder": a Hugging Face folder (found by the safetensors search)
 
 
 class FakeHub:
@@ -138,13 +139,18 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
         def _search(self, query: dict[str, list[str]]) -> None:
             with hub.lock:
                 hub.searches.append(query)
-            if query.get("filter") != ["gguf"]:  # the real hub would list every model
+            filters = query.get("filter", [])
+            if filters == ["gguf"]:
+                kind = "gguf"
+            elif "safetensors" in filters and query.get("pipeline_tag") == ["text-generation"]:
+                kind = "folder"
+            else:  # the real hub would list every model
                 return self._json([])
             text = query.get("search", [""])[0].lower()
             found = [{"id": rid, "modelId": rid, "downloads": r.downloads, "likes": 0,
-                      "tags": ["gguf"], "gated": "auto" if r.gated else False,
+                      "tags": [kind], "gated": "auto" if r.gated else False,
                       "private": False}
-                     for rid, r in hub.repos.items() if text in rid.lower()]
+                     for rid, r in hub.repos.items() if text in rid.lower() and r.kind == kind]
             found.sort(key=lambda m: -int(m["downloads"]))  # type: ignore[call-overload]
             limit = int(query.get("limit", ["1000"])[0])
             self._json(found[:limit])
@@ -247,14 +253,20 @@ TINY_REPO = "someone/Tiny-GGUF"
 
 
 @contextlib.contextmanager
-def tiny_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
+def tiny_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+             speeds: bool = True) -> Iterator[FakeHub]:
     """A fake hub serving two quants of a tiny GGUF (and a gated repository), with an empty
-    models folder and no token: what the CLI and the browser tests search and pull."""
+    models folder and no token: what the CLI and the browser tests search and pull. With
+    `speeds`, the cache dir holds a made-up measurement of this machine (tests/support/
+    speed.py), so the speed prediction measures nothing."""
     from tests.support.gguf import write_gguf
+    from tests.support.speed import install_speeds
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setenv("HF_TOKEN", "")
     monkeypatch.setenv("PHASEWISE_CACHE_DIR", str(tmp_path / "cache"))
+    if speeds:
+        install_speeds()
     data = write_gguf(tmp_path / "m.gguf", layers=2, kv_heads=2, rows=1024).read_bytes()
     server = FakeHub()
     server.add(TINY_REPO, {"tiny-Q4_K_M.gguf": data, "tiny-Q8_0.gguf": data + b"\0" * 32},

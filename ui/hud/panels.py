@@ -21,6 +21,7 @@ from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QToolButton, QVBoxLay
 from engine.events import SamplerSnapshot
 from engine.metrics import RequestMetrics, percentiles
 from engine.tools.calibrate import DevicePeaks, roof
+from engine.tools.speed import ModelSpeed
 from ui.hud import style
 from ui.hud.live_label import LiveLabel
 from ui.hud.model import (
@@ -55,6 +56,7 @@ class HudContext:
     peaks: DevicePeaks | None
     text_interval_s: float = 0.0  # the chat view paints streaming text this often (batches)
     prefill: PromptReading | None = None  # the reply's latest, while its prompt is read
+    speed: ModelSpeed | None = None  # the reply's model's predicted speed here (engine/speed)
 
 
 def prefill_caption(reading: PromptReading) -> str:
@@ -865,7 +867,9 @@ class RooflinePanel(Panel):
             key_html([("decode", style.DECODE), ("prefill", style.PREFILL),
                       ("roof", style.MUTED)])
             + "<br>" + " · ".join(text for _, _, text in self._info)
-            + ". " + html.escape(peaks.how_measured()))
+            + ". " + html.escape(peaks.how_measured())
+            + (f"<br>{html.escape(line)}" if ctx.speed and (line := predicted_line(ctx.speed, m))
+               else ""))
         self.caption.setToolTip(peaks.how_measured())
 
     def _draw_roof(self, peaks: DevicePeaks, widest_ai: float) -> None:
@@ -883,6 +887,23 @@ class RooflinePanel(Panel):
     def hover_text(self, x: float, y: float) -> str | None:
         i = _nearest([math.log10(a) for a, _, _ in self._info], x)
         return None if i is None else self._info[i][2]
+
+
+def predicted_line(speed: ModelSpeed, m: RequestMetrics) -> str:
+    """This reply against the speed predicted for its model here: 'Predicted here: decode ~118
+    tok/s, this reply 121 (x1.03); its prompt (300 tokens read) ~0.8 s, took 0.7 s (x0.88).'"""
+    parts = []
+    decode = speed.prediction().decode_tok_s
+    if m.decode_tok_s > 0:
+        parts.append(f"decode ~{decode:,.0f} tok/s, this reply {m.decode_tok_s:,.0f} "
+                     f"(x{m.decode_tok_s / decode:.2f})")
+    if m.prefill_complete and m.prefilled_tokens > 0 and m.prefill_s > 0:
+        seconds = speed.prompt_s(m.cached_tokens + m.prefilled_tokens, m.cached_tokens)
+        took = m.prefill_s - m.restore_s
+        parts.append(f"its prompt ({m.prefilled_tokens:,} tokens read) ~{seconds:.2f} s, "
+                     f"took {took:.2f} s (x{took / seconds:.2f})")
+    return ("Predicted on this computer (from its one measurement): " + "; ".join(parts)
+            + ".") if parts else ""
 
 
 # ----- 8. Sampler view -----------------------------------------------------------------------

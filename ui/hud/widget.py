@@ -54,6 +54,7 @@ from engine.events import (
 )
 from engine.threads import start_worker
 from engine.tools.calibrate import DevicePeaks, device_peaks, measure_peaks
+from engine.tools.speed import ModelSpeed
 from ui.hud import style
 from ui.hud.live_label import LiveLabel
 from ui.hud.model import (
@@ -149,6 +150,9 @@ class HudWidget(QWidget):
         super().__init__(parent)
         self.model = SessionModel()
         self.peaks: DevicePeaks | None = None
+        # The loaded model's predicted speed here (engine/tools/speed.py) and its identity: the
+        # roofline says it beside that model's replies.
+        self.model_speed: tuple[ModelSpeed, str] | None = None
         self._calibrate = calibrate
         self._calibrated_device: str | None = None
         self._calibration: threading.Thread | None = None
@@ -463,6 +467,12 @@ class HudWidget(QWidget):
         self._text_interval_s = seconds
         self._mark_dirty({"render"})
 
+    def set_model_speed(self, speed: ModelSpeed | None, identity: str = "") -> None:
+        """The loaded model's predicted speed on this computer (None: none known), for the
+        model whose ModelInfo.identity is `identity`."""
+        self.model_speed = (speed, identity) if speed is not None else None
+        self._mark_dirty({"roofline"})
+
     def set_device_peaks(self, peaks: DevicePeaks) -> None:
         """Peaks for the roofline (from the calibration thread, the table or a test)."""
         self.peaks = peaks
@@ -581,7 +591,12 @@ class HudWidget(QWidget):
     def _context(self) -> HudContext:
         reply = self.selected_reply()
         prefill = self._prefill.get(reply.request_id) if reply is not None else None
-        return HudContext(self.model, reply, self.peaks, self._text_interval_s, prefill)
+        speed = None
+        if self.model_speed is not None and reply is not None and reply.result is not None \
+                and reply.result.model is not None \
+                and reply.result.model.identity == self.model_speed[1]:
+            speed = self.model_speed[0]
+        return HudContext(self.model, reply, self.peaks, self._text_interval_s, prefill, speed)
 
     def _scrolled_out(self, panel: Panel) -> bool:
         return self.isVisible() and panel.visibleRegion().isEmpty()

@@ -24,6 +24,7 @@ import torch
 from engine.core.chat_template import has_chat_template
 from engine.errors import DownloadNotAllowedError, ModelLoadError, one_line
 from engine.events import ModelInfo, SamplingDefaults
+from engine.gguf_header import split_parts
 from engine.model_files import (
     DEFAULT_MODEL,
     DEFAULT_MODEL_NAME,
@@ -112,6 +113,10 @@ def load_model(
         gguf = Path(spec).expanduser()
         if not gguf.is_file():
             raise ModelLoadError(f"model not found: {spec} (no such file)")
+        if split_parts(gguf) is not None:
+            raise ModelLoadError(f"{gguf.name} is one part of a model split over several "
+                                 "files: the llama.cpp engine runs it (--engine llama.cpp); "
+                                 "the torch engine does not convert split GGUFs yet")
         folder = converted_gguf(gguf, notify, torch_dtype, conversion_progress)
         name, path = gguf.stem, str(gguf)
     elif kind == "folder":
@@ -265,9 +270,29 @@ def check_architecture(folder: Path) -> None:
                 f"{model_type!r} architecture (a newer transformers may)") from exc
         raise ModelLoadError(f"cannot read {folder / 'config.json'}: {one_line(exc)}") from exc
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ModelLoadError(
-            f"{folder.name} is a {config.model_type} model, not a text-generation (causal LM) "
-            "architecture: Phasewise runs decoder-only chat models")
+        raise ModelLoadError(_not_causal(folder.name, config.model_type))
+
+
+def _not_causal(name: str, model_type: str) -> str:
+    return (f"{name} is a {model_type} model, not a text-generation (causal LM) architecture: "
+            "Phasewise runs decoder-only chat models")
+
+
+def config_refusal(config: dict[str, Any], name: str) -> str | None:
+    """Why the torch engine cannot run a model with this config.json, in one line (None: it
+    can): an architecture this transformers does not know (Phasewise never runs a model's
+    own code), or one that does not generate text. For a hub folder not downloaded yet."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING_NAMES:
+        return (f"{name}: transformers {transformers.__version__} does not know the "
+                f"{model_type!r} architecture (Phasewise never runs a model's own code)")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return _not_causal(name, model_type)
+    return None
 
 
 def _declared_model_type(folder: Path) -> str | None:
