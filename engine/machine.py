@@ -10,7 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import platform
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -45,15 +47,16 @@ def cpu_fingerprint() -> str:
 def read_json(path: Path) -> dict[str, Any]:
     """A JSON cache file's object; {} when absent or unreadable."""
     try:
-        data = json.loads(path.read_text()) if path.is_file() else {}
+        data = json.loads(path.read_text("utf-8")) if path.is_file() else {}
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
 
 
 def write_json_entry(path: Path, key: str, value: Any, max_entries: int) -> None:
-    """Set one entry of a JSON cache file (newest last, at most max_entries); best effort: an
-    unwritable cache dir only means measuring again next time."""
+    """Set one entry of a JSON cache file (newest last, at most max_entries), atomically (a
+    temporary file of this thread's own, renamed); best effort: an unwritable cache dir only
+    means measuring again next time."""
     data = read_json(path)
     data.pop(key, None)
     data[key] = value
@@ -61,8 +64,8 @@ def write_json_entry(path: Path, key: str, value: Any, max_entries: int) -> None
         data.pop(next(iter(data)))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+        tmp.write_text(json.dumps(data, indent=1), "utf-8")
+        os.replace(tmp, path)
     except OSError as exc:
         log.info("cannot write %s: %s", path, exc)

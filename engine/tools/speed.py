@@ -26,7 +26,6 @@ HUD's roofline sets each reply beside it (ModelSpeed).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import statistics
@@ -41,6 +40,7 @@ from typing import Any
 
 from engine.errors import PhasewiseError
 from engine.gguf_header import GGUFHeader, read_gguf_model
+from engine.machine import read_json, write_json_entry
 from engine.metrics import RequestMetrics
 from engine.model_files import cache_root
 
@@ -58,6 +58,8 @@ MEASURE_TIMEOUT_S = 600.0  # a child that says nothing for this long is killed
 MIN_DECODE_TOKENS = 8  # a reply with fewer says little about the decode rate
 MIN_PREFILL_TOKENS = 32  # a prefill of fewer says little about the prompt rate
 KEEP_REPLIES = 32  # per model file, the newest
+MAX_PROFILES = 32  # machines x engines x builds in SPEED_FILE, the newest
+MAX_MODELS = 256  # model files in MEASURED_FILE, the most recently measured
 
 
 # ----- what a model costs per token ----------------------------------------------------------
@@ -415,7 +417,7 @@ class SpeedProfiles:
         self._lock = threading.Lock()
 
     def cached(self, engine: str, device: str = "cpu") -> EngineSpeed | None:
-        entry = _read_json(self.path).get(machine_key(engine, device))
+        entry = read_json(self.path).get(machine_key(engine, device))
         if not isinstance(entry, dict):
             return None
         try:
@@ -438,7 +440,8 @@ class SpeedProfiles:
 
     def put(self, engine: str, device: str, speed: EngineSpeed) -> None:
         """Cache `speed` as this machine's measurement of `engine` on `device`."""
-        _write_json_entry(self.path, machine_key(engine, device), speed.to_dict())
+        write_json_entry(self.path, machine_key(engine, device), speed.to_dict(),
+                         MAX_PROFILES)
 
 
 # ----- measuring ---------------------------------------------------------------------------
@@ -632,7 +635,7 @@ class MeasuredSpeeds:
         key = self.key(path, engine)
         if key is None:
             return
-        data = _read_json(self.path)
+        data = read_json(self.path)
         replies = data.get(key)
         replies = replies if isinstance(replies, list) else []
         read = metrics.prefilled_tokens if metrics.prefill_complete else 0
@@ -640,11 +643,11 @@ class MeasuredSpeeds:
                         "output_tokens": metrics.output_tokens,
                         "cached_tokens": metrics.cached_tokens, "prefilled_tokens": read,
                         "prefill_s": metrics.prefill_s - metrics.restore_s})
-        _write_json_entry(self.path, key, replies[-KEEP_REPLIES:])
+        write_json_entry(self.path, key, replies[-KEEP_REPLIES:], MAX_MODELS)
 
     def get(self, path: str | Path, engine: str) -> Measured | None:
         key = self.key(path, engine)
-        replies = _read_json(self.path).get(key) if key is not None else None
+        replies = read_json(self.path).get(key) if key is not None else None
         if not isinstance(replies, list) or not replies:
             return None
         try:
@@ -658,27 +661,6 @@ class MeasuredSpeeds:
         except (KeyError, TypeError, ValueError):
             return None
         return Measured(len(replies), statistics.median(decodes) if decodes else None, reads)
-
-
-# ----- json files --------------------------------------------------------------------------
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text("utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _write_json_entry(path: Path, key: str, value: Any) -> None:
-    """Best effort, atomically (a temporary file renamed): an unwritable cache dir only means
-    measuring again next time."""
-    data = _read_json(path)
-    data[key] = value
-    with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-        tmp.write_text(json.dumps(data, indent=1), "utf-8")
-        os.replace(tmp, path)
 
 
 def cost_of(path: Path) -> ModelCost | None:
