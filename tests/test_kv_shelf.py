@@ -96,6 +96,21 @@ def test_clearing_the_shelf_removes_every_model_snapshot_and_counts_the_bytes(
         other.close(10)
 
 
+def test_clearing_skips_snapshots_that_vanished_and_counts_the_rest(
+        shelf: KvShelf, tmp_path: Path) -> None:
+    """Another instance may remove snapshots while this one lists or clears the shelf: names
+    that no longer resolve (dangling links, listed in among the real files) are passed over."""
+    for chat in "defg":
+        shelf.put(chat, IDS, lambda: PAYLOAD)
+        (shelf.folder / f"{chat}-gone.kv").symlink_to(tmp_path / "nowhere")
+    assert shelf.flush(30)
+    real = [p for p in shelf.folder.glob("*.kv") if not p.is_symlink()]
+    sizes = sum(p.stat().st_size for p in real)
+    assert len(real) == 5
+    assert clear_shelf(tmp_path) == sizes
+    assert not any(p.exists() for p in real)
+
+
 def test_the_shelf_key_is_stable_across_releases() -> None:
     """Snapshots are found by this key: if it changed for the same model, build and settings,
     every user's saved chats would read their prompts again after an upgrade."""

@@ -212,3 +212,26 @@ def test_peek_prefers_memory_when_it_holds_as_much_as_the_shelf(tmp_path: Path) 
         assert pool.peek("c", [1, 2, 3, 4]) == (3, True)
     finally:
         shelf.close(10)
+
+
+def test_reset_and_evict_all_free_every_handle_the_ledger_holds() -> None:
+    pool, store = ledger()
+    a, b = turn(pool, "a", [1, 2]), turn(pool, "b", [3])
+    pool.reset()
+    assert store.freed == [a, b] and store.live == []
+    c = turn(pool, "c", [4])
+    pool.evict_all()
+    assert store.freed == [a, b, c] and store.live == []
+
+
+def test_a_plain_reset_is_no_model_change() -> None:
+    """Only a model switch makes the next turn say "model_changed"; a reset (Clear caches)
+    says the chat starts again."""
+    pool, _ = ledger()
+    turn(pool, "a", [1, 2])
+    pool.reset()
+    assert pool.acquire("a", [1, 2, 3]).miss_reason == "first_turn"
+    switched, _ = ledger()
+    turn(switched, "b", [1, 2])
+    switched.reset(model_changed=True)
+    assert switched.acquire("b", [1, 2, 3]).miss_reason == "model_changed"
