@@ -5,6 +5,7 @@ releases. The engine-level resume tests are in tests/test_kv_snapshots.py."""
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,7 +47,7 @@ def test_a_payload_changed_on_disk_is_dropped_on_load_and_logged(
     with caplog.at_level(logging.WARNING, logger="phasewise.snapshots"):
         assert shelf.load(found) is None
     assert not found.path.exists()
-    assert f"{found.path.name} dropped: checksum mismatch" in caplog.text
+    assert f"KV snapshot {found.path.name} dropped: checksum mismatch" in caplog.messages
 
 
 def test_a_snapshot_gone_bad_between_find_and_load_is_dropped(
@@ -63,20 +64,26 @@ def test_a_snapshot_gone_bad_between_find_and_load_is_dropped(
 @pytest.mark.parametrize("head", [(MAGIC, FORMAT_VERSION + 1), (b"XXXX", FORMAT_VERSION)],
                          ids=["another version", "not a snapshot"])
 def test_a_file_of_another_format_is_not_found_and_is_dropped(
-        shelf: KvShelf, head: tuple[bytes, int]) -> None:
+        shelf: KvShelf, head: tuple[bytes, int], caplog: pytest.LogCaptureFixture) -> None:
     path = only_file(shelf)
     raw = path.read_bytes()
     _, _, size = _HEAD.unpack(raw[: _HEAD.size])
     path.write_bytes(_HEAD.pack(*head, size) + raw[_HEAD.size :])
-    assert shelf.find("c") is None
+    with caplog.at_level(logging.WARNING, logger="phasewise.snapshots"):
+        assert shelf.find("c") is None
     assert not path.exists()
+    assert f"KV snapshot {path.name} dropped: not a snapshot of this format" in caplog.text
 
 
-def test_drop_removes_a_snapshot_and_a_second_drop_is_harmless(shelf: KvShelf) -> None:
+def test_drop_removes_a_snapshot_and_a_second_drop_is_harmless(
+        shelf: KvShelf, caplog: pytest.LogCaptureFixture) -> None:
     found = shelf.find("c")
     assert found is not None
-    shelf.drop(found, "restored into another model")
+    with caplog.at_level(logging.WARNING, logger="phasewise.snapshots"):
+        shelf.drop(found, "restored into another model")
     assert not found.path.exists()
+    assert f"KV snapshot {found.path.name} dropped: restored into another model" in \
+        caplog.messages
     shelf.drop(found, "again")
     assert shelf.find("c") is None
 
@@ -116,3 +123,39 @@ def test_the_shelf_key_is_stable_across_releases() -> None:
     every user's saved chats would read their prompts again after an upgrade."""
     assert shelf_key("model", "fp32", "kernel") == "fd459bf10bff656b87ff2b6d"
     assert shelf_key("ab", "c") != shelf_key("a", "bc")  # the parts stay apart
+
+
+def test_a_chats_snapshot_file_name_is_stable_across_releases(shelf: KvShelf) -> None:
+    """The file is found by the chat's id alone: the same name after an upgrade."""
+    assert only_file(shelf).name == "2e7d2c03a9507ae265ecf5b5356885a5.kv"
+
+
+def test_the_writer_is_a_named_daemon_thread_that_close_ends(tmp_path: Path) -> None:
+    """A daemon, so a writer stuck on a slow disk never holds the app's exit; named, for a
+    thread dump; ended by close once what was put is written."""
+    before = set(threading.enumerate())
+    shelf = KvShelf(tmp_path, "model")
+    (writer,) = set(threading.enumerate()) - before
+    assert writer.name == "phasewise-kv-shelf" and writer.daemon
+    shelf.put("c", IDS, lambda: PAYLOAD)
+    shelf.close(30)
+    writer.join(30)
+    assert not writer.is_alive()
+    assert shelf.find("c") is not None
+
+
+def test_close_waits_for_the_writer_no_longer_than_its_timeout(tmp_path: Path) -> None:
+    """Quitting while a snapshot is still being serialised: close gives up after its timeout
+    (the snapshot is left unwritten, the chat's next start reads its prompt again)."""
+    release = threading.Event()
+    shelf = KvShelf(tmp_path, "model")
+    shelf.put("c", IDS, lambda: (release.wait(60), PAYLOAD)[1])
+    closing = threading.Thread(target=shelf.close, args=(0.05,))
+    closing.start()
+    closing.join(30)
+    try:
+        assert not closing.is_alive()
+        assert shelf.find("c") is None
+    finally:
+        release.set()
+        closing.join(30)
