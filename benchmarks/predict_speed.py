@@ -2,7 +2,7 @@
 
 The prediction is the browser's (engine/tools/speed.py): one measurement of this machine per engine
 (memory bandwidth, and the engine on the bundled model: a short decode and cold prompts of
-128, 512 and 1,536 tokens), then each file priced from its header alone. Here the measurement
+128, 512, 1,536 and 4,000 tokens), then each file priced from its header alone. Here the measurement
 is taken fresh (not the user cache's), and each file is then run for real on each engine, as
 the app loads it (a child process per run): the best of two 64-token decodes after a 64-token
 prompt, and one cold 4,000-token prompt. The files: the bundled SmolLM2-135M Q4_1, its

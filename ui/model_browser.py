@@ -396,7 +396,7 @@ class ModelBrowserDialog(QDialog):
         if self._measuring is not None:
             text = (f"Measuring this computer once for the speed column: its memory "
                     f"bandwidth, then {self._measuring_engine} on the bundled model (a short "
-                    "reply and three prompts, up to a minute; cached after)…")
+                    "reply and four prompts, up to a minute; cached after)…")
         elif engine in self._speed_failed:
             text = f"No speed prediction on {engine}: {self._speed_failed[engine]}"
         elif engine in self.speeds:
