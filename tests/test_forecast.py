@@ -110,7 +110,7 @@ def test_the_window_forecasts_the_wait_as_the_user_types_and_keeps_it_for_the_hu
     composer.set_text("And one more question about the weather tomorrow?")
     qtbot.waitUntil(lambda: "to first token" in composer.forecast.text(), timeout=5_000)
     assert "from cache" in composer.forecast.text()  # the chat so far
-    expected, cold = window.forecast.seconds, window.forecast.cold_seconds
+    expected, cold = window.aids.forecast.seconds, window.aids.forecast.cold_seconds
     assert expected is not None and expected > 0
     assert window.send(composer.text())
     qtbot.waitUntil(lambda: not window.session.running(window.session.conversation_id),

@@ -14,13 +14,11 @@ import itertools
 import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import QSettings, Signal
 from PySide6.QtGui import QCloseEvent, QGuiApplication
 from PySide6.QtWidgets import (
-    QFileDialog,
     QMainWindow,
     QMenu,
     QSizePolicy,
@@ -29,20 +27,18 @@ from PySide6.QtWidgets import (
 )
 
 from engine import GenerationResult, ModelInfo
-from engine.documents import Document, split_documents, with_documents
-from engine.protocol import Backend, PrefixPeek
+from engine.protocol import Backend
 from ui.about import confirm
-from ui.attach_flow import FILE_FILTER, DocumentAttacher
 from ui.bridge import EngineBridge
 from ui.chat_export import STATUS_MS, ChatExports
 from ui.chat_feed import ChatFeed
 from ui.chat_pane import ChatPane, LoadStatus
 from ui.chat_view import ChatView
+from ui.compose_aids import ComposeAids
 from ui.composer import Composer
 from ui.controls import ControlsPanel
 from ui.dock_widths import DockWidths, dock_column
 from ui.drafts import Drafts
-from ui.forecast import WaitForecast
 from ui.hud.widget import HudWidget
 from ui.model_loads import ModelLoads
 from ui.session import (
@@ -56,7 +52,7 @@ from ui.session import (
 from ui.shortcuts import WindowMenus
 from ui.sidebar import Sidebar
 from ui.speed_figures import SpeedFigures
-from ui.store import ChatStore
+from ui.store import ChatStore, Conversation
 from ui.theme import FocusRing
 from ui.window_settings import restore_layout, save_layout
 
@@ -192,20 +188,8 @@ class MainWindow(QMainWindow):
         self.speed_figures = SpeedFigures(self.bridge, self.hud, self)  # prediction vs replies
         self.speed_figures.model_loaded(self.engine.model_info)
         self.chat.sig_action.connect(self._on_message_action)
-        self.forecast = WaitForecast(
-            self.engine, lambda text: self.session.forecast_request(
-                with_documents(text, self.composer.chips.documents), self.reply_options()),
-            self.composer.set_forecast, self)
-        self.composer.editor.textChanged.connect(
-            lambda: self.forecast.text_changed(self.composer.text()))
-        self.composer.chips.sig_changed.connect(
-            lambda: self.forecast.text_changed(self.composer.text()))
-        self.attacher = DocumentAttacher(self.engine, self.composer.chips, self._prompt_with,
-                                         self.notify)
-        self.composer.sig_attach.connect(self.attacher.attach)
-        self.composer.sig_attach_clicked.connect(self.choose_documents)
-        self.bridge.sig_request_finished.connect(self.forecast.finished)
-        self.bridge.sig_model_loaded.connect(self.forecast.model_loaded)
+        self.aids = ComposeAids(self.engine, self.session, self.composer, self.bridge,
+                                self.reply_options, self.notify, self)  # forecast, documents
         self.composer.sig_send.connect(self.send)
         self.composer.sig_stop.connect(self.stop)
         self.composer.sig_cancel_edit.connect(self._cancel_edit)
@@ -232,30 +216,25 @@ class MainWindow(QMainWindow):
 
     def new_chat(self) -> None:
         """Start an empty chat; it is saved when the first message is sent."""
-        self.drafts.stash()
-        self._leave_edit_mode()
-        self.session.conversation_id = None
-        self.drafts.take(None)
-        self.pane.set_title("New chat")
-        self.controls.set_system_prompt("")
-        self.feed.show_chat(None)
-        self._update_busy()
-        self.sidebar.refresh(select="")
+        self._show_chat(None, None)
         self.sidebar.clear_selection()
         self.composer.focus()
 
     def open_conversation(self, conv_id: str) -> None:
         conv = self.store.conversation(conv_id)
-        if conv is None:
-            return
+        if conv is not None:
+            self._show_chat(conv_id, conv)
+
+    def _show_chat(self, conv_id: str | None, conv: Conversation | None) -> None:
+        """Put a chat on screen (None: a new one): its draft, title, system prompt, turns."""
         self.drafts.stash()
         self._leave_edit_mode()
         self.session.conversation_id = conv_id
         self.drafts.take(conv_id)
-        self.pane.set_title(conv.title)
-        self.controls.set_system_prompt(conv.system_prompt)
+        self.pane.set_title(conv.title if conv else "New chat")
+        self.controls.set_system_prompt(conv.system_prompt if conv else "")
         self.feed.show_chat(conv)
-        self.sidebar.refresh(select=conv_id)
+        self.sidebar.refresh(select=conv_id or "")
         self._update_busy()
 
     def switch_chat(self, step: int) -> None:
@@ -309,27 +288,13 @@ class MainWindow(QMainWindow):
         editing = self.session.editing_message_id
         if editing is not None and text.strip() and not self._confirm_resend(editing):
             return False
-        if editing is None:
-            self.hud.model.expect_ttft(self.forecast.seconds, self.forecast.cold_seconds)
-        else:
-            self.hud.model.expect_ttft(None)
-        sent = self.session.send(with_documents(text, self.composer.chips.documents),
-                                 self.reply_options())
+        self.aids.expect(self.hud, editing is not None)
+        sent = self.session.send(self.aids.message(text), self.reply_options())
         if sent:
             self.composer.chips.clear()
         else:
             self.hud.model.expect_ttft(None)
         return sent
-
-    def choose_documents(self) -> None:
-        """The paperclip: pick files to attach to the message being written."""
-        paths, _ = QFileDialog.getOpenFileNames(self, "Attach documents", "", FILE_FILTER)
-        self.attacher.attach([Path(p) for p in paths])
-
-    def _prompt_with(self, documents: list[Document]) -> PrefixPeek | None:
-        request = self.session.forecast_request(
-            with_documents(self.composer.text(), documents), self.reply_options())
-        return self.engine.peek_prefix(request) if request is not None else None
 
     def _confirm_resend(self, message_id: int) -> bool:
         """Resending an edited earlier message drops the turns after it: asked first, once
@@ -368,12 +333,7 @@ class MainWindow(QMainWindow):
         (asked at the resend when later turns would go: nothing is lost until then)."""
         content = self.session.begin_edit(message_id)
         if content is not None:
-            documents, text = split_documents(content)
-            self.composer.chips.clear()
-            for name, body in documents:  # the message's documents come back as chips
-                document = Document(name, len(body.encode()), body)
-                self.composer.chips.add(document, self.engine.count_tokens(document.block()))
-            self.composer.set_text(text)
+            self.aids.restore(content)  # its documents come back as chips
             self.composer.set_editing(True)
             self.composer.focus()
 
@@ -487,7 +447,7 @@ class MainWindow(QMainWindow):
         """Cancel running replies, keep their partial text (marked stopped), save settings.
         Alternatives nobody kept are discarded. The HUD's calibration thread is joined."""
         self.session.close()
-        self.forecast.stop()
+        self.aids.stop()
         self.hud.stop_calibration()
         self.bridge.detach()
         self.drafts.stash()
