@@ -5,12 +5,15 @@ releases. The engine-level resume tests are in tests/test_kv_snapshots.py."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
+from engine.core import snapshots
 from engine.core.snapshots import _HEAD, FORMAT_VERSION, MAGIC, KvShelf, clear_shelf, shelf_key
 
 IDS = [5, 6, 7]
@@ -155,7 +158,108 @@ def test_close_waits_for_the_writer_no_longer_than_its_timeout(tmp_path: Path) -
     closing.join(30)
     try:
         assert not closing.is_alive()
+        assert shelf.flush(0.05) is False  # still writing: flush says so after its timeout
         assert shelf.find("c") is None
     finally:
         release.set()
         closing.join(30)
+
+
+# ----- the disk budget: least recently used first, never over a share of the free space -----
+def put_all(shelf: KvShelf, chats: str) -> dict[str, Path]:
+    """Write a snapshot for each chat (same-length names: same-size files), each one's last use
+    a second after the one before; their paths."""
+    paths = {}
+    for chat in chats:
+        shelf.put(chat, IDS, lambda: PAYLOAD)
+        assert shelf.flush(30)
+        paths[chat] = shelf._path(chat)
+    for age, chat in enumerate(reversed(chats)):
+        if paths[chat].exists():
+            os.utime(paths[chat], (1_000_000 - age, 1_000_000 - age))
+    return paths
+
+
+@pytest.fixture
+def sized(tmp_path: Path) -> Iterator[tuple[KvShelf, int]]:
+    """A shelf with no budget to speak of, and the size of one of its snapshots on disk (the
+    budget counts files whole; a snapshot asks for its size less the fixed head)."""
+    shelf = KvShelf(tmp_path, "model", budget_bytes=1 << 40)
+    size = put_all(shelf, "z")["z"].stat().st_size
+    clear_shelf(tmp_path)
+    yield shelf, size
+    shelf.close(10)
+
+
+def on_shelf(paths: dict[str, Path]) -> str:
+    return "".join(chat for chat, path in paths.items() if path.exists())
+
+
+def test_a_snapshot_that_just_fits_the_budget_is_written_and_evicts_nothing(
+        sized: tuple[KvShelf, int]) -> None:
+    shelf, size = sized
+    shelf.budget_bytes = 2 * size - _HEAD.size  # one snapshot and one asking, exactly
+    paths = put_all(shelf, "ab")
+    assert on_shelf(paths) == "ab"
+    paths |= put_all(shelf, "c")
+    assert on_shelf(paths) == "bc"  # the least recently used went, and only it
+
+
+def test_the_oldest_go_until_the_new_snapshot_fits(sized: tuple[KvShelf, int]) -> None:
+    shelf, size = sized
+    paths = put_all(shelf, "abc")
+    shelf.budget_bytes = 2 * size - _HEAD.size
+    paths |= put_all(shelf, "d")
+    assert on_shelf(paths) == "cd"
+
+
+def test_rewriting_a_chats_snapshot_does_not_count_its_old_file(
+        sized: tuple[KvShelf, int]) -> None:
+    shelf, size = sized
+    shelf.budget_bytes = 2 * size - _HEAD.size
+    paths = put_all(shelf, "ba")  # b used longer ago than a
+    paths |= put_all(shelf, "a")  # a's new snapshot replaces its old one: b stays
+    assert on_shelf(paths) == "ba"
+
+
+def test_a_snapshot_over_the_budget_is_not_written_and_the_shelf_goes_on(
+        sized: tuple[KvShelf, int], caplog: pytest.LogCaptureFixture) -> None:
+    shelf, size = sized
+    shelf.budget_bytes = size - _HEAD.size - 1
+    with caplog.at_level(logging.WARNING, logger="phasewise.snapshots"):
+        paths = put_all(shelf, "a")
+    assert on_shelf(paths) == ""
+    assert ("KV snapshot of a chat not written: no room for a 0 MB snapshot within the disk "
+            "budget") in caplog.messages
+    assert list(shelf.folder.iterdir()) == []  # no temporary file left
+    shelf.budget_bytes = size
+    assert on_shelf(put_all(shelf, "b")) == "b"  # the writer is still there
+
+
+class Usage(NamedTuple):
+    free: int
+
+
+def test_the_shelf_holds_at_most_a_quarter_of_the_free_space(
+        sized: tuple[KvShelf, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    shelf, size = sized
+    paths = put_all(shelf, "ab")
+    monkeypatch.setattr(snapshots.shutil, "disk_usage", lambda _path: Usage(7 * size))
+    paths |= put_all(shelf, "c")  # a quarter of (7 free + 2 held) is 2.25 snapshots
+    assert on_shelf(paths) == "bc"
+
+
+def test_with_the_free_space_unknown_no_snapshot_is_written(
+        sized: tuple[KvShelf, int], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    shelf, _size = sized
+    paths = put_all(shelf, "ab")
+
+    def unknown(_path: object) -> Usage:
+        raise OSError("no such device")
+
+    monkeypatch.setattr(snapshots.shutil, "disk_usage", unknown)
+    with caplog.at_level(logging.WARNING, logger="phasewise.snapshots"):
+        paths |= put_all(shelf, "c")
+    assert on_shelf(paths) == ""
+    assert any("no room for a" in m for m in caplog.messages)
