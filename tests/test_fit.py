@@ -17,7 +17,7 @@ from engine.runtimes.torch.loader import load_model
 from engine.runtimes.torch.prefix_cache import cache_nbytes, new_cache
 from engine.tools import fit
 from tests.support.child import needs_llama_cpp, run_in_child
-from tests.support.gguf import write_gguf
+from tests.support.gguf import write_gguf, write_out
 from tests.support.tiny_model import TINY_WINDOW, build_tiny_architecture
 
 MIB = 1 << 20
@@ -182,10 +182,7 @@ def test_a_gguf_s_own_sampling_settings_are_read(tmp_path: Path) -> None:
     writer.add_int32("general.sampling.top_k", 40)
     writer.add_float32("general.sampling.penalty_repeat", 1.5)
     writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_out(writer)
     assert read_gguf(tmp_path / "suggests.gguf").sampling_defaults() == SamplingDefaults(
         0.25, 0.5, 40, 1.5)
 
@@ -220,9 +217,6 @@ def test_a_gguf_names_its_quantization(tmp_path: Path) -> None:
     writer = GGUFWriter(str(tmp_path / "k.gguf"), "llama")
     writer.add_file_type(15)  # LLAMA_FTYPE_MOSTLY_Q4_K_M in llama.h
     writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float16))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_out(writer)
     assert read_gguf(tmp_path / "k.gguf").file_type() == "Q4_K_M"
     assert read_gguf(write_gguf(tmp_path / "none.gguf", layers=1, kv_heads=1)).file_type() is None

@@ -670,12 +670,11 @@ def _write_unknown_architecture(path: Path) -> None:
     import numpy as np
     from gguf import GGUFWriter
 
+    from tests.support.gguf import write_out
+
     writer = GGUFWriter(str(path), "phasewise-unknown")
     writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_out(writer)
 
 
 @needs_llama_cpp

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -30,10 +31,7 @@ def write_gguf(path: Path, *, layers: int, kv_heads: int, heads: int = 8, head_d
         width = heads * head_dim
         writer.add_tensor("blk.0.ffn_up.weight", np.zeros((2 * width, width), dtype=np.float16))
         writer.add_tensor("output.weight", np.zeros((rows, width), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_out(writer)
     return path
 
 
@@ -54,10 +52,7 @@ def vocab_only_copy(source: Path, target: Path, *, add_bos: bool) -> Path:
         sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
         writer.add_key_value(key, field.contents(), kind, sub_type=sub)
     writer.add_add_bos_token(add_bos)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_out(writer)
     return target
 
 
@@ -78,8 +73,13 @@ def write_split_gguf(folder: Path, stem: str, *, rows: int = 256) -> list[Path]:
     writer.add_tensor("token_embd.weight", np.zeros((rows, width), dtype=np.float16))
     writer.add_tensor("blk.0.ffn_up.weight", np.ones((2 * width, width), dtype=np.float16))
     writer.add_tensor("output.weight", np.ones((rows, width), dtype=np.float32))
+    write_out(writer)
+    return [folder / f"{stem}-{i:05d}-of-00003.gguf" for i in (1, 2, 3)]
+
+
+def write_out(writer: Any) -> None:
+    """A GGUFWriter's header, metadata and tensors to its file(s), then closed."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return [folder / f"{stem}-{i:05d}-of-00003.gguf" for i in (1, 2, 3)]
