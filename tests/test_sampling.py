@@ -334,3 +334,13 @@ def test_top_p_on_a_large_vocabulary_drops_what_a_full_sort_drops() -> None:
             full = torch.zeros_like(probs, dtype=torch.bool).scatter(
                 -1, order, (cumulative - sorted_probs) >= top_p)
             assert torch.equal(beyond_top_p(probs, top_p), full), top_p
+
+
+def test_a_draw_landing_exactly_on_a_boundary_takes_the_next_token_with_mass() -> None:
+    """The drawn token is the first whose cumulative probability passes the draw: one that lands
+    exactly where a token's mass ends goes on past it, and past the zeros after it."""
+    seed = next(s for s in range(100) if float(torch.rand(
+        (), generator=make_generator(s), dtype=torch.float64)) >= 0.5)
+    u = float(torch.rand((), generator=make_generator(seed), dtype=torch.float64))
+    probs = torch.tensor([u, 0.0, 0.0, 1.0 - u], dtype=torch.float64)  # sums to 1 exactly
+    assert draw(probs, make_generator(seed)) == 3
