@@ -344,3 +344,24 @@ def test_a_draw_landing_exactly_on_a_boundary_takes_the_next_token_with_mass() -
     u = float(torch.rand((), generator=make_generator(seed), dtype=torch.float64))
     probs = torch.tensor([u, 0.0, 0.0, 1.0 - u], dtype=torch.float64)  # sums to 1 exactly
     assert draw(probs, make_generator(seed)) == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_logits_of_other_dtypes_are_checked_and_sampled_without_numpy(
+        dtype: torch.dtype) -> None:
+    """bf16-eager on a CPU, a GPU's half precision: numpy has no bfloat16, so these take
+    torch's path (the float32 fast path reads the logits through numpy)."""
+    logits = torch.tensor([0.5, 3.0, 1.0, -2.0], dtype=dtype)
+    assert sample_token(logits, SamplingParams(temperature=0.0), None) == 1
+    assert sample_token(logits, SamplingParams(temperature=1.0, top_k=1),
+                        make_generator(0)) == 1
+    with pytest.raises(SamplingError, match="NaN"):
+        sample_token(torch.tensor([0.5, math.nan], dtype=dtype),
+                     SamplingParams(temperature=0.0), None)
+
+
+def test_a_repetition_penalty_of_two_turns_greedy_away_from_a_repeat() -> None:
+    logits = torch.tensor([2.0, 1.5, 0.0])
+    greedy = SamplingParams(temperature=0.0, repetition_penalty=2.0)
+    assert sample_token(logits, greedy, None) == 0
+    assert sample_token(logits, greedy, None, previous_ids=[0]) == 1  # 2.0 / 2 < 1.5
