@@ -64,6 +64,24 @@ def test_a_snapshot_gone_bad_between_find_and_load_is_dropped(
     assert f"{found.path.name} dropped:" in caplog.text
 
 
+def test_another_models_snapshot_under_this_name_is_refused_on_load(
+        shelf: KvShelf, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    found = shelf.find("c")
+    assert found is not None
+    other = KvShelf(tmp_path, "other-model")
+    try:
+        other.put("c", IDS, lambda: PAYLOAD)
+        assert other.flush(30)
+        found.path.write_bytes(other._path("c").read_bytes())
+    finally:
+        other.close(10)
+    with caplog.at_level(logging.WARNING, logger="phasewise.snapshots"):
+        assert shelf.load(found) is None
+    assert not found.path.exists()
+    assert f"KV snapshot {found.path.name} dropped: made for another model or build" in \
+        caplog.messages
+
+
 @pytest.mark.parametrize("head", [(MAGIC, FORMAT_VERSION + 1), (b"XXXX", FORMAT_VERSION)],
                          ids=["another version", "not a snapshot"])
 def test_a_file_of_another_format_is_not_found_and_is_dropped(
