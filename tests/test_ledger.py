@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.core.ledger import KvFullError, KvLedger
+from engine.core.ledger import CacheLease, KvFullError, KvLedger
 from engine.core.snapshots import KvShelf
 
 
@@ -235,3 +235,96 @@ def test_a_plain_reset_is_no_model_change() -> None:
     turn(switched, "b", [1, 2])
     switched.reset(model_changed=True)
     assert switched.acquire("b", [1, 2, 3]).miss_reason == "model_changed"
+
+
+def test_an_idle_step_shelves_a_chats_newer_entry_once(tmp_path: Path) -> None:
+    pool, _ = ledger()
+    shelf = KvShelf(tmp_path, "model")
+    pool.shelf = shelf
+    try:
+        turn(pool, "c", [1, 2, 3], [4])
+        assert pool.shelve_one() is True
+        assert pool.shelve_one() is False  # nothing newer than its snapshot is left
+        assert shelf.flush(30)
+        found = shelf.find("c")
+        assert found is not None and found.ids == [1, 2, 3, 4]
+        assert shelf.load(found) == bytes([1, 2, 3, 4])  # the store's export of that handle
+        turn(pool, "c", [1, 2, 3, 4])  # the same length: what is on the shelf still holds
+        assert pool.shelve_one() is False
+        turn(pool, "c", [1, 2, 3, 4, 5], [6])
+        assert pool.shelve_one() is True
+        assert shelf.flush(30)
+        found = shelf.find("c")
+        assert found is not None and found.ids == [1, 2, 3, 4, 5, 6]
+    finally:
+        shelf.close(10)
+
+
+@pytest.mark.parametrize("conv", ["c~alt1", "anon-7"])
+def test_alternatives_and_one_off_requests_are_never_shelved(tmp_path: Path, conv: str) -> None:
+    pool, _ = ledger()
+    shelf = KvShelf(tmp_path, "model")
+    pool.shelf = shelf
+    try:
+        turn(pool, conv, [1, 2, 3])
+        assert pool.shelve_one() is False
+        assert shelf.flush(30) and shelf.find(conv) is None
+    finally:
+        shelf.close(10)
+
+
+def test_a_chat_dropped_before_the_idle_step_is_not_shelved(tmp_path: Path) -> None:
+    pool, _ = ledger()
+    shelf = KvShelf(tmp_path, "model")
+    pool.shelf = shelf
+    try:
+        turn(pool, "a", [1, 2])
+        dropped = [f"b{i}" for i in range(9)]
+        for conv in dropped:
+            turn(pool, conv, [3, 4])
+            pool.drop(conv)
+        assert pool.shelve_one() is True  # those dropped are passed over, a is shelved
+        assert pool.shelve_one() is False
+        assert shelf.flush(30)
+        assert shelf.find("a") is not None
+        assert all(shelf.find(conv) is None for conv in dropped)
+    finally:
+        shelf.close(10)
+
+
+def test_a_lease_whose_kv_does_not_match_its_ids_is_freed_not_kept() -> None:
+    pool, store = ledger()
+    lease = pool.acquire("c", [1, 2, 3])
+    handle = lease.cache
+    handle.ids.extend([1, 2])  # one prompt token short of what the lease says it holds
+    pool.release(lease)
+    assert store.freed == [handle]
+    assert pool.peek("c", [1, 2, 3, 4]) == (0, False)
+    empty = pool.acquire("d", [5])
+    empty.ids = []
+    pool.release(empty)
+    assert store.freed == [handle, empty.cache]
+
+
+def test_releasing_an_alternatives_handle_under_the_chat_frees_the_old_one() -> None:
+    pool, store = ledger()
+    old = turn(pool, "c", [1, 2])
+    lease = pool.lease_for("c", [1, 2, 3])
+    lease.cache.ids.extend([1, 2, 3])
+    pool.release(lease)
+    assert store.freed == [old]
+    assert pool.peek("c", [1, 2, 3, 4]) == (3, False)
+
+
+def test_a_cold_lease_frees_the_chats_own_entry() -> None:
+    pool, store = ledger()
+    old = turn(pool, "c", [1, 2, 3])
+    lease = pool.cold_lease("c")
+    assert (lease.ids, lease.cached_tokens, lease.miss_reason) == ([], 0, "disabled")
+    assert store.freed == [old]
+
+
+@pytest.mark.parametrize(("due_in", "chunk"), [(1, 1), (4, 4), (10, 10), (0, 10), (12, 10)])
+def test_a_prefill_chunk_ends_where_a_checkpoint_is_due(due_in: int, chunk: int) -> None:
+    lease = CacheLease("c", [1, 2, 3], None, 3, "none", checkpoint_at=3 + due_in)
+    assert lease.chunk_limit(10) == chunk
