@@ -5,6 +5,7 @@ runtime; tests/test_prefix_cache.py drives it through the torch store."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,7 +87,7 @@ def ledger(slots: int = 8, can_lend: bool = True, budget: int = 1 << 20
     return KvLedger(store, budget), store  # type: ignore[arg-type]  # structural, Mark for KvCheckpoint
 
 
-def turn(pool: KvLedger[Seq], conv: str, prompt: list[int], reply: list[int] = ()) -> Seq:
+def turn(pool: KvLedger[Seq], conv: str, prompt: list[int], reply: Sequence[int] = ()) -> Seq:
     """acquire, feed the uncached prompt and the reply, release; the handle kept."""
     lease = pool.acquire(conv, prompt)
     lease.cache.ids.extend(prompt[lease.cached_tokens :] + list(reply))
