@@ -5,6 +5,7 @@ runtime; tests/test_prefix_cache.py drives it through the torch store."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +14,8 @@ import pytest
 
 from engine.core.ledger import CacheLease, KvFullError, KvLedger
 from engine.core.snapshots import KvShelf
+
+BAD_LAYOUT = b"\xff"  # a payload RecordingStore.restore refuses
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,8 @@ class RecordingStore:
         return lambda: bytes(ids)
 
     def restore(self, data: bytes) -> tuple[Seq, Mark | None] | None:
+        if data == BAD_LAYOUT:
+            raise ValueError("laid out for another model")
         seq = self._new(list(data))
         return None if seq is None else (seq, None)
 
@@ -329,3 +334,70 @@ def test_a_cold_lease_frees_the_chats_own_entry() -> None:
 def test_a_prefill_chunk_ends_where_a_checkpoint_is_due(due_in: int, chunk: int) -> None:
     lease = CacheLease("c", [1, 2, 3], None, 3, "none", checkpoint_at=3 + due_in)
     assert lease.chunk_limit(10) == chunk
+
+
+def shelved(tmp_path: Path, ids: list[int], payload: bytes) -> KvShelf:
+    """A shelf holding chat c's snapshot, as a restarted app finds it."""
+    shelf = KvShelf(tmp_path, "model")
+    shelf.put("c", ids, lambda: payload)
+    assert shelf.flush(30)
+    return shelf
+
+
+@pytest.mark.parametrize(("prompt", "cached"), [([1, 2, 3, 4, 5], 4), ([1, 2, 3, 4], 3),
+                                                ([1, 2, 9, 9, 9], 2)])
+def test_a_turn_after_a_restart_restores_what_the_prompt_shares_from_disk(
+        tmp_path: Path, prompt: list[int], cached: int) -> None:
+    pool, _ = ledger()
+    pool.shelf = shelved(tmp_path, [1, 2, 3, 4], bytes([1, 2, 3, 4]))
+    try:
+        lease = pool.acquire("c", prompt)
+        assert (lease.ids, lease.cached_tokens, lease.miss_reason) == \
+            (prompt[:cached], cached, "restored_from_disk")
+        assert lease.cache.ids == prompt[:cached]  # cut to what the prompt shares
+        assert lease.restored is not None
+        assert (lease.restored.tokens, lease.restored.nbytes) == (cached, 4)
+    finally:
+        pool.shelf.close(10)
+
+
+@pytest.mark.parametrize(("payload", "why"), [
+    (bytes([1, 2, 3]), "it holds another length than its header says"),
+    (BAD_LAYOUT, "laid out for another model")])
+def test_a_snapshot_the_store_cannot_take_is_dropped_and_the_turn_runs_cold(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, payload: bytes, why: str) -> None:
+    pool, store = ledger()
+    shelf = pool.shelf = shelved(tmp_path, [1, 2, 3, 4], payload)
+    try:
+        with caplog.at_level(logging.WARNING, logger="phasewise.snapshots"):
+            lease = pool.acquire("c", [1, 2, 3, 4, 5])
+        assert (lease.cached_tokens, lease.restored) == (0, None)
+        assert lease.miss_reason != "restored_from_disk"
+        assert shelf.find("c") is None
+        assert any(m.endswith(f"dropped: {why}") for m in caplog.messages)
+        assert store.live == [lease.cache]  # a handle restored and refused was freed
+    finally:
+        shelf.close(10)
+
+
+def test_restoring_evicts_the_oldest_entry_when_no_handle_is_free(tmp_path: Path) -> None:
+    pool, store = ledger(slots=1)
+    other = turn(pool, "o", [7, 8])
+    pool.shelf = shelved(tmp_path, [1, 2, 3], bytes([1, 2, 3]))
+    try:
+        lease = pool.acquire("c", [1, 2, 3, 4])
+        assert (lease.cached_tokens, lease.miss_reason) == (3, "restored_from_disk")
+        assert store.freed == [other]
+    finally:
+        pool.shelf.close(10)
+
+
+def test_memory_is_preferred_when_it_holds_as_much_as_the_disk(tmp_path: Path) -> None:
+    pool, _ = ledger()
+    turn(pool, "donor", [1, 2, 3, 8])
+    pool.shelf = shelved(tmp_path, [1, 2, 3], bytes([1, 2, 3]))
+    try:
+        lease = pool.acquire("c", [1, 2, 3, 4])
+        assert (lease.cached_tokens, lease.restored) == (3, None)
+    finally:
+        pool.shelf.close(10)
