@@ -80,10 +80,13 @@ def _serve(args: argparse.Namespace) -> None:
                 allow_download=args.allow_download, allow_pickle=args.allow_pickle)
         except ModelLoadError as exc:
             raise CliError(str(exc)) from None
-        server = uvicorn_server(create_app(engine, token=args.token), args.host, args.port)
-        print(f"phasewise: serving {info.name} at http://{args.host}:{args.port}/v1 "
-              f"(Ctrl+C stops)", file=sys.stderr, flush=True)
-        server.run()
+
+        def announce() -> None:
+            print(f"phasewise: serving {info.name} at http://{args.host}:{args.port}/v1 "
+                  f"(Ctrl+C stops)", file=sys.stderr, flush=True)
+
+        app = create_app(engine, token=args.token)
+        uvicorn_server(app, args.host, args.port, on_started=announce).run()
 
 
 def open_engine(args: argparse.Namespace) -> Backend:

@@ -498,13 +498,26 @@ def create_app(engine: Backend, *, token: str | None = None,
     return ChatServer(engine, token=token, handoff_s=handoff_s).app()
 
 
-def uvicorn_server(app: Starlette, host: str, port: int) -> Any:
-    """A uvicorn Server that leaves the process's logging configuration alone."""
+def uvicorn_server(app: Starlette, host: str, port: int,
+                   on_started: Callable[[], None] | None = None) -> Any:
+    """A uvicorn Server that leaves the process's logging configuration alone.
+
+    `on_started` is called once it listens. By then uvicorn's own Ctrl+C and SIGTERM handlers
+    are in place, so a signal sent after that call always reaches a server that drains
+    (announcing before `run` left a window in which the signal broke into the event loop's
+    construction).
+    """
     import uvicorn
+
+    class AnnouncingServer(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and on_started is not None:
+                on_started()
 
     config = uvicorn.Config(app, host=host, port=port, log_config=None, log_level="warning",
                             access_log=False, timeout_graceful_shutdown=2)
-    return uvicorn.Server(config)
+    return AnnouncingServer(config)
 
 
 class ServerThread:

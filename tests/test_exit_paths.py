@@ -186,11 +186,15 @@ def test_bench_ends_cleanly_and_on_ctrl_c(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_serve_stops_cleanly_on_ctrl_c_and_sigterm(signum: int, tmp_path: Path) -> None:
+    """"serving" is said once the server listens with its signal handlers in place: the first
+    connection is accepted, and a signal right after the line drains the server (said earlier,
+    the signal could break into the event loop's construction with a traceback)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     proc = _start(["-m", "app", "serve", "--port", str(port)], tmp_path)
     _wait_for_line(proc, "stderr", "phasewise: serving")
+    socket.create_connection(("127.0.0.1", port), timeout=5).close()
     proc.send_signal(signum)
     code, _, err = _finish(proc)
     _assert_clean(code, err)
