@@ -160,6 +160,15 @@ def test_a_loan_carries_the_donors_checkpoint_and_keeps_the_donor() -> None:
     assert donor in store.live and pool.conversations()[-1] == "a"
 
 
+def test_a_chats_own_entry_is_freed_when_another_chat_lends_it_more() -> None:
+    pool, store = ledger()
+    own = turn(pool, "c", [1, 5])  # shares 1 token with the next prompt
+    donor = turn(pool, "a", [1, 2, 3, 4])  # shares 3
+    lease = pool.acquire("c", [1, 2, 3, 8])
+    assert store.loans[-1] == (donor, None, 3) and lease.cached_tokens == 3
+    assert store.freed == [own] and own not in store.live
+
+
 def test_a_loan_with_no_handle_left_to_free_is_kv_full() -> None:
     pool, _ = ledger(slots=1)
     turn(pool, "a", [1, 2, 3])
