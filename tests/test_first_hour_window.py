@@ -469,7 +469,7 @@ def test_after_a_restart_a_chat_opens_at_its_end_and_counts_its_stopped_turn(
     assert bar.value() == bar.maximum()  # at its end, where the last turn is
     last = restarted.store.messages(restarted.conversation_id)[-1]
     assert last.status == "stopped" and last.content == reply.text
-    assert restarted.context_label.text().startswith(f"context {used:,} / ")
+    assert restarted.status.context_label.text().startswith(f"context {used:,} / ")
 
 
 # ----- leftover of item 5: the draft model's notices clear when their cause does ----------------

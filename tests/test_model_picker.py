@@ -186,10 +186,10 @@ def test_the_window_shows_conversion_progress_as_a_percentage(qtbot, make_window
 
     window = make_window()
     window.bridge.sig_model_loading.emit("converting GGUF to safetensors (first start only)")
-    assert window.progress.maximum() == 0  # busy
+    assert window.status.progress.maximum() == 0  # busy
     window.bridge.sig_model_load_progress.emit(ModelLoadProgress(0, "converting GGUF", 42, 100))
     assert window.status.load_label.text() == "Converting GGUF: 42%"
-    assert window.progress.maximum() == 100 and window.progress.value() == 42
+    assert window.status.progress.maximum() == 100 and window.status.progress.value() == 42
 
 
 # ----- the model's own sampling defaults -------------------------------------------------------

@@ -548,7 +548,7 @@ def test_window_shows_prompt_progress_then_the_reply_stats_line(qtbot, make_wind
     window.bridge.sig_prefill_progress.connect(
         lambda e: statuses.append(window.chat.status_text(e.request_id)))
     window.bridge.sig_prefill_started.connect(  # the status bar's context gauge, at once
-        lambda e: contexts.append((window.context_label.text(), e.prompt_tokens)))
+        lambda e: contexts.append((window.status.context_label.text(), e.prompt_tokens)))
 
     with qtbot.waitSignal(window.sig_reply_finished, timeout=60_000):
         assert window.send("The capital of France is Paris. Hello, how are you today?")

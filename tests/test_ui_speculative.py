@@ -91,7 +91,7 @@ def test_choosing_a_draft_model_loads_it_and_replies_draft(qtbot, make_window, p
     assert picker.opened == 1
     name = window.model_info.name  # it drafts for itself
     assert window.controls.draft_label.text() == name
-    assert window.load_label.text() == f"Draft model {name} (fp32-eager)"
+    assert window.status.load_label.text() == f"Draft model {name} (fp32-eager)"
     assert window.controls.speculative_mode() == "draft"
 
     result = greedy_reply(qtbot, window)

@@ -51,7 +51,7 @@ def test_reply_streams_into_view_and_is_saved(qtbot, make_window) -> None:
     assert messages[1].status == "length"
     assert messages[1].settings["temperature"] == 0
     assert messages[1].metrics["output_tokens"] == 40
-    assert "context" in window.context_label.text()
+    assert "context" in window.status.context_label.text()
     assert not window.composer.text()
 
 
@@ -188,7 +188,7 @@ def test_failed_model_load_keeps_the_old_model(qtbot, make_window, tiny_engine, 
     assert "Model not loaded" in window.notice_label.text()
     assert before.name in window.notice_label.text()
     assert window.model_info == before and tiny_engine.model_info == before
-    assert not window.progress.isVisibleTo(window)
+    assert not window.status.progress.isVisibleTo(window)
     greedy(window, 3)
     send_and_wait(qtbot, window, "still works")
 

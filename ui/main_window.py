@@ -96,7 +96,7 @@ class MainWindow(QMainWindow):
 
         self._build_widgets()
         self._build_docks(hud_calibrate)
-        self._build_status_bar()
+        self.status = LoadStatus(self.statusBar())
         self.menus = WindowMenus(self)
         self._set_focus_chain()
         self.focus_ring = FocusRing(self)
@@ -155,11 +155,6 @@ class MainWindow(QMainWindow):
             ("Performance", "hudDock", self.hud))
         self.dock_widths = DockWidths(self, self.settings_dock, DOCK_WIDTH)
 
-    def _build_status_bar(self) -> None:
-        self.status = LoadStatus(self.statusBar())
-        self.progress, self.load_label = self.status.progress, self.status.load_label
-        self.context_label = self.status.context_label
-
     def _set_focus_chain(self) -> None:
         """Tab goes message → Attach… → replies count → Send → the settings in reading order → the
         chat list (New chat, search, chats) → the HUD's picker, menus and panels → the chat's
@@ -192,7 +187,7 @@ class MainWindow(QMainWindow):
                                 self.reply_options, self.notify, self)  # forecast, documents
         self.composer.sig_send.connect(self.send)
         self.composer.sig_stop.connect(self.stop)
-        self.composer.sig_cancel_edit.connect(self._cancel_edit)
+        self.composer.sig_cancel_edit.connect(self._leave_edit_mode)
         self.sidebar.sig_selected.connect(self.open_conversation)
         self.sidebar.sig_new.connect(self.new_chat)
         self.sidebar.sig_delete.connect(self.delete_conversation)
@@ -361,9 +356,6 @@ class MainWindow(QMainWindow):
             "stats": self.show_reply_stats}
         if action in handlers:
             handlers[action](message_id)
-
-    def _cancel_edit(self) -> None:
-        self.session.editing_message_id = None
 
     def _leave_edit_mode(self) -> None:
         self.session.editing_message_id = None
