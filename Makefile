@@ -37,7 +37,7 @@ lint: setup
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 	# No import cycle in app, ui and engine; tests share code only through tests/support/.
-	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q -p no:cacheprovider tests/test_layout.py
+	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q -p no:cacheprovider tests/project/test_layout.py
 
 # Mutation testing of the engine's core (config: [tool.mutmut] in pyproject.toml): the sampler,
 # the metrics, the prefix cache's ledger and its snapshots, the core's reply and loop (engine/core/) and the
@@ -142,7 +142,7 @@ package: $(VENV)/.package-stamp $(LLAMA_STAMP)
 	bash packaging/build.sh
 
 test-packaging: $(VENV)/.package-stamp
-	$(PY) -m pytest -q -m packaging tests/test_packaging.py
+	$(PY) -m pytest -q -m packaging tests/project/test_packaging.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

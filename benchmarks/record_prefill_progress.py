@@ -1,5 +1,5 @@
 """Record one lone llama.cpp prefill's PrefillProgress sequence as JSON: the fixture of
-tests/test_prefill_eta.py (tests/data/prefill_progress_llamacpp_6000.json), so the time-left
+tests/core/test_prefill_eta.py (tests/data/prefill_progress_llamacpp_6000.json), so the time-left
 rule can be tested on real progress. Prints the event count and the prefill's seconds.
 
     .venv/bin/python benchmarks/record_prefill_progress.py 6000 out.json

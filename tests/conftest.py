@@ -52,7 +52,7 @@ def tiny_model_no_template_dir(tmp_path_factory: pytest.TempPathFactory) -> Path
 @pytest.fixture
 def tiny_engine(tiny_model_dir: Path) -> Iterator[Engine]:
     """A started engine with the tiny model loaded (fp32-eager: the same path every run,
-    and no timing probe; tests/test_kernels.py covers kernel="auto")."""
+    and no timing probe; tests/runtimes/test_kernels.py covers kernel="auto")."""
     with Engine(cache_budget_bytes=64 << 20) as engine:
         engine.load_model_sync(str(tiny_model_dir), kernel="fp32-eager")
         yield engine
@@ -61,7 +61,7 @@ def tiny_engine(tiny_model_dir: Path) -> Iterator[Engine]:
 @pytest.fixture(scope="session")
 def real_engine() -> Iterator[Engine]:
     """The bundled default model, shared by the session, on the torch engine
-    (tests/test_llamacpp_engine.py runs it on llama.cpp, in a child). Its conversion is
+    (tests/runtimes/test_llamacpp_engine.py runs it on llama.cpp, in a child). Its conversion is
     cached in the run's own cache dir: done once per run, however many tests use it."""
     with Engine() as engine:
         engine.load_model_sync("default", engine="torch")

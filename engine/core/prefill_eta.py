@@ -14,7 +14,7 @@ tokens still to come is known to within MAX_ERROR (one standard error, from the 
 about the line): before that the line is extrapolated from a sliver of the prompt. A 5,000-word
 paste read 14 s at 9% with ~27 s to go (the rate so far, before the fit), then jumped to 32 s
 when a fit over three chunks took over. On a llama.cpp-like sequence with +-10% chunk noise
-(tests/test_prefill_eta.py) the first figure comes at ~25% and every one is within 0.96-1.13x
+(tests/core/test_prefill_eta.py) the first figure comes at ~25% and every one is within 0.96-1.13x
 of the real time left.
 """
 

@@ -1,5 +1,5 @@
 """A child process that runs the real app (app.cli.entry, the `phasewise` program) and ends it
-the way a user does, at a chosen moment: tests/test_exit_paths.py runs it and checks the exit.
+the way a user does, at a chosen moment: tests/app/test_exit_paths.py runs it and checks the exit.
 
     python -m tests.support.exit_driver MODE [phasewise arguments...]
 

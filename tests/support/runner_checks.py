@@ -1,6 +1,7 @@
 """The runner contract (issue 27 item 7), written once: what every runtime's runners promise the
-core, checked the same way on torch (tests/test_runner_contract.py, in-process on the tiny
-model) and on llama.cpp (tests/test_llamacpp_runner_contract.py, in a child on the bundled GGUF).
+core, checked the same way on torch (tests/runtimes/test_runner_contract.py, in-process on the
+tiny model) and on llama.cpp (tests/runtimes/test_llamacpp_runner_contract.py, in a child on
+the bundled GGUF).
 
 Each check takes a RunnerKit: the runtime's SoloRunner (engine/core/solo.py), a factory for its
 BatchCore (engine/core/batch.py), its prefix cache, and the two things only the runtime can say:

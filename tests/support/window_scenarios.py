@@ -3,7 +3,7 @@
 Each scenario drives a window built by the app's own factory (app.gui.build_window on
 app.gui.build_backend) and returns what it saw as plain data (a dict of numbers, texts and
 flags), so that the same scenario runs in this process on the torch engine and in a spawned
-child on llama.cpp (tests/test_window_engines.py), where native code may crash without taking
+child on llama.cpp (tests/ui/test_window_engines.py), where native code may crash without taking
 the test run down. The tests assert on the dicts.
 
 Where a scenario needs the reply at a known point (Stop after the second token, Stop while

@@ -22,7 +22,7 @@ import torch
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's decoder layers, in the order a forward runs them."""
     # Imported here: the llama.cpp engine imports engine.runtimes.torch.generate, and starts without
-    # transformers (tests/test_llamacpp_startup.py).
+    # transformers (tests/runtimes/test_llamacpp_startup.py).
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]

@@ -24,7 +24,7 @@ import pytest
 
 pytestmark = pytest.mark.packaging
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMOKE_TIMEOUT_S = 600
 BUNDLE = "opt/phasewise"
 MODEL_DIR = f"{BUNDLE}/_internal/models/SmolLM2-135M-Instruct"

@@ -26,7 +26,7 @@ from engine.model_files import (
 from engine.runtimes import LLAMA_CPP, gguf_path, resolve_engine
 from engine.runtimes.torch.loader import load_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bundle(target: Path, content: bytes = b"GGUF" + bytes(60)) -> Path:

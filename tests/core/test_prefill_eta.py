@@ -9,7 +9,7 @@ import pytest
 
 from engine.core.prefill_eta import PrefillClock
 
-RECORDED = Path(__file__).parent / "data" / "prefill_progress_llamacpp_6000.json"
+RECORDED = Path(__file__).resolve().parents[1] / "data" / "prefill_progress_llamacpp_6000.json"
 
 BASE_S, SLOPE_S = 5e-3, 2.5e-6  # per token at position 0, and per position (llama.cpp-like)
 

@@ -1,6 +1,6 @@
 """The KV shelf's files (engine/core/snapshots.py) at the byte level: what a damaged or foreign
 snapshot does on load, what clearing the shelf frees, and that its names stay stable across
-releases. The engine-level resume tests are in tests/test_kv_snapshots.py."""
+releases. The engine-level resume tests are in tests/runtimes/test_kv_snapshots.py."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from types import ModuleType
 import pytest
 
 pytestmark = pytest.mark.timeout(960)  # the CPU run's own limit is 900 s
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 STATUSES = {"pass", "fail", "measured", "skipped", "error"}
 CORRECTNESS = {"load", "greedy = generate()", "cached turn = cold", "alternatives = one by one",

@@ -37,7 +37,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 @pytest.fixture(autouse=True)
 def progress_at_chunk_ends_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """These tests count the events at chunk ends; a slow moment must not add one from inside
-    a chunk (those have their own tests: tests/test_prefill_progress.py)."""
+    a chunk (those have their own tests: tests/runtimes/test_prefill_progress.py)."""
     monkeypatch.setattr(prefill_progress, "WITHIN_CHUNK_NS", 1 << 62)
 
 

@@ -1,6 +1,6 @@
 """The runner contract (tests/support/runner_checks.py) on the torch runtime: TorchRunner and
 Batcher on the tiny model with sharpened weights, in-process. The same checks run on llama.cpp
-in tests/test_llamacpp_runner_contract.py."""
+in tests/runtimes/test_llamacpp_runner_contract.py."""
 
 from __future__ import annotations
 

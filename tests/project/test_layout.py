@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grimp
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
 PACKAGES = ("app", "ui", "engine")
 
@@ -155,6 +155,20 @@ def test_helper_modules_live_in_tests_support() -> None:
                  and not path.name.startswith("test_")
                  and path.name not in ("conftest.py", "__init__.py")]
     assert not misplaced, f"helper modules outside tests/support/: {misplaced}"
+
+
+LAYERS = {"core", "runtimes", "engine", "tools", "ui", "app", "project", "contract", "support",
+          "data"}
+
+
+def test_tests_are_grouped_by_layer() -> None:
+    """Each test module sits in the folder of the layer it tests (docs/architecture.md), none
+    loose in tests/ and no folder outside the known layers."""
+    loose = sorted(path.name for path in TESTS.glob("test_*.py"))
+    folders = {path.name for path in TESTS.iterdir()
+               if path.is_dir() and not path.name.startswith((".", "__"))}
+    assert not loose, f"test modules outside a layer's folder: {loose}"
+    assert folders <= LAYERS, f"folders that are no layer: {sorted(folders - LAYERS)}"
 
 
 # ----- the light front ---------------------------------------------------------------------------

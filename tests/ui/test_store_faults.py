@@ -15,7 +15,7 @@ import pytest
 from ui import store as store_module
 from ui.store import STOPPED, STREAMING, ChatStore, StoreError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WRITER = textwrap.dedent("""
     import sys
     from pathlib import Path

@@ -22,7 +22,7 @@ import pytest
 
 from ui.store import STOPPED, ChatStore
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHILD_TIMEOUT_S = 240
 pytestmark = [
     pytest.mark.real_model,

@@ -15,7 +15,7 @@ from engine.runtimes.torch.loader import load_model
 from ui.chat_view import ChatView
 from ui.store import Message
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SOURCE_DIRS = ("app", "engine", "ui", "packaging", "benchmarks")
 HOSTILE_OUTPUT = (
     "<script>fetch('http://evil.example/x')</script><img src='http://evil.example/t.png'>\n\n"

@@ -1,7 +1,7 @@
 """The runner contract (tests/support/runner_checks.py) on the llama.cpp runtime: LlamaRunner
 and LlamaBatcher on the bundled GGUF. Native code runs in a child process; one child loads the
 model once and runs every check (each on a fresh prefix cache), and each check's outcome is
-its own test here. The same checks run on torch in tests/test_runner_contract.py."""
+its own test here. The same checks run on torch in tests/runtimes/test_runner_contract.py."""
 
 from __future__ import annotations
 

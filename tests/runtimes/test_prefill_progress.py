@@ -1,6 +1,6 @@
 """Progress from inside a prefill chunk: the reporter's bounds and throttle, and torch's
-decoder-layer hooks (llama.cpp's graph meter: tests/test_llamacpp_engine.py; each
-architecture's layers: tests/test_architectures.py)."""
+decoder-layer hooks (llama.cpp's graph meter: tests/runtimes/test_llamacpp_engine.py; each
+architecture's layers: tests/runtimes/test_architectures.py)."""
 
 from __future__ import annotations
 

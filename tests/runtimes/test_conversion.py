@@ -99,7 +99,7 @@ def test_bundled_gguf_converts_exactly_within_its_memory(tmp_path: Path) -> None
     """)
     env = {**os.environ, "PHASEWISE_CACHE_DIR": str(tmp_path)}
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         env=env, cwd=Path(__file__).parent.parent, timeout=600, check=True)
+                         env=env, cwd=Path(__file__).resolve().parents[2], timeout=600, check=True)
     report = json.loads(run.stdout.strip().splitlines()[-1])
     assert report["grew"] < 1.3 * report["size"]
 

@@ -15,8 +15,9 @@ import pytest
 
 from tests.support.isolation import KEYRING_BACKEND, ROOT_ENV
 
-ROOT = Path(__file__).resolve().parents[1]
-CHILD = "import json; from tests.test_isolation import resolve; print(json.dumps(resolve()))"
+ROOT = Path(__file__).resolve().parents[2]
+CHILD = ("import json; from tests.project.test_isolation import resolve; "
+         "print(json.dumps(resolve()))")
 
 
 def resolve() -> dict[str, str]:

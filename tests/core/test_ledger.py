@@ -1,7 +1,7 @@
 """The prefix cache's ledger (engine/core/ledger.py) over a store that records what it is asked:
 which handles it frees, what a loan carries, how few handles it has (llama.cpp's sequence ids),
 and the forecast's `peek` against what a turn then finds. The same ledger runs under every
-runtime; tests/test_prefix_cache.py drives it through the torch store."""
+runtime; tests/runtimes/test_prefix_cache.py drives it through the torch store."""
 
 from __future__ import annotations
 
