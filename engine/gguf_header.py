@@ -33,6 +33,15 @@ FILE_TYPES = {
     38: "MXFP4_MOE",
 }
 
+# ggml's tensor types by id (ggml.h's ggml_type): a prompt's matmuls run at each type's own
+# speed (engine/tools/speed.py prices them apart).
+TENSOR_TYPES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",
+    10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS",
+    17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S",
+    23: "IQ4_XS", 29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4",
+}
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -56,6 +65,12 @@ class GGUFHeader:
     data_start: int
     # Where each tensor's bytes start, from data_start (in the file's order of tensor infos).
     tensor_offsets: dict[str, int] = field(default_factory=dict)
+    tensor_types: dict[str, int] = field(default_factory=dict)  # ggml type ids
+
+    def type_name(self, tensor: str) -> str:
+        """A tensor's ggml type ("Q4_K"; "type 99" for one this reader does not name)."""
+        kind = self.tensor_types.get(tensor, -1)
+        return TENSOR_TYPES.get(kind, f"type {kind}")
 
     def field(self, key: str, default: Any = None) -> Any:
         arch = self.metadata.get("general.architecture", "")
@@ -170,12 +185,15 @@ def merge_split(parts: list[tuple[GGUFHeader, int]]) -> GGUFHeader:
     first = parts[0][0]
     dims: dict[str, tuple[int, ...]] = {}
     offsets: dict[str, int] = {}
+    types: dict[str, int] = {}
     shift = 0
     for header, size in parts:
         dims.update(header.tensor_dims)
+        types.update(header.tensor_types)
         offsets.update({name: shift + offset for name, offset in header.tensor_offsets.items()})
         shift += size - header.data_start
-    return GGUFHeader(first.metadata, dims, sum(h.data_start for h, _ in parts), offsets)
+    return GGUFHeader(first.metadata, dims, sum(h.data_start for h, _ in parts), offsets,
+                      types)
 
 
 def read_gguf_model(path: Path) -> tuple[GGUFHeader, int]:
@@ -212,19 +230,20 @@ def parse_gguf(data: Buffer) -> GGUFHeader:
             metadata[key], pos = _value(data, pos + 4, kind)
         dims: dict[str, tuple[int, ...]] = {}
         offsets: dict[str, int] = {}
+        types: dict[str, int] = {}
         for _ in range(n_tensors):
             name, pos = _string(data, pos)
             (n_dims,) = struct.unpack_from("<I", data, pos)
             dims[name] = struct.unpack_from(f"<{n_dims}Q", data, pos + 4)
-            pos += 4 + 8 * n_dims + 4  # dims, type
-            (offsets[name],) = struct.unpack_from("<Q", data, pos)
-            pos += 8
+            pos += 4 + 8 * n_dims
+            types[name], offsets[name] = struct.unpack_from("<IQ", data, pos)
+            pos += 12
     except struct.error:
         raise TruncatedHeader(len(data)) from None
     if pos > len(data):  # a skipped string array ran past the end without reading it
         raise TruncatedHeader(pos)
     alignment = int(metadata.get("general.alignment", 32))
-    return GGUFHeader(metadata, dims, -(-pos // alignment) * alignment, offsets)
+    return GGUFHeader(metadata, dims, -(-pos // alignment) * alignment, offsets, types)
 
 
 def _string(data: Buffer, pos: int) -> tuple[str, int]:

@@ -852,7 +852,7 @@ def iter_fits(hub: Hub, files: list[RemoteFile], context_length: int | None,
             assert read is not None
             cost = ModelCost.from_gguf(header, read.size)
             if f != read:
-                cost = cost.for_file_size(header, read.size, f.size)
+                cost = cost.for_file_size(header, read.size, f.size, f.quant)
             yield FileFit(f, hub.estimate(f, context_length, header), cost)
         except HubError as exc:
             yield FileFit(f, None, None, str(exc))

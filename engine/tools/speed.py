@@ -17,7 +17,9 @@ A model is then priced by what its header says (ModelCost):
   fitted by engine/forecast.py's PrefillCost (the fit the wait forecast uses), with `a` scaled
   by the model's matmul FLOPs per token (2 x the weights every prompt token multiplies) and
   `b` by its attention FLOPs per pair of positions (query heads x (key + value dims), summed
-  over its attention layers).
+  over its attention layers). On llama.cpp `a` is scaled again by what the model's weight
+  types cost per FLOP against the bundled model's (Q4_1): each type's prompt timed once on a
+  synthetic model (engine/tools/synthetic_gguf.py) whose matrices all take that type.
 
 After a model's first replies the figures they measured are kept per model file
 (MeasuredSpeeds, from RequestMetrics), so the picker sets them beside the prediction; the
@@ -33,7 +35,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -54,9 +56,18 @@ MEASURED_FILE = "measured-speeds.json"
 PREFILL_LENGTHS = (128, 512, 1536, PROMPT_TOKENS)
 DECODE_PROMPT, DECODE_TOKENS = 64, 65
 WARM_UP_TOKENS = 384  # one prompt read first, not timed
+# llama.cpp's prompt per weight type: a synthetic Llama (every matrix a K-quant: rows of 768,
+# a multiple of 256) quantized purely to each type, a cold prompt read twice, the faster kept.
+PROMPT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                "Q6_K", "IQ4_XS", "F16", "BF16")
+# The llama.cpp file type whose pure quantization stores every matrix in that type.
+TYPE_FTYPES = {"Q3_K": "Q3_K_S", "Q4_K": "Q4_K_S", "Q5_K": "Q5_K_S"}
+SYNTHETIC_SHAPE = (768, 2048, 4)  # hidden, FFN, layers
+TYPE_PROMPT = 512  # tokens
 METHOD = (f"bundled model: decode {DECODE_TOKENS - 1} tokens after {DECODE_PROMPT}, best of 2;"
           f" cold prompts of {'/'.join(str(n) for n in PREFILL_LENGTHS)} tokens after one of "
-          f"{WARM_UP_TOKENS}")
+          f"{WARM_UP_TOKENS}; llama.cpp: {TYPE_PROMPT} tokens per weight type on a synthetic "
+          f"{'x'.join(str(n) for n in SYNTHETIC_SHAPE)}")
 MEASURE_TIMEOUT_S = 600.0  # a child that says nothing for this long is killed
 MIN_DECODE_TOKENS = 8  # a reply with fewer says little about the decode rate
 MIN_PREFILL_TOKENS = 32  # a prefill of fewer says little about the prompt rate
@@ -76,6 +87,9 @@ class ModelCost:
     step_bytes: int  # weights one decode step reads, as stored (what llama.cpp reads)
     attention: int  # sum over attention layers of query heads x (key + value dims)
     context_length: int  # the longest prompt the model takes
+    # A GGUF's body matrices by ggml type, (type, weights): llama.cpp reads a prompt at each
+    # type's own matmul speed (Q8_0 and the K-quants 1.6-1.8x faster than Q4_1 on Zen 5).
+    body_types: tuple[tuple[str, int], ...] = ()
 
     @property
     def step_parameters(self) -> int:
@@ -91,7 +105,8 @@ class ModelCost:
         shape = header.shape()
         return cls(parameters=total, body_parameters=max(0, total - embed - output),
                    head_parameters=output or embed, step_bytes=header.step_bytes(file_size),
-                   attention=shape.attention_width, context_length=shape.context_length)
+                   attention=shape.attention_width, context_length=shape.context_length,
+                   body_types=_body_types(header))
 
     @classmethod
     def from_gguf_file(cls, path: Path) -> ModelCost:
@@ -138,13 +153,36 @@ class ModelCost:
                    attention=shape.attention_width, context_length=shape.context_length)
 
     def for_file_size(self, header: GGUFHeader, header_file_size: int,
-                      file_size: int) -> ModelCost:
+                      file_size: int, quant: str = "") -> ModelCost:
         """The same model in another quantization of `file_size` bytes (another file of the
         repository whose header was read): the same shape, its step's bytes in proportion to
-        its weights."""
+        its weights, its body matrices of the type its name says (`quant`: "Q4_K_M" ->
+        Q4_K; unknown when it says none)."""
         weights = max(1, header_file_size - header.data_start)
         share = max(0, file_size - header.data_start) / weights
-        return ModelCost(**{**asdict(self), "step_bytes": int(self.step_bytes * share)})
+        matrices = sum(n for _t, n in self.body_types)
+        types = ((main_type(quant), matrices),) if quant and matrices else ()
+        return replace(self, step_bytes=int(self.step_bytes * share), body_types=types)
+
+
+def main_type(quant: str) -> str:
+    """The ggml type most of a file of quantization `quant` is stored in: "Q4_K_M" -> "Q4_K",
+    "Q8_0" -> "Q8_0", "IQ4_XS" -> "IQ4_XS"."""
+    quant = quant.upper()
+    for suffix in ("_S", "_M", "_L"):
+        if "_K" in quant and quant.endswith(suffix):
+            return quant[: -len(suffix)]
+    return quant
+
+
+def _body_types(header: GGUFHeader) -> tuple[tuple[str, int], ...]:
+    """The body's matrices (not the embedding table or the output head) by ggml type."""
+    counts: dict[str, int] = {}
+    for name, dims in header.tensor_dims.items():
+        if len(dims) >= 2 and name not in ("token_embd.weight", "output.weight"):
+            kind = header.type_name(name)
+            counts[kind] = counts.get(kind, 0) + _elements(dims)
+    return tuple(sorted(counts.items()))
 
 
 def _elements(dims: Iterable[int]) -> int:
@@ -176,6 +214,11 @@ class EngineSpeed:
     prefill_line: tuple[float, float, float]  # (a, b, d): s = d + a n + b n^2 / 2
     prompt_flops_per_token: float  # its matmul FLOPs per prompt token (a's unit)
     attention: int  # its attention dims (b's unit, as ModelCost.attention)
+    # llama.cpp: seconds per body matmul FLOP of a prompt in each weight type, timed on a
+    # synthetic model whose every matrix takes every type (PROMPT_TYPES), and the measured
+    # model's own body types: a model is priced by its types against the measured one's
+    prompt_type_s: tuple[tuple[str, float], ...] = ()
+    model_types: tuple[tuple[str, int], ...] = ()
     measured_s: float = 0.0  # how long measuring took
     # the 1-minute load average as measuring started (at the end it counts our own threads)
     loadavg: float = 0.0
@@ -195,6 +238,20 @@ class EngineSpeed:
         """Taken while the machine was busy, and it is idle now: measure once more (a
         measurement taken idle is kept for good)."""
         return self.busy and _loadavg() <= BUSY_LOAD
+
+    def type_factor(self, body_types: tuple[tuple[str, int], ...]) -> float:
+        """A prompt's matmul time per FLOP in `body_types` against the measured model's (its
+        own types): 1.0 where either holds a type that was not timed, or none was."""
+        mine = self._seconds_per_flop(self.model_types)
+        theirs = self._seconds_per_flop(body_types)
+        return theirs / mine if mine and theirs else 1.0
+
+    def _seconds_per_flop(self, types: tuple[tuple[str, int], ...]) -> float | None:
+        timed = dict(self.prompt_type_s)
+        weights = sum(n for _t, n in types)
+        if not weights or any(t not in timed for t, _n in types):
+            return None
+        return sum(timed[t] * n for t, n in types) / weights
 
     @property
     def bytes_per_parameter(self) -> float:
@@ -223,6 +280,9 @@ class EngineSpeed:
         values["prefill_points"] = tuple((int(n), float(s)) for n, s in values["prefill_points"])
         a, b, d = values["prefill_line"]
         values["prefill_line"] = (float(a), float(b), float(d))
+        values["prompt_type_s"] = tuple((str(t), float(x))
+                                        for t, x in values.get("prompt_type_s", ()))
+        values["model_types"] = tuple((str(t), int(n)) for t, n in values.get("model_types", ()))
         return cls(**values)
 
 
@@ -266,6 +326,7 @@ def prompt_seconds(cost: ModelCost, speed: EngineSpeed, tokens: int, cached: int
     model's (a token at depth x attends over x positions: the n^2 term runs from cached)."""
     a, b, d = speed.prefill_line
     per_token = 2.0 * cost.body_parameters / max(speed.prompt_flops_per_token, 1.0)
+    per_token *= speed.type_factor(cost.body_types)
     pairs = cost.attention / max(speed.attention, 1)
     return (d + a * (tokens - cached) * per_token
             + b * (tokens * tokens - cached * cached) / 2 * pairs)
@@ -478,6 +539,7 @@ def measure_engine(engine: str, device: str = "cpu", stop: threading.Event | Non
         decode_parameters=cost.step_parameters if cost else run.parameters,
         prefill_points=run.prefill, prefill_line=fit_prefill(run.prefill),
         prompt_flops_per_token=flops_per_token, attention=cost.attention if cost else 0,
+        prompt_type_s=run.prompt_type_s, model_types=cost.body_types if cost else (),
         measured_s=time.perf_counter() - started, loadavg=load,
         when=time.strftime("%Y-%m-%d %H:%M"))
 
@@ -493,6 +555,7 @@ class EngineRun:
     weight_bytes_per_step: int
     parameters: int
     prefill: tuple[tuple[int, float], ...]  # (tokens read cold, seconds)
+    prompt_type_s: tuple[tuple[str, float], ...] = ()  # EngineSpeed's, llama.cpp only
 
 
 def run_engine(spec: str, engine: str, device: str = "cpu",
@@ -514,7 +577,8 @@ def run_engine(spec: str, engine: str, device: str = "cpu",
                      decode_tok_s=float(raw["decode_tok_s"]),
                      weight_bytes_per_step=int(raw["weight_bytes_per_step"]),
                      parameters=int(raw["parameters"]),
-                     prefill=tuple((int(n), float(s)) for n, s in raw["prefill"]))
+                     prefill=tuple((int(n), float(s)) for n, s in raw["prefill"]),
+                     prompt_type_s=tuple((str(t), float(x)) for t, x in raw["prompt_type_s"]))
 
 
 def fit_prefill(points: Iterable[tuple[int, float]]) -> tuple[float, float, float]:
@@ -552,7 +616,15 @@ def _loadavg() -> float:
 def _measure_child(conn: Connection, spec: str, engine: str, device: str,
                    lengths: tuple[int, ...], decode: tuple[int, int]) -> None:
     """In the child: load `spec` on `engine`, decode once for the rate (best of two), read
-    cold prompts of each length; send the figures back."""
+    cold prompts of each length, and on llama.cpp a prompt in each weight type; send the
+    figures back."""
+    figures = _measure_model(spec, engine, device, lengths, decode)
+    figures["prompt_type_s"] = time_prompt_types() if engine == "llama.cpp" else []
+    conn.send(("result", figures))
+
+
+def _measure_model(spec: str, engine: str, device: str, lengths: tuple[int, ...],
+                   decode: tuple[int, int]) -> dict[str, Any]:
     from engine import runtimes
     from engine.tools.bench import fixed_prompt_ids, run_ours
 
@@ -570,11 +642,53 @@ def _measure_child(conn: Connection, spec: str, engine: str, device: str,
         for n in lengths:
             metrics = run_ours(loaded, ids[:n], 1, reuse_cache=False).metrics
             prefill.append((metrics.prefilled_tokens, metrics.prefill_s))
-        conn.send(("result", {
-            "model": f"{info.name} ({info.dtype})", "kernel": info.kernel,
-            "threads": loaded.cpu_threads, "decode_tok_s": max(rates),
-            "weight_bytes_per_step": info.weight_bytes_per_step,
-            "parameters": info.parameters, "prefill": prefill}))
+        return {"model": f"{info.name} ({info.dtype})", "kernel": info.kernel,
+                "threads": loaded.cpu_threads, "decode_tok_s": max(rates),
+                "weight_bytes_per_step": info.weight_bytes_per_step,
+                "parameters": info.parameters, "prefill": prefill}
+    finally:
+        loaded.close()
+
+
+def time_prompt_types(types: tuple[str, ...] = PROMPT_TYPES,
+                      shape: tuple[int, int, int] = SYNTHETIC_SHAPE,
+                      tokens: int = TYPE_PROMPT) -> list[tuple[str, float]]:
+    """In a child (native code): seconds per body matmul FLOP of a cold `tokens`-token prompt
+    on llama.cpp in each weight type, on a synthetic model of `shape` quantized purely to the
+    type (the faster of two reads). A type whose file comes out in another type is left out."""
+    import tempfile
+
+    from engine.gguf_header import read_gguf
+    from engine.tools.synthetic_gguf import quantize, write_f16
+
+    timed = []
+    with tempfile.TemporaryDirectory(prefix="phasewise-types-") as folder:
+        source = write_f16(Path(folder) / "source.gguf", "llama", *shape, vocab=0)
+        for kind in types:
+            path = quantize(source, Path(folder) / f"{kind}.gguf", TYPE_FTYPES.get(kind, kind),
+                            pure=True)
+            stored = dict(_body_types(read_gguf(path)))
+            if set(stored) == {kind}:
+                seconds = _cold_prompt_s(path, tokens)
+                timed.append((kind, seconds / (2.0 * stored[kind] * tokens)))
+            path.unlink()
+    return timed
+
+
+def _cold_prompt_s(path: Path, tokens: int) -> float:
+    """The faster of two cold reads of a `tokens`-token prompt of `path` on llama.cpp, after
+    one untimed read of half as many. Flash attention on for every type alike (no probe per
+    file: a 512-token prompt's time is the matmuls')."""
+    from engine.runtimes.llamacpp.runtime import load_llama
+    from engine.tools.bench import fixed_prompt_ids, run_ours
+
+    loaded = load_llama(path, name=path.stem, source="gguf", progress=None,
+                        context_length=2 * tokens, flash_attn=True)
+    try:
+        ids = fixed_prompt_ids(loaded, tokens)
+        run_ours(loaded, ids[: tokens // 2], 1, reuse_cache=False)
+        return min(run_ours(loaded, ids, 1, reuse_cache=False).metrics.prefill_s
+                   for _ in range(2))
     finally:
         loaded.close()
 

@@ -15,13 +15,17 @@ from engine.runtime_choice import LLAMA_CPP, TORCH
 from engine.runtimes.llamacpp.model import weight_bytes_per_step
 from engine.tools import speed
 from engine.tools.speed import (
+    EngineSpeed,
     MeasuredSpeeds,
     ModelCost,
     ModelSpeed,
     SpeedProfiles,
+    main_type,
     predict,
     prompt_seconds,
+    time_prompt_types,
 )
+from tests.support.child import needs_llama_cpp, run_in_child
 from tests.support.gguf import write_gguf
 from tests.support.speed import CountingMeasure, fake_speed
 
@@ -72,6 +76,72 @@ def test_prediction_scales_the_measured_engine_by_bytes_and_flops() -> None:
     # On torch the bytes are its kernel's, per weight: 100 MB / 134 M weights measured.
     on_torch = predict(model, fake_speed(TORCH))
     assert on_torch.decode_tok_s == pytest.approx(100.0 * 134 / 600, rel=1e-3)
+
+
+def test_a_gguf_names_its_body_matrices_types(tmp_path: Path) -> None:
+    """The bundled file: its body in Q4_1, its tied table (Q8_0) no part of the body."""
+    from engine.model_files import default_gguf_path
+
+    cost = ModelCost.from_gguf_file(default_gguf_path())
+    assert [t for t, _n in cost.body_types] == ["Q4_1"]
+    assert cost.body_types[0][1] == cost.body_parameters - sum(  # all but the norms' vectors
+        n for name, dims in read_gguf(default_gguf_path()).tensor_dims.items()
+        if len(dims) == 1 for n in dims)
+    untied = ModelCost.from_gguf_file(write_gguf(tmp_path / "u.gguf", layers=2, kv_heads=2,
+                                                 untied=True))
+    assert untied.body_types == (("F16", 2 * 512 * 512),)  # not the F32 head, not the table
+
+
+def test_a_prompt_is_priced_by_its_weight_types_against_the_measured_models() -> None:
+    """On llama.cpp each type's matmuls cost their own time per FLOP: a model in a type twice
+    as fast as the bundled model's reads at half its `a` term; types not timed price as the
+    bundled model's."""
+    measured = replace(fake_speed(LLAMA_CPP), prompt_type_s=(("Q4_1", 4e-11), ("Q4_K", 2e-11),
+                                                             ("Q6_K", 3e-11)),
+                       model_types=(("Q4_1", 10**8),))
+    model = ModelCost(parameters=10**9, body_parameters=5 * 10**8, head_parameters=10**8,
+                      step_bytes=400_000_000, attention=34560, context_length=8192,
+                      body_types=(("Q4_K", 4 * 10**8), ("Q6_K", 10**8)))
+    a, b, d = measured.prefill_line
+    factor = (4 * 2e-11 + 1 * 3e-11) / 5 / 4e-11  # 0.55
+    assert measured.type_factor(model.body_types) == pytest.approx(factor)
+    assert prompt_seconds(model, measured, 4000) == pytest.approx(
+        d + a * 4000 * 5 * factor + b * 4000**2 / 2)
+    untimed = replace(model, body_types=(("Q4_K", 4 * 10**8), ("IQ2_XS", 10**8)))
+    assert measured.type_factor(untimed.body_types) == 1.0
+    assert measured.type_factor(()) == 1.0  # a Hugging Face folder: FLOPs alone
+    assert replace(measured, prompt_type_s=()).type_factor(model.body_types) == 1.0  # torch
+    # The types survive the cache file's round trip; an older entry without them reads as
+    # untimed.
+    again = EngineSpeed.from_dict(measured.to_dict())
+    assert again == measured
+    older = {k: v for k, v in measured.to_dict().items()
+             if k not in ("prompt_type_s", "model_types")}
+    assert EngineSpeed.from_dict(older).type_factor(model.body_types) == 1.0
+
+
+def test_another_quant_of_a_repository_takes_the_type_its_name_says(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "u.gguf", layers=2, kv_heads=2, untied=True)
+    header, size = read_gguf(path), path.stat().st_size
+    cost = ModelCost.from_gguf_file(path)
+    other = cost.for_file_size(header, size, size, "Q4_K_M")
+    assert other.body_types == (("Q4_K", 2 * 512 * 512),)
+    assert cost.for_file_size(header, size, size).body_types == ()  # its name says none
+    assert [main_type(q) for q in ("Q4_K_M", "q5_k_s", "Q3_K_L", "Q8_0", "IQ4_XS", "BF16",
+                                   "Q6_K")] == [
+        "Q4_K", "Q5_K", "Q3_K", "Q8_0", "IQ4_XS", "BF16", "Q6_K"]
+
+
+def _time_two_types() -> list[tuple[str, float]]:
+    # rows of 320: Q4_0's blocks of 32 fit, Q4_K's 256 do not (llama.cpp stores it otherwise)
+    return time_prompt_types(("Q4_0", "Q4_K", "Q8_0"), shape=(320, 512, 1), tokens=64)
+
+
+@needs_llama_cpp
+def test_each_weight_types_prompt_is_timed_on_a_synthetic_model() -> None:
+    timed = dict(run_in_child(_time_two_types))
+    assert set(timed) == {"Q4_0", "Q8_0"}  # Q4_K could not be stored as itself: left out
+    assert all(0 < s < 1e-6 for s in timed.values())  # seconds per FLOP
 
 
 def test_the_measurement_is_taken_once_per_machine_and_engine_build(

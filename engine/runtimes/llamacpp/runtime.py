@@ -92,10 +92,10 @@ class LlamaRuntime:
 
 
 def load_llama(path: Path, *, name: str, source: str, progress: Progress | None,
-               context_length: int | None) -> LlamaRuntime:
-    """Load a GGUF into one context and warm it up."""
+               context_length: int | None, flash_attn: bool | None = None) -> LlamaRuntime:
+    """Load a GGUF into one context and warm it up (flash_attn: load_gguf's)."""
     model = load_gguf(path, name=name, source=source, context_length=context_length,
-                      progress=progress)
+                      progress=progress, flash_attn=flash_attn)
     if progress:
         progress("warming up")
     warm_up_llama(model)
