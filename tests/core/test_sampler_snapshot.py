@@ -24,6 +24,7 @@ def test_ascii_byte_tokens_read_as_their_character() -> None:
     assert readable_piece("<0x0a>") == "\n"
     assert readable_piece("<0x20>") == " "
     assert readable_piece("<0xE2>") == "<0xE2>"  # part of a multi-byte character
+    assert readable_piece("<0x7F>") == "\x7f" and readable_piece("<0x80>") == "<0x80>"  # edge
     assert readable_piece("x<0x0A>") == "x<0x0A>"  # only a whole piece is a byte token
     assert readable_piece("Hello") == "Hello"
 

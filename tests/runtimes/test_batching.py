@@ -443,20 +443,22 @@ def test_the_batcher_knows_its_stop_tokens_and_room() -> None:
     assert decisions(prefill_chunk=0).prefill_chunk == CPU_PREFILL_CHUNK  # the device's own
 
 
+@pytest.mark.parametrize("penalty", [5.0, 2.0])
 def test_batched_rows_apply_the_repetition_penalty_to_their_own_tokens(
-        engine: Engine, sharp_model_dir: Path) -> None:
+        engine: Engine, sharp_model_dir: Path, penalty: float) -> None:
     """Each row's penalty covers its own prompt and reply: checked against a plain forward over
     the whole sequence per token (tests/support/reference.py), not the engine."""
     from engine.runtimes.torch.loader import load_model
     from tests.support.reference import reference_greedy
 
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
-                            repetition_penalty=5.0)
+                            repetition_penalty=penalty)
     requests = [ask(p, params) for p in PROMPTS[1:3]]
     results = [h.wait(60) for h in [engine.submit(r) for r in requests]]
     loaded = load_model(str(sharp_model_dir))
     for result in results:
-        assert result.token_ids == reference_greedy(loaded, result.prompt_token_ids, 16, 5.0)
+        assert result.token_ids == reference_greedy(loaded, result.prompt_token_ids, 16,
+                                                    penalty)
     plain = [reference_greedy(loaded, r.prompt_token_ids, 16) for r in results]
     assert plain != [r.token_ids for r in results]  # the penalty changed a reply
 

@@ -151,6 +151,24 @@ def test_the_first_token_gets_a_sampler_snapshot(tiny: LoadedModel) -> None:
         assert snap.chosen_id == result.token_ids[snap.index]
 
 
+@pytest.mark.parametrize("interval", ["none", "long"])
+def test_sampler_snapshots_are_throttled_to_their_interval(
+        tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch, interval: str) -> None:
+    """The first token always has one; later ones once the interval has passed since the last:
+    with none, every token (stamped when it was sampled); with a long one (as long as the
+    monotonic clock has run), the first alone."""
+    from engine.core import reply as reply_module
+
+    interval_ns = 0 if interval == "none" else now_ns()
+    monkeypatch.setattr(reply_module, "SNAPSHOT_INTERVAL_NS", interval_ns)
+    request = prompt_request(tiny, temperature=0.0, max_tokens=5, ignore_eos=True)
+    _, events, timeline = decode(tiny, request)
+    snaps = [e for e in events if isinstance(e, SamplerSnapshot)]
+    expected = range(5) if interval_ns == 0 else range(1)
+    assert [s.index for s in snaps] == list(expected)
+    assert all(timeline.first_logits_ns <= s.t_ns <= timeline.token_ns[s.index] for s in snaps)
+
+
 def test_a_seeded_reply_repeats_and_another_seed_differs(tiny: LoadedModel) -> None:
     def sampled(seed: int) -> list[int]:
         request = prompt_request(tiny, temperature=1.5, max_tokens=12, ignore_eos=True,

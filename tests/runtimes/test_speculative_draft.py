@@ -242,6 +242,20 @@ def test_sampled_self_draft_accepts_all_and_repeats_with_the_seed(
     assert again.token_ids == first.token_ids and len(first.token_ids) == 30
 
 
+def test_sampled_drafts_repeat_with_the_seed_whatever_torchs_own_state(
+        target: LoadedModel, drafts: dict[str, DraftModel]) -> None:
+    """The acceptance draws come from the request's generator, not torch's global one: a
+    noisy draft (some proposals rejected) gives the same reply after other global seeds."""
+    prompt = fixed_prompt_ids(target, 16)
+    request = GenerationRequest([], sampled(30), prompt_token_ids=prompt, speculative="draft")
+    torch.manual_seed(1)
+    first, _, _ = run(target, request, drafts["noisy"])
+    torch.manual_seed(2)
+    again, _, _ = run(target, request, drafts["noisy"])
+    assert 0 < first.spec_accepted < first.spec_proposed
+    assert again.token_ids == first.token_ids
+
+
 @torch.inference_mode()
 def test_sampled_drafts_stay_in_the_targets_filtered_support(
         target: LoadedModel, drafts: dict[str, DraftModel]) -> None:
