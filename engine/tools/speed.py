@@ -17,9 +17,11 @@ A model is then priced by what its header says (ModelCost):
   fitted by engine/forecast.py's PrefillCost (the fit the wait forecast uses), with `a` scaled
   by the model's matmul FLOPs per token (2 x the weights every prompt token multiplies) and
   `b` by its attention FLOPs per pair of positions (query heads x (key + value dims), summed
-  over its attention layers). On llama.cpp `a` is scaled again by what the model's weight
-  types cost per FLOP against the bundled model's (Q4_1): each type's prompt timed once on a
-  synthetic model (engine/tools/synthetic_gguf.py) whose matrices all take that type.
+  over its attention layers). On llama.cpp the matrices' part of `a` is priced by weight type
+  instead (Q8_0 and the K-quants read a prompt ~2x faster per FLOP than Q4_1 on Zen 5): each
+  type's seconds per FLOP timed once on a synthetic model (engine/tools/synthetic_gguf.py)
+  whose matrices all take that type; the bundled model's matrices at its types' rates are
+  taken out of its `a`, the rest scaled by FLOPs, and the model's matrices added at theirs.
 
 After a model's first replies the figures they measured are kept per model file
 (MeasuredSpeeds, from RequestMetrics), so the picker sets them beside the prediction; the
@@ -239,19 +241,13 @@ class EngineSpeed:
         measurement taken idle is kept for good)."""
         return self.busy and _loadavg() <= BUSY_LOAD
 
-    def type_factor(self, body_types: tuple[tuple[str, int], ...]) -> float:
-        """A prompt's matmul time per FLOP in `body_types` against the measured model's (its
-        own types): 1.0 where either holds a type that was not timed, or none was."""
-        mine = self._seconds_per_flop(self.model_types)
-        theirs = self._seconds_per_flop(body_types)
-        return theirs / mine if mine and theirs else 1.0
-
-    def _seconds_per_flop(self, types: tuple[tuple[str, int], ...]) -> float | None:
+    def matmul_s(self, body_types: tuple[tuple[str, int], ...]) -> float | None:
+        """Seconds a prompt token spends in matrices of `body_types` (2 FLOPs a weight, at
+        each type's timed rate); None where one was not timed (or none was: torch)."""
         timed = dict(self.prompt_type_s)
-        weights = sum(n for _t, n in types)
-        if not weights or any(t not in timed for t, _n in types):
+        if not body_types or any(t not in timed for t, _n in body_types):
             return None
-        return sum(timed[t] * n for t, n in types) / weights
+        return sum(2.0 * n * timed[t] for t, n in body_types)
 
     @property
     def bytes_per_parameter(self) -> float:
@@ -325,10 +321,15 @@ def prompt_seconds(cost: ModelCost, speed: EngineSpeed, tokens: int, cached: int
     bundled model's fitted line, each term scaled by this model's FLOPs against the bundled
     model's (a token at depth x attends over x positions: the n^2 term runs from cached)."""
     a, b, d = speed.prefill_line
-    per_token = 2.0 * cost.body_parameters / max(speed.prompt_flops_per_token, 1.0)
-    per_token *= speed.type_factor(cost.body_types)
+    flops = 2.0 * cost.body_parameters / max(speed.prompt_flops_per_token, 1.0)
+    per_token = a * flops
+    theirs, mine = speed.matmul_s(cost.body_types), speed.matmul_s(speed.model_types)
+    if theirs is not None and mine is not None:
+        # The bundled model's matrices at their type's rate, the rest of its token (norms,
+        # attention at short range, activations) scaled by FLOPs; the model's matrices at theirs.
+        per_token = max(0.0, a - mine) * flops + theirs
     pairs = cost.attention / max(speed.attention, 1)
-    return (d + a * (tokens - cached) * per_token
+    return (d + per_token * (tokens - cached)
             + b * (tokens * tokens - cached * cached) / 2 * pairs)
 
 

@@ -93,31 +93,35 @@ def test_a_gguf_names_its_body_matrices_types(tmp_path: Path) -> None:
 
 
 def test_a_prompt_is_priced_by_its_weight_types_against_the_measured_models() -> None:
-    """On llama.cpp each type's matmuls cost their own time per FLOP: a model in a type twice
-    as fast as the bundled model's reads at half its `a` term; types not timed price as the
-    bundled model's."""
-    measured = replace(fake_speed(LLAMA_CPP), prompt_type_s=(("Q4_1", 4e-11), ("Q4_K", 2e-11),
-                                                             ("Q6_K", 3e-11)),
+    """On llama.cpp a prompt's matrices cost each type's own time per FLOP: the bundled model's
+    matrices (at its type's rate) come out of its per-token time, the rest scales by FLOPs, and
+    the model's matrices go in at their types' rates. Types not timed: FLOPs alone."""
+    measured = replace(fake_speed(LLAMA_CPP), prompt_type_s=(("Q4_1", 5e-12), ("Q4_K", 2.5e-12),
+                                                             ("Q6_K", 4e-12)),
                        model_types=(("Q4_1", 10**8),))
     model = ModelCost(parameters=10**9, body_parameters=5 * 10**8, head_parameters=10**8,
                       step_bytes=400_000_000, attention=34560, context_length=8192,
                       body_types=(("Q4_K", 4 * 10**8), ("Q6_K", 10**8)))
-    a, b, d = measured.prefill_line
-    factor = (4 * 2e-11 + 1 * 3e-11) / 5 / 4e-11  # 0.55
-    assert measured.type_factor(model.body_types) == pytest.approx(factor)
+    a, b, d = measured.prefill_line  # a: 2 ms a token, 1 ms of it the bundled Q4_1 matrices
+    assert measured.matmul_s(measured.model_types) == pytest.approx(0.001)
+    matrices = 2 * 4e8 * 2.5e-12 + 2 * 1e8 * 4e-12  # 2.8 ms
+    per_token = (a - 0.001) * 5 + matrices  # 5 x the bundled model's FLOPs
     assert prompt_seconds(model, measured, 4000) == pytest.approx(
-        d + a * 4000 * 5 * factor + b * 4000**2 / 2)
+        d + per_token * 4000 + b * 4000**2 / 2)
+    flops_alone = d + a * 5 * 4000 + b * 4000**2 / 2
     untimed = replace(model, body_types=(("Q4_K", 4 * 10**8), ("IQ2_XS", 10**8)))
-    assert measured.type_factor(untimed.body_types) == 1.0
-    assert measured.type_factor(()) == 1.0  # a Hugging Face folder: FLOPs alone
-    assert replace(measured, prompt_type_s=()).type_factor(model.body_types) == 1.0  # torch
+    assert prompt_seconds(untimed, measured, 4000) == pytest.approx(flops_alone)
+    folder = replace(model, body_types=())  # a Hugging Face folder: FLOPs alone
+    assert prompt_seconds(folder, measured, 4000) == pytest.approx(flops_alone)
+    on_torch = replace(measured, prompt_type_s=())
+    assert prompt_seconds(model, on_torch, 4000) == pytest.approx(flops_alone)
     # The types survive the cache file's round trip; an older entry without them reads as
     # untimed.
-    again = EngineSpeed.from_dict(measured.to_dict())
-    assert again == measured
+    assert EngineSpeed.from_dict(measured.to_dict()) == measured
     older = {k: v for k, v in measured.to_dict().items()
              if k not in ("prompt_type_s", "model_types")}
-    assert EngineSpeed.from_dict(older).type_factor(model.body_types) == 1.0
+    assert prompt_seconds(model, EngineSpeed.from_dict(older), 4000) == pytest.approx(
+        flops_alone)
 
 
 def test_another_quant_of_a_repository_takes_the_type_its_name_says(tmp_path: Path) -> None:
