@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import gc
 import json
 import logging
 import math
 import os
 import signal
+import warnings
+import weakref
 from functools import partial
 from pathlib import Path
 
@@ -14,6 +19,7 @@ import pytest
 import torch
 
 from engine import ModelLoadError
+from engine.events import ModelInfo
 from engine.runtimes.torch import kernels as kernels_mod
 from engine.runtimes.torch.kernels import (
     KERNELS,
@@ -68,6 +74,74 @@ def test_weight_bytes_follow_the_kernel(tiny: LoadedModel) -> None:
 
 
 @pytest.mark.parametrize("name", ["int8-dynamic", "fp16-dynamic"])
+def test_dynamic_paths_are_torchs_quantize_dynamic(tiny: LoadedModel, name: str) -> None:
+    """Packing each Linear ourselves (without torch.ao's full-size zero weight first) gives
+    the modules and logits quantize_dynamic gives."""
+    from torch.ao.quantization import (
+        float16_dynamic_qconfig,
+        per_channel_dynamic_qconfig,
+        quantize_dynamic,
+    )
+
+    qconfig, dtype = {"int8-dynamic": (per_channel_dynamic_qconfig, torch.qint8),
+                      "fp16-dynamic": (float16_dynamic_qconfig, torch.float16)}[name]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"(?is).*deprecat")
+        reference = quantize_dynamic(copy.deepcopy(tiny.model), {torch.nn.Linear: qconfig},
+                                     dtype=dtype)
+    ours = apply_kernel(tiny, name).model
+    assert str(ours) == str(reference)
+    ids = torch.tensor([[5, 9, 2, 7, 3, 11]])
+    with torch.inference_mode():
+        assert torch.equal(ours(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize(("name", "weight_bytes"), [("int8-dynamic", 1), ("fp16-dynamic", 2)])
+def test_packed_bytes_are_counted_from_the_shape_exactly(name: str, weight_bytes: int) -> None:
+    """The packed Linears' bytes without unpacking them (unpacking copies the weight to fp32):
+    weights at their width, int8's fp32 scale per output channel, the fp32 bias if any."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 16, bias=False))
+    build = {"int8-dynamic": kernels_mod._int8_dynamic_model,
+             "fp16-dynamic": kernels_mod._fp16_dynamic_model}[name]
+    info = ModelInfo(name="t", source="folder", path="", device="cpu", dtype="fp32",
+                     context_length=8, parameters=0, weight_bytes_per_step=0, kernel="")
+    packed = build(LoadedModel(model=model, tokenizer=None, info=info))
+    scales = 4 * (32 + 16) if name == "int8-dynamic" else 0
+    expected = (64 * 32 + 32 * 16) * weight_bytes + scales + 32 * 4
+    assert sum(kernels_mod._packed_linear_bytes(m) for m in packed.modules()) == expected
+    assert all(kernels_mod._packed_linear_bytes(m) == 0 for m in model.modules())
+
+
+def test_the_probe_holds_one_converted_copy_at_a_time(
+        tiny: LoadedModel, cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each path is built after the one before it is freed; the last one built is kept if it
+    is the choice, else the choice is built again (once)."""
+    alive: list[weakref.ref[object]] = []
+    most_alive = 0
+
+    def tracked(path: KernelPath) -> KernelPath:
+        def build(loaded: LoadedModel) -> object:
+            nonlocal most_alive
+            gc.collect()
+            live = sum(ref() is not None for ref in alive)
+            most_alive = max(most_alive, live + 1)
+            model = path.build(loaded)
+            alive.append(weakref.ref(model))
+            return model
+        return dataclasses.replace(path, build=build)
+
+    paths = {name: tracked(path) if name != "fp32-eager" else path
+             for name, path in KERNELS.items()}
+    monkeypatch.setattr(kernels_mod, "KERNELS", paths)
+    chosen = select_kernel(tiny)
+    assert most_alive == 1
+    report = next(iter(json.loads(probe_cache_path().read_text()).values()))
+    built_again = int(chosen.info.kernel not in ("fp32-eager", "fp16-dynamic"))
+    assert len(alive) == 2 + built_again  # int8 then fp16 raced eager; the choice kept
+    assert report["choice"] == chosen.info.kernel
+
+
+@pytest.mark.parametrize("name", ["int8-dynamic", "fp16-dynamic"])
 def test_fast_paths_decode_and_pass_the_perplexity_guard(tiny: LoadedModel, name: str) -> None:
     fast = apply_kernel(tiny, name)
     prompt = fixed_prompt_ids(tiny, 24)
@@ -107,7 +181,7 @@ def test_auto_probes_once_then_reads_the_cache(tiny: LoadedModel, cache_dir: Pat
     assert set(record["decode_tok_s"]) == {"fp32-eager", "int8-dynamic", "fp16-dynamic"}
     assert all(rate > 0 for rate in record["decode_tok_s"].values())
 
-    def no_probe(_built: object) -> None:
+    def no_probe(_loaded: object, _names: object) -> None:
         raise AssertionError("the cached choice should have been used")
 
     monkeypatch.setattr(kernels_mod, "probe", no_probe)

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import time
@@ -35,6 +37,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
 from engine.errors import ModelLoadError, one_line
 from engine.events import ModelInfo
@@ -110,34 +113,64 @@ def _fbgemm_unavailable(name: str) -> Callable[[LoadedModel], str | None]:
     return unavailable
 
 
+class PackedLinear(DynamicLinear):
+    """torch.ao's dynamic quantized Linear (int8 or fp16 weights packed for fbgemm) that knows
+    its bias's bytes: asking the fp16 packed weight for its bias unpacks the whole weight."""
+
+    bias_bytes: int = 0
+
+
 def _int8_dynamic_model(loaded: LoadedModel) -> Any:
     """A copy whose nn.Linear layers (the tied lm_head included) hold int8 weights with
     per-output-channel scales; activations are quantized per step. The input embedding
     stays fp32 (a lookup reads one row, and it keeps the tied head's fp32 tensor intact)."""
-    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+    from torch.ao.quantization import per_channel_dynamic_qconfig
 
-    model = share_tensors_copy(loaded.model)
     # torch.ao.quantization is deprecated in favour of torchao, which on AVX2-only CPUs
     # dispatches to the slower int8pack kernel; fbgemm's dynamic Linear is the one that wins.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"(?is).*deprecat")
-        quantize_dynamic(model, {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8,
-                         inplace=True)
-    return model
+    return _with_dynamic_linears(loaded.model, per_channel_dynamic_qconfig)
 
 
 def _fp16_dynamic_model(loaded: LoadedModel) -> Any:
     """A copy whose nn.Linear layers hold fp16 weights in fbgemm's packed layout, computing
     in fp32: half fp32's bytes, and unlike int8-dynamic each row's result is independent of
     the other rows in the batch (no per-batch activation scale)."""
-    from torch.ao.quantization import float16_dynamic_qconfig, quantize_dynamic
+    from torch.ao.quantization import float16_dynamic_qconfig
 
-    model = share_tensors_copy(loaded.model)
-    with warnings.catch_warnings():  # deprecated torch.ao API; see _int8_dynamic_model
+    return _with_dynamic_linears(loaded.model, float16_dynamic_qconfig)
+
+
+def _with_dynamic_linears(model: nn.Module, qconfig: Any) -> nn.Module:
+    """A copy of model (sharing its other tensors) whose nn.Linear layers are torch.ao dynamic
+    Linears under qconfig: what quantize_dynamic makes, one layer at a time."""
+    copied = share_tensors_copy(model)
+    linears = [(parent, name, child) for parent in copied.modules()
+               for name, child in parent.named_children() if type(child) is nn.Linear]
+    with warnings.catch_warnings():  # the deprecated torch.ao API; see _int8_dynamic_model
         warnings.filterwarnings("ignore", message=r"(?is).*deprecat")
-        quantize_dynamic(model, {nn.Linear: float16_dynamic_qconfig}, dtype=torch.float16,
-                         inplace=True)
-    return model
+        for parent, name, linear in linears:
+            setattr(parent, name, _dynamic_linear(linear, qconfig))
+    return copied
+
+
+def _dynamic_linear(linear: nn.Linear, qconfig: Any) -> PackedLinear:
+    """torch.ao's DynamicLinear.from_float, less its first step: that builds and packs a zero
+    weight of the full shape before packing the real one (for a 262k-token head, 0.7 GB more
+    at load for fp16, 0.3 GB for int8)."""
+    from torch.ao.nn.quantized.modules.utils import _quantize_weight
+
+    observer = qconfig.weight()
+    observer(linear.weight)
+    weight = linear.weight.float()
+    if observer.dtype == torch.qint8:
+        weight = _quantize_weight(weight, observer)
+    # torch.ao is untyped (no-untyped-call)
+    packed = PackedLinear(1, 1, dtype=observer.dtype)  # type: ignore[no-untyped-call]
+    packed.set_weight_bias(weight, linear.bias)
+    packed.in_features, packed.out_features = linear.in_features, linear.out_features
+    bias = linear.bias
+    packed.bias_bytes = 0 if bias is None else bias.numel() * bias.element_size()
+    return packed
 
 
 def share_tensors_copy(model: nn.Module) -> nn.Module:
@@ -204,16 +237,16 @@ def select_kernel(loaded: LoadedModel, requested: str = AUTO, *,
         return apply_kernel(loaded, eager_name(loaded))
     key = probe_key(loaded, candidates)
     choice = read_probe_cache(key) if use_probe_cache else None
-    built: dict[str, LoadedModel] = {}
     if choice is None or choice not in candidates:
         if progress:
             progress("choosing a decode kernel (a few seconds, once per model and CPU)")
-        built = _build_all(loaded, smoke_tested(loaded, candidates))
-        report = probe(built)
+        report, last = probe(loaded, smoke_tested(loaded, candidates))
         choice = report["choice"]
         write_probe_cache(key, report)
-    if choice in built:
-        return built[choice]
+        if last is not None and last.info.kernel == choice:
+            return last
+        del last  # before the choice is built again: one converted copy at a time
+        gc.collect()
     try:
         return apply_kernel(loaded, choice)
     except Exception as exc:  # a cached choice that no longer builds: eager, one line
@@ -237,37 +270,47 @@ def apply_kernel(loaded: LoadedModel, name: str) -> LoadedModel:
     return LoadedModel(model=model, tokenizer=loaded.tokenizer, info=info)
 
 
-def _build_all(loaded: LoadedModel, names: list[str]) -> dict[str, LoadedModel]:
-    built: dict[str, LoadedModel] = {}
-    for name in names:
-        try:
-            built[name] = apply_kernel(loaded, name)
-        except Exception as exc:
-            log.warning("kernel %s is unavailable here (%s); skipping it", name, one_line(exc))
-    return built
-
-
-def probe(built: dict[str, LoadedModel]) -> dict[str, Any]:
-    """Time a few decode steps of each path, alternating paths step by step so machine noise
-    hits all alike, and check each path's perplexity against eager's. Returns the report,
-    with `choice` = the fastest path within the perplexity tolerance."""
-    names = list(built)
-    reference = next(n for n in names if n.endswith("-eager"))
-    any_loaded = built[reference]
-    text = reference_ids(any_loaded.tokenizer, PROBE_TEXT_TOKENS)
-    ppl = {n: perplexity(built[n].model, text, any_loaded.device) for n in names}
-    step_s = _alternating_step_times(built, text[:8])
+def probe(loaded: LoadedModel, names: list[str]) -> tuple[dict[str, Any], LoadedModel | None]:
+    """Time a few decode steps of each path against eager's, alternating the two step by
+    step so machine noise hits both alike, and check each path's perplexity against eager's.
+    The paths are built one at a time, each dropped before the next is built: a converted
+    copy of a large-vocabulary head is hundreds of MB, and holding every path at once more
+    than doubled the first load's peak memory. Returns the report (`choice` = the fastest
+    path within the perplexity tolerance) and the last path built, which the caller keeps if
+    it is the choice."""
+    reference = eager_name(loaded)
+    eager = apply_kernel(loaded, reference)  # shares the loaded weights: no copy
+    text = reference_ids(loaded.tokenizer, PROBE_TEXT_TOKENS)
+    ppl = {reference: perplexity(eager.model, text, loaded.device)}
     # The fastest step, not the median: other processes only ever add time, and on a
     # shared 2-core machine they add it unevenly.
-    tok_s = {n: 1.0 / min(step_s[n]) for n in names}
-    passing = [n for n in names if within_tolerance(ppl[n], ppl[reference])]
+    fastest_s: dict[str, float] = {}
+    last: LoadedModel | None = None
+    for name in (n for n in names if n != reference):
+        last = None  # the previous path is freed before this one is built
+        gc.collect()
+        try:
+            last = apply_kernel(loaded, name)
+        except Exception as exc:
+            log.warning("kernel %s is unavailable here (%s); skipping it", name, one_line(exc))
+            continue
+        ppl[name] = perplexity(last.model, text, loaded.device)
+        steps = _alternating_step_times({reference: eager, name: last}, text[:8])
+        for timed, times in steps.items():
+            fastest_s[timed] = min(fastest_s.get(timed, math.inf), *times)
+    if not fastest_s:  # eager alone: nothing to race it against, but its rate is reported
+        fastest_s = {reference: min(_alternating_step_times({reference: eager}, text[:8])
+                                    [reference])}
+    tok_s = {n: 1.0 / fastest_s[n] for n in ppl if n in fastest_s}
+    passing = [n for n in tok_s if within_tolerance(ppl[n], ppl[reference])]
     choice = max(passing, key=lambda n: tok_s[n])
-    for n in names:
+    for n in tok_s:
         if n not in passing:
             log.warning("kernel %s failed the quality guard (perplexity %.3f vs %.3f); "
                         "not used", n, ppl[n], ppl[reference])
-    return {"choice": choice, "reference": reference, "decode_tok_s": tok_s,
-            "perplexity": ppl, "measured_at": time.time()}
+    report = {"choice": choice, "reference": reference, "decode_tok_s": tok_s,
+              "perplexity": ppl, "measured_at": time.time()}
+    return report, last
 
 
 @torch.inference_mode()
@@ -422,22 +465,15 @@ def decode_weight_bytes(model: nn.Module) -> int:
 
 
 def _packed_linear_bytes(module: nn.Module) -> int:
-    """Bytes of a torch.ao dynamic quantized Linear (its weights are not parameters)."""
-    if not hasattr(module, "_packed_params") or not callable(getattr(module, "weight", None)):
+    """Bytes of a packed Linear (its weights are not parameters), from its shape: unpacking
+    the weight to count it would copy it to fp32 (671 MB for a 262k-token head, at load).
+    int8 weights carry one fp32 scale per output channel."""
+    if not isinstance(module, PackedLinear):
         return 0
-    weight = module.weight()  # type: ignore[operator]  # a method on quantized Linear
-    if getattr(module._packed_params, "dtype", None) == torch.float16:
-        total = weight.numel() * 2  # unpacked to fp32 for us; stored as fp16
-    else:
-        total = weight.numel() * weight.element_size()
-        if weight.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric):
-            total += weight.q_per_channel_scales().numel() * 4
-        else:
-            total += 4
-    bias = module.bias()  # type: ignore[operator]  # a method there too, typed as Tensor
-    if bias is not None:
-        total += bias.numel() * bias.element_size()
-    return int(total)
+    rows, columns = int(module.out_features), int(module.in_features)
+    if module._packed_params.dtype == torch.float16:
+        return rows * columns * 2 + module.bias_bytes
+    return rows * columns + rows * 4 + module.bias_bytes
 
 
 def allowed_cpus() -> int:
