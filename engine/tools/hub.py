@@ -159,14 +159,23 @@ class Progress:
         share = self.done / self.total if self.total else 1.0
         text = f"{size(self.done)} of {size(self.total)} ({share:.0%})"
         if self.rate > 0:
-            text += f", {size(int(self.rate))}/s"
+            text += f", {_rate(self.rate)}"
         eta = self.eta_s
         if eta is not None:
             text += f", {_duration(eta)} left"
         return text
 
 
+def _rate(bytes_per_s: float) -> str:
+    """'25 MB/s'; a slow link in kB/s (not '0 MB/s')."""
+    if bytes_per_s < 1e6:
+        return f"{bytes_per_s / 1e3:,.0f} kB/s"
+    return f"{size(int(bytes_per_s))}/s"
+
+
 def _duration(seconds: float) -> str:
+    if seconds < 1:
+        return "under 1 s"  # not "0 s": the file is not there yet
     s = int(seconds + 0.5)
     if s < 60:
         return f"{s} s"

@@ -119,6 +119,16 @@ def test_remote_estimate_is_the_local_one(client: Hub, tmp_path: Path,
     assert not tight.fits
 
 
+@pytest.mark.parametrize(("done", "rate", "line"), [
+    (0, 0.0, "0 MB of 10 MB (0%)"),
+    (4_000_000, 2e6, "4 MB of 10 MB (40%), 2 MB/s, 3 s left"),
+    (9_900_000, 2e6, "10 MB of 10 MB (99%), 2 MB/s, under 1 s left"),
+    (0, 1e3, "0 MB of 10 MB (0%), 1 kB/s, 2 h 46 min left"),
+])
+def test_progress_line_says_bytes_rate_and_time_left(done: int, rate: float, line: str) -> None:
+    assert Progress(done=done, total=10_000_000, rate=rate).line() == line
+
+
 def test_download_lands_verified_with_progress(client: Hub, tmp_path: Path,
                                                model_bytes: bytes) -> None:
     seen: list[Progress] = []
