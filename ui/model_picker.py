@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import QSettings, Qt
+from PySide6.QtCore import QEvent, QSettings, Qt
 from PySide6.QtWidgets import (
     QButtonGroup,
     QCheckBox,
@@ -531,6 +531,20 @@ class ModelPickerDialog(QDialog):
         if path:
             self.gguf_path.setText(path)
             self.radios["gguf"].setChecked(True)
+
+    def event(self, event: QEvent) -> bool:
+        handled = super().event(event)
+        if event.type() == QEvent.Type.LayoutRequest:
+            self._grow_to_contents()
+        return handled
+
+    def _grow_to_contents(self) -> None:
+        """Lines that arrive after the dialog is shown (the fit, the speed, a downloaded
+        model): Qt's minimum for a dialog does not count word-wrapped lines at their wrapped
+        height, so it would squeeze the fixed-height fields (the remote server's) instead."""
+        need = self.sizeHint().height()
+        if self.isVisible() and self.height() < need:
+            self.resize(self.width(), need)
 
     def source(self) -> str:
         return next(s for s, radio in self.radios.items() if radio.isChecked())

@@ -97,6 +97,28 @@ def _converted(root: Path, name: str, source: Path, size: int) -> Path:
     return folder
 
 
+def test_lines_that_arrive_after_showing_never_squeeze_the_fields(
+        qtbot, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Choosing a model adds wrapped lines (its fit, its speed) and a downloaded model adds a
+    list: the dialog grows instead of squeezing the remote server's fields."""
+    monkeypatch.setenv("PHASEWISE_CACHE_DIR", str(tmp_path / "cache"))
+    models = tmp_path / "cache" / "models"
+    models.mkdir(parents=True)
+    downloaded = write_gguf(models / "tiny-Q4_K_M.gguf", layers=1, kv_heads=1)
+    dialog = picker(qtbot)
+    dialog.show()
+    qtbot.waitExposed(dialog)
+    choose_gguf(dialog, downloaded)
+    assert dialog.downloaded.list.count() == 1
+
+    def fields_whole() -> None:
+        for edit in dialog.remote.edits():
+            assert edit.height() >= edit.sizeHint().height()
+        assert dialog.height() >= dialog.sizeHint().height()
+
+    qtbot.waitUntil(fields_whole, timeout=WAIT_MS)
+
+
 def test_converted_models_are_listed_and_removed_but_never_the_one_in_use(
         qtbot, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PHASEWISE_CACHE_DIR", str(tmp_path / "cache"))
