@@ -33,6 +33,23 @@ def test_streamed_safetensors_read_back_exactly(tmp_path: Path, dtype: torch.dty
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
 
 
+@pytest.mark.parametrize("kind", ["Q8_0", "F16", "F32"])
+def test_dequantizing_in_row_chunks_gives_the_same_tensor(
+        kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+    from gguf import GGMLQuantizationType, dequantize, quantize
+
+    rows = np.random.default_rng(0).standard_normal((37, 64)).astype(np.float32)
+    kind_type = GGMLQuantizationType[kind]
+    data = quantize(rows, kind_type) if kind == "Q8_0" else rows.astype(
+        np.float16 if kind == "F16" else np.float32)
+    monkeypatch.setattr(loader, "DEQUANTIZE_CHUNK_BYTES", 5 * 64 * 4)  # 5 rows: 8 chunks
+    chunked = loader.dequantized(data, kind_type)
+    whole = dequantize(data, kind_type)
+    assert chunked.shape == whole.shape == (37, 64) and chunked.dtype == whole.dtype
+    assert np.array_equal(chunked, whole)
+
+
 @pytest.fixture
 def fake_conversion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """converted_gguf with the conversion itself replaced (writes only the marker), counting

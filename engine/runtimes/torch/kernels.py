@@ -45,6 +45,7 @@ from engine.machine import cpu_name as cpu_name
 from engine.machine import read_json, write_json_entry
 from engine.model_files import cache_root
 from engine.native import ChildError, NativeChild, NativeCrashError
+from engine.runtimes.torch.file_pages import release_file_pages
 from engine.runtimes.torch.loader import LoadedModel
 from engine.runtimes.torch.quality import perplexity, reference_ids, within_tolerance
 
@@ -166,7 +167,13 @@ def _dynamic_linear(linear: nn.Linear, qconfig: Any) -> PackedLinear:
         weight = _quantize_weight(weight, observer)
     # torch.ao is untyped (no-untyped-call)
     packed = PackedLinear(1, 1, dtype=observer.dtype)  # type: ignore[no-untyped-call]
+    # The float pages, once read (int8: before packing, so one copy of a large head is held at
+    # a time), are read back from the file if needed again: a tied head's are the embedding's,
+    # whose lookups then read the rows they use.
+    if observer.dtype == torch.qint8:
+        release_file_pages([linear.weight])
     packed.set_weight_bias(weight, linear.bias)
+    release_file_pages([linear.weight])
     packed.in_features, packed.out_features = linear.in_features, linear.out_features
     bias = linear.bias
     packed.bias_bytes = 0 if bias is None else bias.numel() * bias.element_size()
