@@ -31,9 +31,12 @@ def test_ascii_byte_tokens_read_as_their_character() -> None:
 
 def test_the_snapshot_carries_readable_candidates_and_the_hud_shows_them() -> None:
     request = GenerationRequest([ChatMessage("user", "hi")],
-                                SamplingParams(temperature=1.0, top_p=1.0))
+                                SamplingParams(temperature=0.7, top_p=0.9))
     logits = torch.tensor([5.0, 4.0, 3.0, 2.0, 1.0])
     snapshot = sampler_snapshot(ByteFallbackTokenizer(), request, logits, 0, 0, 0)
+    # the HUD files it under its reply and shows the settings it was drawn with
+    assert snapshot.request_id == request.request_id
+    assert (snapshot.temperature, snapshot.top_p) == (0.7, 0.9)
     texts = {tid: text for tid, text, _p in snapshot.candidates}
     assert texts[0] == "\n" and texts[3] == " " and texts[4] == "\n"
     assert texts[1] == "<0xE2>" and texts[2] == "Hello"

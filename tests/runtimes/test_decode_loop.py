@@ -138,6 +138,10 @@ def test_a_held_back_tail_is_flushed_when_the_reply_ends(tiny: LoadedModel) -> N
     flushed = [e.text for e in events if isinstance(e, TextFlushed)]
     assert flushed and flushed[-1].endswith(whole.text[-1])
     assert streamed + "".join(flushed) == whole.text
+    last = next(e for e in reversed(events) if isinstance(e, TextFlushed))
+    last_token = next(e for e in reversed(events) if isinstance(e, TokenEmitted))
+    assert last.request_id == request.request_id  # the chat view files it under its reply
+    assert last.t_ns >= last_token.t_ns  # stamped on the engine's clock, after the tokens
 
 
 def test_the_first_token_gets_a_sampler_snapshot(tiny: LoadedModel) -> None:
