@@ -23,7 +23,7 @@ from engine.core.ledger import CacheLease, KvLedger
 from engine.core.prompt import ChatModel
 from engine.core.reply import DetachedJob, Reply, ReplyJob, Vocabulary, open_reply
 from engine.core.solo import SoloRunner
-from engine.events import EngineEvent, GenerationResult, PrefillProgress
+from engine.events import EngineEvent, GenerationResult, PrefillProgress, PrefillStarted
 from engine.params import GenerationRequest, SamplingParams
 from engine.runtimes.torch.prefix_cache import PrefixCache
 
@@ -323,6 +323,41 @@ def check_an_error_in_one_row_leaves_the_others(kit: RunnerKit) -> None:
     kit.pool.discard(lost)
 
 
+def check_alternatives_share_one_prefill(kit: RunnerKit) -> None:
+    """Three alternatives of one prompt: it is read once, and each alternative reports that
+    prefill as its own (its start, every prompt token cached) and decodes on a fork of its KV;
+    greedy, all three say the same."""
+    events: dict[str, list[EngineEvent]] = {}
+    results: dict[str, GenerationResult | str] = {}
+
+    def emit(job: ReplyJob, event: EngineEvent) -> None:
+        events.setdefault(job.request.request_id, []).append(event)
+
+    def done(job: ReplyJob, result: GenerationResult | None,
+             error: BaseException | None) -> None:
+        results[job.request.request_id] = result if result is not None else repr(error)
+
+    ids = kit.prompt[:24]
+    jobs = [DetachedJob(GenerationRequest([], GREEDY, request_id=f"alt{i}",
+                                          conversation_id="alternatives",
+                                          prompt_token_ids=ids, reuse_cache=False))
+            for i in range(3)]
+    batcher = kit.batcher(emit, done, None)
+    batcher.admit(jobs)
+    while batcher.rows:
+        batcher.step()
+    source_start = jobs[0].timeline.prefill_start_ns
+    for i, job in enumerate(jobs):
+        started = next(e for e in events[job.request.request_id] if isinstance(e, PrefillStarted))
+        cached = 0 if i == 0 else len(ids)
+        assert (started.t_ns, job.timeline.prefill_start_ns) == (source_start, source_start), i
+        assert (started.prompt_tokens, started.cached_tokens) == (len(ids), cached), i
+        result = results[job.request.request_id]
+        assert isinstance(result, GenerationResult), result
+        assert result.token_ids == results["alt0"].token_ids  # type: ignore[union-attr]
+        assert len(result.token_ids) == GREEDY.max_tokens
+
+
 CHECKS: dict[str, Callable[[RunnerKit], None]] = {
     "prefill_equals_cold": check_prefill_equals_cold,
     "chunked_equals_one_pass": check_chunked_equals_one_pass,
@@ -330,6 +365,7 @@ CHECKS: dict[str, Callable[[RunnerKit], None]] = {
     "cancel_mid_prefill": check_cancel_mid_prefill_keeps_what_was_read,
     "solo_progress_and_stop": check_solo_progress_and_stop,
     "error_in_one_row": check_an_error_in_one_row_leaves_the_others,
+    "alternatives_share_one_prefill": check_alternatives_share_one_prefill,
 }
 
 
