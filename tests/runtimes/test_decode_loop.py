@@ -63,6 +63,9 @@ def test_greedy_tokens_are_the_reference_and_stop_at_max_tokens(tiny: LoadedMode
     assert timeline.prefill_start_ns <= timeline.first_logits_ns <= timeline.token_ns[0]
     assert timeline.token_ns[-1] <= timeline.done_ns
     assert result.metrics.output_tokens == 5 and result.metrics.prompt_tokens == 16
+    # what the chat view, the HUD and `ask --json` read off the result
+    assert (result.request_id, result.model) == (request.request_id, tiny.info)
+    assert result.speculative is None and result.spec_proposed == result.spec_accepted == 0
     # the cache keeps the prompt and every token fed back: all but the last one
     entry = pool._entries["c"]
     assert entry.ids == prompt + result.token_ids[:-1]
