@@ -404,7 +404,7 @@ class Engine(EventSource, Backend):
             return False
         if isinstance(item, _Group):
             return True
-        return isinstance(item, _Job) and batchable(item.request)
+        return isinstance(item, _Job) and batchable(item.request, self._runtime.drafts_in_batch)
 
     def _serve_batch(self, first: _Job | _Group) -> Any:
         """Continuous batching: queued requests join between decode steps, finished ones

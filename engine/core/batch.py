@@ -9,9 +9,10 @@ from typing import Any
 
 import torch
 
-from engine.core.ledger import ALT_CACHE_SUFFIX, KvLedger
+from engine.core.ledger import ALT_CACHE_SUFFIX, CacheLease, KvLedger
 from engine.core.reply import Reply, ReplyJob
 from engine.core.schedule import MAX_BATCH
+from engine.core.speculative import drafter_for
 from engine.events import EngineEvent, FinishReason, GenerationResult
 from engine.metrics import now_ns
 from engine.params import GenerationRequest
@@ -20,9 +21,13 @@ Emit = Callable[[ReplyJob, EngineEvent], None]
 Done = Callable[[ReplyJob, GenerationResult | None, BaseException | None], None]
 
 
-def batchable(request: GenerationRequest) -> bool:
-    """Speculative requests verify several tokens per step: they run alone."""
-    return request.speculative is None
+def batchable(request: GenerationRequest, drafts_in_batch: bool) -> bool:
+    """Whether a request may decode in the batch: plain ones always; prompt-lookup ones where
+    the runtime verifies drafts inside the batch's step (drafts_in_batch). A draft model
+    proposes for one sequence at a time: its requests run alone."""
+    if request.speculative is None:
+        return True
+    return drafts_in_batch and request.speculative == "ngram"
 
 
 def alternative_cache_key(conversation_id: str | None, index: int) -> str:
@@ -35,7 +40,13 @@ class BatchCore(ABC):
     """The decode batch, written once for every runtime: admit a request (or N alternatives
     of one prompt), step all rows (one token each), settle what failed or finished. A runtime
     supplies how a prompt is read (_prefill), how an alternative forks its source's cache
-    (_sibling), how rows' KV joins and leaves the batch, and the forward over the rows."""
+    (_sibling), how rows' KV joins and leaves the batch, and the forward over the rows.
+
+    A runtime whose rows can feed several tokens in one step (drafts_in_batch) verifies
+    prompt-lookup drafts there: a speculative row feeds its last token and its draft, takes
+    the longest agreed prefix plus one token, and the rejected rest is cut from its KV."""
+
+    drafts_in_batch = False  # whether _forward_rows feeds a row's draft and _cut exists
 
     def __init__(self, prefix_cache: KvLedger[Any], emit: Emit, done: Done) -> None:
         self.prefix_cache = prefix_cache
@@ -72,7 +83,13 @@ class BatchCore(ABC):
 
     @abstractmethod
     def _forward_rows(self) -> torch.Tensor:
-        """One forward over every row (its last token at its own position): logits per row."""
+        """One forward over every row: its last token at its own position, then its draft
+        (row.draft, empty but where drafts_in_batch); logits for each fed position, rows in
+        order, shape (sum of 1 + len(row.draft), vocab)."""
+
+    def _cut(self, row: Reply, rejected: int) -> None:
+        """Drop the row's last `rejected` fed positions (a draft's rejected tail)."""
+        raise NotImplementedError("this runtime's batch feeds no drafts")
 
     @abstractmethod
     def _leave(self, leaving: list[Reply], reason: FinishReason | None) -> None:
@@ -122,7 +139,8 @@ class BatchCore(ABC):
         taken = []
         for reply in replies:
             try:
-                reply.take(logits)
+                self._speculate(reply)
+                reply.take_drafted(logits[None])
             except Exception as exc:
                 self._fail(reply, exc)
                 continue
@@ -130,13 +148,21 @@ class BatchCore(ABC):
         self._join([r for r in taken if r.finish is None],
                    [r for r in taken if r.finish is not None], first)
 
+    def _speculate(self, reply: Reply) -> None:
+        """A joining prompt-lookup request drafts here where the batch verifies drafts."""
+        if self.drafts_in_batch:
+            reply.use_drafter(drafter_for(reply.request, reply.prompt_ids, True, None, (),
+                                          reply.generator))
+
     @torch.inference_mode()
     def step(self) -> None:
-        """Rows cancelled since the last step leave; then one forward over all rows, one
-        token each. A forward error fails every row (their leases are discarded)."""
+        """Rows cancelled since the last step leave; speculative rows propose their drafts;
+        then one forward over all rows, each taking one token or a verified draft's run. A
+        forward error fails every row (their leases are discarded)."""
         self._leave([r for r in self.rows if r.job.cancel.is_set()], "cancelled")
         if not self.rows:
             return
+        drafted = sum(len(row.propose()) for row in self.rows if row.drafter is not None)
         start = now_ns()
         try:
             logits = self._forward_rows()
@@ -146,18 +172,25 @@ class BatchCore(ABC):
         self.steps += 1
         failed = self._take_tokens(logits)
         step_s = (now_ns() - start) * 1e-9
-        self._decode_step_s = step_s if not self._decode_step_s else \
-            0.7 * self._decode_step_s + 0.3 * step_s
+        if not drafted:  # the plain step's time sizes the prompt chunks that ride in it
+            self._decode_step_s = step_s if not self._decode_step_s else \
+                0.7 * self._decode_step_s + 0.3 * step_s
         self._settle(failed)
 
     def _take_tokens(self, logits: torch.Tensor) -> list[tuple[Reply, BaseException]]:
-        """Each row's next token from its logits row; the rows that failed."""
+        """Each row's tokens from its logits rows (one, or its draft's verification); the rows
+        that failed."""
         failed: list[tuple[Reply, BaseException]] = []
-        for i, row in enumerate(self.rows):
+        at = 0
+        for row in self.rows:
+            fed = 1 + len(row.draft)
             try:
-                row.take(logits[i])
+                _, rejected = row.take_drafted(logits[at : at + fed])
+                if rejected:
+                    self._cut(row, rejected)
             except Exception as exc:
                 failed.append((row, exc))
+            at += fed
         return failed
 
     def _settle(self, failed: list[tuple[Reply, BaseException]]) -> None:
@@ -204,12 +237,18 @@ class OwnKvBatch(BatchCore):
     def _clear_batch(self) -> None:
         """Nothing to forget: each row's KV is its own, discarded with its lease."""
 
+    def _cut(self, row: Reply, rejected: int) -> None:
+        self._keep(row.lease, len(row.lease.ids) - rejected)
+
     def _finish(self, row: Reply) -> None:
         """Hand the row's KV (prompt + fed tokens) to the prefix cache, report."""
         lease = row.lease
-        length = min(row.kv_len, len(lease.ids))
+        self._keep(lease, min(row.kv_len, len(lease.ids)))
+        self.prefix_cache.release(lease)
+        self._report(row)
+
+    def _keep(self, lease: CacheLease, length: int) -> None:
+        """Cut the lease's KV and ids to their first `length` positions."""
         if len(lease.ids) > length:
             self.prefix_cache.store.cut(lease.cache, None, length)
             del lease.ids[length:]
-        self.prefix_cache.release(lease)
-        self._report(row)

@@ -21,7 +21,7 @@ from engine.core.detok import IncrementalDetokenizer, StopMatcher
 from engine.core.ledger import CacheLease, KvLedger
 from engine.core.prompt import ChatModel, PreparedPrompt, prepare_prompt
 from engine.core.sampling import make_generator, sample_token, sampler_view
-from engine.core.speculative import SpecStats, verify_sampled
+from engine.core.speculative import Proposer, SpecStats, verify_sampled
 from engine.events import (
     EngineEvent,
     FinishReason,
@@ -90,6 +90,8 @@ class Reply:
         self.finish: FinishReason | None = None
         self.spec = SpecStats()
         self.speculative: str | None = None  # the method, once a drafter runs
+        self.drafter: Proposer | None = None
+        self.draft: list[int] = []  # proposed, to be fed after the last token and verified
         self._last_snapshot_ns = 0
 
     @property
@@ -128,6 +130,42 @@ class Reply:
         elif self.job.cancel.is_set():
             self.finish = "cancelled"
         return token
+
+    def use_drafter(self, drafter: Proposer | None) -> None:
+        """Speculate with `drafter` (None: plain decoding), as the result will say."""
+        self.drafter = drafter
+        self.speculative = self.request.speculative if drafter is not None else None
+
+    def propose(self) -> list[int]:
+        """The next draft (empty without a drafter): at most what the budget leaves after the
+        token the step takes anyway. Fed after the last token, verified by take_drafted."""
+        left = self.budget - len(self.generated) - 1
+        self.draft = self.drafter.propose(left) if self.drafter is not None else []
+        return self.draft
+
+    def take_drafted(self, rows: torch.Tensor) -> tuple[int | None, int]:
+        """Take tokens from rows: the logits after the last token and after each token of the
+        draft fed with it. Row j's token is final; the walk goes on only while it equals
+        draft[j] (then row j + 1 was computed on the right prefix). The last token taken (None:
+        Stop before the first) and how many fed draft tokens were rejected (to cut from the
+        cache). Consumes the draft."""
+        draft, self.draft = self.draft, []
+        drafter = self.drafter
+        probs = drafter.draft_probs if drafter is not None and draft else None
+        accepted, token = 0, None
+        for j in range(rows.shape[0]):
+            token = self.take(rows[j], (draft[j], probs[j]) if probs and j < len(draft)
+                              else None)
+            if token is None:
+                break
+            if drafter is not None:
+                drafter.append(token)
+            if self.finish is not None or j >= len(draft) or token != draft[j]:
+                break
+            accepted += 1
+        self.spec.proposed += len(draft)
+        self.spec.accepted += accepted
+        return token, len(draft) - accepted
 
     def _text(self, token: int) -> tuple[str, bool]:
         """The text one token adds to the reply, and whether it ends it (EOS or a stop)."""

@@ -72,6 +72,13 @@ class Runtime(Protocol):
         ...
 
     @property
+    def drafts_in_batch(self) -> bool:
+        """Whether a batch row can verify a prompt-lookup draft in the batch's step (its KV
+        takes several positions a step and gives a rejected tail back); if not, speculative
+        requests run alone."""
+        ...
+
+    @property
     def can_prefill_beside(self) -> bool:
         """Whether a long prompt can be read on its own cores beside streaming rows."""
         ...

@@ -16,7 +16,7 @@ import torch
 from engine.core.ledger import CacheLease, KvLedger
 from engine.core.prompt import ChatModel
 from engine.core.reply import DetachedJob, EmitEvent, Reply, Vocabulary, open_reply
-from engine.core.speculative import DraftProposer, PromptLookup, TokenProposer
+from engine.core.speculative import TokenProposer, drafter_for
 from engine.errors import InvalidRequestError
 from engine.events import GenerationResult
 from engine.metrics import RequestTimeline, now_ns
@@ -48,26 +48,10 @@ class SoloRunner(Protocol):
         ...
 
 
-class Proposer(Protocol):
-    """One request's drafter (PromptLookup, DraftProposer): fed each emitted token, asked for
-    a draft before each step; draft_probs holds a sampled draft's distributions."""
-
-    @property
-    def draft_probs(self) -> list[torch.Tensor] | None: ...
-
-    def prepare(self, cancel: threading.Event) -> bool:
-        """Ready for the first proposal, during the target's prefill; False if Stop came."""
-        ...
-
-    def append(self, token: int) -> None: ...
-
-    def propose(self, max_tokens: int) -> list[int]: ...
-
-
-def decode_alone(runner: SoloRunner, reply: Reply, drafter: Proposer | None) -> None:
-    """Prefill, then decode until the reply ends; the lease ends holding exactly the prompt
-    and every token fed back."""
-    lease, cancel = reply.lease, reply.job.cancel
+def decode_alone(runner: SoloRunner, reply: Reply) -> None:
+    """Prefill, then decode until the reply ends, verifying the reply's drafts if it has a
+    drafter; the lease ends holding exactly the prompt and every token fed back."""
+    lease, cancel, drafter = reply.lease, reply.job.cancel, reply.drafter
     rows = runner.prefill(reply, reply.prompt_ids[lease.cached_tokens :])
     if rows is not None and drafter is not None and not drafter.prepare(cancel):
         rows = None
@@ -75,32 +59,16 @@ def decode_alone(runner: SoloRunner, reply: Reply, drafter: Proposer | None) -> 
         reply.finish = "cancelled"  # Stop before or during the prefill: within one chunk
     else:
         reply.job.timeline.first_logits_ns = now_ns()
-        draft: list[int] = []
         while True:
-            # Row j's token is final; it continues the walk only when it equals draft[j]
-            # (then row j + 1 was computed on the right prefix).
-            accepted, token = 0, None
-            for j in range(rows.shape[0]):
-                probs = drafter.draft_probs if drafter is not None else None
-                token = reply.take(rows[j], (draft[j], probs[j]) if probs and j < len(draft)
-                                   else None)
-                if token is None:
-                    break  # Stop before the first token
-                if drafter is not None:
-                    drafter.append(token)
-                if reply.finish is not None or j >= len(draft) or token != draft[j]:
-                    break
-                accepted += 1
-            reply.spec.accepted += accepted
-            if draft:  # the cache holds the last step's input token plus the whole draft
-                runner.trim(lease, len(lease.ids) - len(draft) + accepted)
+            token, rejected = reply.take_drafted(rows)
+            if rejected:  # the cache holds the last step's input token plus the whole draft
+                runner.trim(lease, len(lease.ids) - rejected)
             if reply.finish is not None or token is None:
                 break
-            draft = drafter.propose(reply.budget - len(reply.generated) - 1) if drafter else []
+            draft = reply.propose()
             if cancel.is_set():  # Stop while the draft model proposed (or just now)
                 reply.finish = "cancelled"
                 break
-            reply.spec.proposed += len(draft)
             rows = runner.forward(lease, [token, *draft], 1 + len(draft))
     # Plain decoding never feeds the last emitted token; a draft may have gone further.
     runner.trim(lease, reply.kv_len)
@@ -128,27 +96,12 @@ class SoloSession:
         reply = open_reply(self.model, self.cache, DetachedJob(request, timeline, cancel),
                            self.vocab, emit, self.device)
         try:
-            drafter = self._drafter(reply)
-            reply.speculative = request.speculative if drafter is not None else None
-            decode_alone(self.runner, reply, drafter)
+            reply.use_drafter(drafter_for(request, reply.prompt_ids, self.runner.can_roll_back,
+                                          self.draft, self.vocab.eos_ids, reply.generator))
+            decode_alone(self.runner, reply)
             result = reply.result()
         except BaseException:
             self.cache.discard(reply.lease)  # its KV is in an unknown state
             raise
         self.cache.release(reply.lease)
         return result
-
-    def _drafter(self, reply: Reply) -> Proposer | None:
-        """Greedy requests: verification keeps the output identical to plain decoding.
-        Sampled requests: a draft model's sampled drafts pass the speculative sampling test,
-        which keeps the output distribution the target's; prompt lookup decodes them plainly.
-        None where the cache cannot take a rejected draft back out."""
-        request = reply.request
-        params = request.params
-        if request.speculative is None or not self.runner.can_roll_back:
-            return None
-        if request.speculative == "ngram":
-            return PromptLookup(reply.prompt_ids) if params.greedy else None
-        assert self.draft is not None  # run() refuses a draft request without one
-        stop_ids = () if params.ignore_eos else self.vocab.eos_ids
-        return DraftProposer(self.draft, reply.prompt_ids, stop_ids, params, reply.generator)

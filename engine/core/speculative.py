@@ -30,7 +30,7 @@ import torch
 from engine.core.ledger import common_prefix_len
 from engine.core.sampling import apply_repetition_penalty, check_logits, draw, filtered_probs
 from engine.events import ModelInfo
-from engine.params import SamplingParams
+from engine.params import GenerationRequest, SamplingParams
 
 DRAFT_TOKENS = 6
 MAX_NGRAM = 3
@@ -83,6 +83,41 @@ class PromptLookup:
             if start is not None:
                 return h[start : start + max_tokens]
         return []
+
+
+class Proposer(Protocol):
+    """One request's drafter (PromptLookup, DraftProposer): fed each emitted token, asked for
+    a draft before each step; draft_probs holds a sampled draft's distributions."""
+
+    @property
+    def draft_probs(self) -> list[torch.Tensor] | None: ...
+
+    def prepare(self, cancel: threading.Event) -> bool:
+        """Ready for the first proposal, during the target's prefill; False if Stop came."""
+        ...
+
+    def append(self, token: int) -> None: ...
+
+    def propose(self, max_tokens: int) -> list[int]: ...
+
+
+def drafter_for(request: GenerationRequest, prompt_ids: Sequence[int], can_roll_back: bool,
+                draft: Drafter | None, stop_ids: Collection[int],
+                generator: torch.Generator | None) -> Proposer | None:
+    """A speculative request's drafter, alone or in a batch. Greedy requests: verification
+    keeps the output identical to plain decoding. Sampled requests: a draft model's sampled
+    drafts pass the speculative sampling test, which keeps the output distribution the
+    target's; prompt lookup decodes them plainly. None where the cache cannot take a rejected
+    draft back out, or for a draft request without a draft model."""
+    params = request.params
+    if request.speculative is None or not can_roll_back:
+        return None
+    if request.speculative == "ngram":
+        return PromptLookup(prompt_ids) if params.greedy else None
+    if draft is None:
+        return None
+    return DraftProposer(draft, prompt_ids, () if params.ignore_eos else stop_ids, params,
+                         generator)
 
 
 @dataclass

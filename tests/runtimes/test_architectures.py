@@ -190,7 +190,7 @@ def test_speculation_matches_plain_and_rolls_back(arch: Arch, monkeypatch) -> No
         assert lookup.speculative is None  # it needs a rollback: decoded plainly, and says so
         return
     vocab = arch.reference.config.vocab_size
-    monkeypatch.setattr("engine.core.solo.PromptLookup",
+    monkeypatch.setattr("engine.core.speculative.PromptLookup",
                         lambda ids: FlawedOracle(plain.token_ids, ids, vocab))
     spec = arch.ask(messages, "spec", params=params, speculative="ngram")
     assert spec.token_ids == plain.token_ids

@@ -331,12 +331,13 @@ def decisions(prefill_chunk: int = 256, streaming: int = 0, **kw: Any) -> Any:
     return batcher
 
 
-def test_only_plain_requests_join_the_batch() -> None:
+def test_speculative_requests_join_the_batch_only_where_it_verifies_drafts() -> None:
     from engine.core.batch import batchable
 
-    assert batchable(ask("hi"))
-    assert not batchable(ask("hi", speculative="ngram"))
-    assert not batchable(ask("hi", speculative="draft"))
+    for drafts_in_batch in (False, True):
+        assert batchable(ask("hi"), drafts_in_batch)
+        assert batchable(ask("hi", speculative="ngram"), drafts_in_batch) is drafts_in_batch
+        assert not batchable(ask("hi", speculative="draft"), drafts_in_batch)
 
 
 def test_only_caches_of_plain_attention_layers_batch() -> None:

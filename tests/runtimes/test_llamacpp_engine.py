@@ -516,6 +516,45 @@ def test_engine_runs_the_default_gguf_on_llama_cpp() -> None:
     assert out["draft_error"] == ""  # a GGUF drafts for a llama.cpp model (test_llamacpp_draft)
 
 
+def _speculative_beside_body() -> dict:
+    from engine import GenerationRequest, SamplingParams
+    from engine.events import RequestFinished, TokenEmitted
+    from engine.params import ChatMessage
+    from engine.worker import Engine
+
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa"
+    with Engine() as engine:
+        engine.load_model_sync("default", engine=LLAMA_CPP)
+        plain = GenerationRequest([ChatMessage("user", "Write a short poem about the sea.")],
+                                  SamplingParams(temperature=0.0, max_tokens=64,
+                                                 ignore_eos=True), conversation_id="plain")
+        spec = GenerationRequest(
+            [ChatMessage("user", f"Repeat these words three times: {words} {words}")],
+            SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+            conversation_id="spec", speculative="ngram")
+        first = engine.submit(plain)
+        stream = first.events(timeout=120)
+        next(e for e in stream if isinstance(e, TokenEmitted))
+        second = engine.submit(spec)
+        spec_first = next(e.t_ns for e in second.events(timeout=120)
+                          if isinstance(e, TokenEmitted))
+        plain_done = next(e.t_ns for e in stream if isinstance(e, RequestFinished))
+        done = [first.wait(120), second.wait(120)]
+    return {"speculative": done[1].speculative, "proposed": done[1].spec_proposed,
+            "tokens": [len(r.token_ids) for r in done],
+            "spec_first_before_plain_done": spec_first < plain_done}
+
+
+@needs_llama_cpp
+def test_a_prompt_lookup_chat_streams_beside_another_instead_of_waiting() -> None:
+    """llama.cpp's batch verifies prompt-lookup drafts in its step: a speculative chat sent
+    while another streams joins the batch (before, it waited for that reply to end)."""
+    out = run_in_child(_speculative_beside_body)
+    assert out["tokens"] == [64, 24]
+    assert out["speculative"] == "ngram" and out["proposed"] > 0, out
+    assert out["spec_first_before_plain_done"], out
+
+
 def _template_body() -> dict:
     from engine.core.chat_template import encode_chat_with_spans
     from engine.params import ChatMessage

@@ -14,7 +14,7 @@ from engine import (
     SamplingParams,
     TokenEmitted,
 )
-from engine.core import solo as solo_loop
+from engine.core import speculative
 from engine.core.speculative import PromptLookup
 from engine.metrics import RequestTimeline, now_ns
 from engine.runtimes.torch.generate import DecodeSession
@@ -67,7 +67,7 @@ def run(loaded: LoadedModel, pool: PrefixCache, request: GenerationRequest):
 @pytest.mark.parametrize("lookup_cls", [PromptLookup, ScriptedLookup])
 def test_greedy_output_and_cache_match_plain_decoding(
         tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch, lookup_cls: type) -> None:
-    monkeypatch.setattr(solo_loop, "PromptLookup", lookup_cls)
+    monkeypatch.setattr(speculative, "PromptLookup", lookup_cls)
     prompt = fixed_prompt_ids(tiny, 48)
     outputs = {}
     for mode in (None, "ngram"):

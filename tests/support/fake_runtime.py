@@ -162,5 +162,8 @@ class FakeBatcher(OwnKvBatch):
         lease.cache.states[:] = source.lease.cache.states
         return sibling_reply(job, source, lease, partial(self._emit, job), "cpu")
 
+    drafts_in_batch = True  # each row steps on its own KV: a draft is a few more positions
+
     def _forward_rows(self) -> torch.Tensor:
-        return torch.cat([self.runner.forward(r.lease, [r.generated[-1]], 1) for r in self.rows])
+        return torch.cat([self.runner.forward(r.lease, [r.generated[-1], *r.draft],
+                                              1 + len(r.draft)) for r in self.rows])

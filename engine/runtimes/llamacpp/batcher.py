@@ -51,6 +51,7 @@ class LlamaBatcher(OwnKvBatch):
         super().__init__(prefix_cache, emit, done)
         self.loaded = loaded
         self.vocab = llama_vocabulary(loaded)
+        self.drafts_in_batch = loaded.can_roll_back  # a rejected draft is cut with seq_rm
         self.mixed_steps = 0
         # interleave=False: a joining prompt is prefilled whole while the rows wait (the
         # baseline of bench --interference). Chunk sizes given here stay fixed (tests); else
@@ -171,7 +172,7 @@ class LlamaBatcher(OwnKvBatch):
     # ----- decoding --------------------------------------------------------------------------
     def _forward_rows(self) -> torch.Tensor:
         self._decode()
-        return self.loaded.logits(len(self.rows))
+        return self.loaded.logits(sum(1 + len(r.draft) for r in self.rows))
 
     def _mixed_step(self, chunk: Sequence[int], lease: CacheLease, last: bool
                     ) -> torch.Tensor | None:
@@ -192,17 +193,21 @@ class LlamaBatcher(OwnKvBatch):
 
     def _decode(self, chunk: Sequence[int] = (), lease: CacheLease | None = None,
                 last: bool = False) -> None:
-        """One llama_decode: each row's last token at its own position on its own sequence
-        (logits for each), plus a chunk of a joining prompt on lease's sequence (logits for its
-        final token when `last`)."""
-        rows = self.rows
+        """One llama_decode: each row's last token and its draft from its own position on its
+        own sequence (logits for each), plus a chunk of a joining prompt on lease's sequence
+        (logits for its final token when `last`)."""
+        fed = [[r.generated[-1], *r.draft] for r in self.rows]
+        tokens = [t for ids in fed for t in ids]
+        positions = [p for r, ids in zip(self.rows, fed, strict=True)
+                     for p in range(r.kv_len, r.kv_len + len(ids))]
+        seqs = [r.lease.cache for r, ids in zip(self.rows, fed, strict=True) for _ in ids]
         start = len(lease.ids) if lease is not None else 0
-        decode(self.loaded, self.prefix_cache, [r.generated[-1] for r in rows] + list(chunk),
-               [r.kv_len for r in rows] + list(range(start, start + len(chunk))),
-               [r.lease.cache for r in rows] + [lease.cache if lease else 0] * len(chunk),
-               [True] * len(rows) + [last and i == len(chunk) - 1 for i in range(len(chunk))])
-        for row in rows:
-            row.lease.ids.append(row.generated[-1])
+        decode(self.loaded, self.prefix_cache, tokens + list(chunk),
+               positions + list(range(start, start + len(chunk))),
+               seqs + [lease.cache if lease else 0] * len(chunk),
+               [True] * len(tokens) + [last and i == len(chunk) - 1 for i in range(len(chunk))])
+        for row, ids in zip(self.rows, fed, strict=True):
+            row.lease.ids.extend(ids)
         if lease is not None:
             lease.ids.extend(chunk)
 

@@ -59,6 +59,10 @@ class LlamaRuntime:
         return True  # every row is a KV sequence of its own in one context
 
     @property
+    def drafts_in_batch(self) -> bool:
+        return self.model.can_roll_back  # each row's sequence takes a draft, seq_rm its tail
+
+    @property
     def can_prefill_beside(self) -> bool:
         return side_threads(self.model) >= 1
 

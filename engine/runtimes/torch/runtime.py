@@ -62,6 +62,10 @@ class TorchRuntime:
         return self._batching
 
     @property
+    def drafts_in_batch(self) -> bool:
+        return False  # the rows share one left-padded cache and step in lockstep
+
+    @property
     def can_prefill_beside(self) -> bool:
         return self.loaded.device.type == "cpu" and side_threads() >= 1
 
