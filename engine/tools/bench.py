@@ -444,9 +444,11 @@ def bench_batch(
     and total throughput.
 
     Each request is a different window of the fixed passage, all of one length; each is
-    prefilled on its own and joins the batch, as in the engine. A timed step is one forward
-    over all rows plus each row's sampling, detokenizing and events. Batch sizes alternate
-    round by round; each step's time is the median over the rounds.
+    prefilled on its own and joins the batch, as in the engine, but whole, before any row
+    steps (the engine reads a prompt that joins streaming rows inside their steps, so they
+    would stream together for only part of the run). A timed step is one forward over all B
+    rows plus each row's sampling, detokenizing and events; only steps with all B rows count.
+    Batch sizes alternate round by round; each step's time is the median over the rounds.
     """
     stride = 7
     source = fixed_prompt_ids(loaded, prompt_tokens + stride * max(batch_sizes))
@@ -457,12 +459,15 @@ def bench_batch(
             progress(f"round {r + 1}/{rounds}: batch {b}")
             pool = loaded.new_prefix_cache(budget_bytes=1 << 40)
             batcher = loaded.new_batcher(pool, lambda _job, _event: None,
-                                         lambda _job, _result, _error: None)
+                                         lambda _job, _result, _error: None,
+                                         BatchSchedule(interleave=False))
             for i in range(b):
                 ids = source[i * stride : i * stride + prompt_tokens]
                 batcher.admit([DetachedJob(GenerationRequest(
                     [], params, prompt_token_ids=ids, reuse_cache=False))])
-            while batcher.rows:  # the median keeps the last step (rows leave) from counting
+            if len(batcher.rows) != b:
+                raise ValueError(f"{b} rows did not stream at once: max_tokens too small?")
+            while len(batcher.rows) == b:
                 start = time.perf_counter()
                 batcher.step()
                 step_s[b].append(time.perf_counter() - start)
@@ -471,7 +476,8 @@ def bench_batch(
     for b in batch_sizes:
         step = statistics.median(step_s[b])
         rows.append({"batch": b, "per_token_latency_ms": step * 1e3,
-                     "total_tok_s": b / step, "throughput_vs_first": base * b / step})
+                     "total_tok_s": b / step, "throughput_vs_first": base * b / step,
+                     "steps_timed": len(step_s[b])})
     return {"model": loaded.info.name, "device": loaded.info.device,
             "kernel": loaded.info.kernel, "engine": loaded.info.engine,
             "prompt_tokens": prompt_tokens,

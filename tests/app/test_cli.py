@@ -152,6 +152,8 @@ def test_bench_batch_and_speculative_json(capsys, tiny_model_dir: Path) -> None:
     report = json.loads(out.strip().splitlines()[-1])
     assert [b["batch"] for b in report["batches"]] == [1, 2]
     assert all(b["total_tok_s"] > 0 for b in report["batches"])
+    # every timed step decoded all B rows: the 3 steps after the prefill's token, no fewer
+    assert [b["steps_timed"] for b in report["batches"]] == [3, 3]
     code, out, _ = run_cli(capsys, "bench", "--model", str(tiny_model_dir), "--json",
                            "--kernel", "fp32-eager", "--speculative", "--max-tokens", "16",
                            "--prompt-tokens", "32", "--repeats", "1")
