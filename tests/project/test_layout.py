@@ -187,3 +187,21 @@ def test_the_front_loads_no_runtime_and_no_qt() -> None:
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# ----- the mutation run's test selection -----------------------------------------------------
+def test_the_mutation_selection_names_tests_that_exist() -> None:
+    """`make mutation` runs the tests pyproject's [tool.mutmut] names: a renamed test must be
+    renamed there too, or the run errors (or judges every mutant against too few tests)."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]
+    for entry in config["pytest_add_cli_args_test_selection"]:
+        path, _, name = entry.partition("::")
+        assert (ROOT / path).is_file(), entry
+        if name:
+            functions = {node.name for node in ast.walk(ast.parse((ROOT / path).read_text()))
+                         if isinstance(node, ast.FunctionDef)}
+            assert name in functions, entry
+    for module in config["only_mutate"]:
+        assert (ROOT / module).is_file(), module
