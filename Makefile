@@ -48,6 +48,7 @@ lint: setup
 MUTANTS ?= 'engine.core.sampling.*' 'engine.metrics.*' 'engine.core.ledger.*' \
 	'engine.core.snapshots.*' 'engine.core.reply.*' 'engine.core.solo.x_decode_alone__*' \
 	'engine.core.solo.x?SoloSession?*' 'engine.core.schedule.*' 'engine.core.batch.*' \
+	'engine.core.speculative.x_drafter_for__*' \
 	'engine.runtimes.torch.batching.x?Batcher?_adapt_budget__*' \
 	'engine.runtimes.torch.batching.x?Batcher?_chunk_tokens__*' \
 	'engine.runtimes.torch.batching.x?Batcher?_prefill__*' \
