@@ -193,6 +193,29 @@ def test_stop_while_the_draft_reads_the_prompt_ends_the_reply_with_no_token(
     assert pool._entries["c"].ids == result.prompt_token_ids
 
 
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+def test_stop_as_the_prefill_ends_takes_no_token(tiny: LoadedModel, speculative: Any) -> None:
+    """Stop lands just as the prompt's last chunk returns its logits (too late for the prefill
+    to see it): the reply takes no token and ends cancelled, plain or speculative, and the
+    cache keeps the prompt it read."""
+    cancel = threading.Event()
+    session = DecodeSession(tiny, pool_for(tiny))
+    read = session.runner.prefill
+
+    def prefill(reply: Any, ids: list[int]) -> Any:
+        logits = read(reply, ids)
+        cancel.set()
+        return logits
+
+    session.runner.prefill = prefill  # type: ignore[method-assign]  # Stop, just too late
+    events: list[Any] = []
+    result = session.run(request(tiny, speculative=speculative), RequestTimeline(now_ns()),
+                         cancel, events.append)
+    assert (result.finish_reason, result.token_ids) == ("cancelled", [])
+    assert not [e for e in events if isinstance(e, TokenEmitted)]
+    assert session.cache._entries["c"].ids == result.prompt_token_ids
+
+
 def test_a_prompt_that_fails_to_read_in_a_batch_discards_its_lease(
         tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
     """The batch's prefill fails: the request reports that error (not another one from the

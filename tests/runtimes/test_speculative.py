@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import (
     ChatMessage,
@@ -137,3 +139,49 @@ def test_json_reports_acceptance(tiny: LoadedModel) -> None:
     assert data["speculative"] == "ngram"
     assert data["spec_proposed"] == spec.spec_proposed > 0
     assert data["spec_accept_rate"] == pytest.approx(spec.spec_accepted / spec.spec_proposed)
+
+
+class NoDraftModel:
+    """A Drafter that must never be asked: drafter_for only wraps it."""
+
+    def __init__(self) -> None:
+        self.context = 64
+        self.last_probs: list[torch.Tensor] = []
+
+    def prefill(self, prompt_ids: Sequence[int], cancel: threading.Event) -> bool:
+        raise AssertionError("drafter_for must not run the draft model")
+
+    def propose(self, history: Sequence[int], k: int, stop_ids: Collection[int] = (),
+                params: SamplingParams | None = None,
+                generator: torch.Generator | None = None) -> list[int]:
+        raise AssertionError("drafter_for must not run the draft model")
+
+
+def test_the_drafter_each_request_gets() -> None:
+    """Which drafter a request speculates with, alone or in a batch (drafter_for): none for a
+    plain request even with a draft model loaded, none where the cache cannot take a rejected
+    draft back, prompt lookup for greedy requests only; a draft model's drafts stop at the end
+    tokens unless the request ignores them."""
+    from engine.core.speculative import DraftProposer, drafter_for
+    from engine.params import Speculative
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    sampled = SamplingParams(temperature=0.8, max_tokens=8, seed=1)
+    draft_model = NoDraftModel()
+
+    def choose(params: SamplingParams, method: Speculative | None, rolls_back: bool = True,
+               draft: NoDraftModel | None = draft_model) -> object:
+        request = GenerationRequest([], params, prompt_token_ids=[5, 6, 7], speculative=method)
+        return drafter_for(request, [5, 6, 7], rolls_back, draft, {2}, None)
+
+    assert choose(greedy, None) is None
+    assert choose(greedy, "ngram", rolls_back=False) is None
+    assert choose(greedy, "draft", rolls_back=False) is None
+    assert isinstance(choose(greedy, "ngram"), PromptLookup)
+    assert choose(sampled, "ngram") is None
+    assert choose(greedy, "draft", draft=None) is None
+    stops = choose(greedy, "draft")
+    assert isinstance(stops, DraftProposer) and stops.stop_ids == {2}
+    ignoring = choose(SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), "draft")
+    assert isinstance(ignoring, DraftProposer) and ignoring.stop_ids == frozenset()
+    assert ignoring.draft is draft_model and ignoring.history == [5, 6, 7]

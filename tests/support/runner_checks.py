@@ -423,6 +423,47 @@ def check_speculative_row_in_the_batch(kit: RunnerKit) -> None:
     kit.pool.release(again)
 
 
+def check_rows_that_end_early_report_and_keep_their_kv(kit: RunnerKit) -> None:
+    """In a batch, a request that ends at its first token (max_tokens 1) never joins the rows
+    and a row stopped mid-stream leaves at the next step: each reports its own end ("length",
+    "cancelled") with what it took, gives its KV back to the prefix cache holding the prompt
+    and what it fed, and the row beside them runs to its end."""
+    results: dict[str, GenerationResult | str] = {}
+
+    def done(job: ReplyJob, result: GenerationResult | None,
+             error: BaseException | None) -> None:
+        results[job.request.request_id] = result if result is not None else repr(error)
+
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    prompts = {"runs": kit.prompt[:20], "stopped": kit.prompt[10:34], "one": kit.prompt[30:50]}
+    jobs = {name: _job(ids, f"early-{name}", reuse=False,
+                       params=one if name == "one" else GREEDY)
+            for name, ids in prompts.items()}
+    batcher = kit.batcher(lambda _j, _e: None, done, None)
+    for job in jobs.values():
+        batcher.admit([job])
+    assert len(batcher.rows) == 2 and "early-one" in results  # ended at its first token
+    for _ in range(3):
+        batcher.step()
+    jobs["stopped"].cancel.set()
+    while batcher.rows:
+        batcher.step()
+    ends: dict[str, GenerationResult] = {}
+    for name in prompts:
+        result = results[f"early-{name}"]
+        assert isinstance(result, GenerationResult), (name, result)
+        ends[name] = result
+    finish = {name: r.finish_reason for name, r in ends.items()}
+    taken = {name: len(r.token_ids) for name, r in ends.items()}
+    assert finish == {"runs": "length", "stopped": "cancelled", "one": "length"}, finish
+    assert taken == {"runs": GREEDY.max_tokens, "stopped": 4, "one": 1}, taken
+    for name, result in ends.items():
+        fed = result.prompt_token_ids + result.token_ids[:-1]
+        again = kit.pool.acquire(f"early-{name}", fed + result.token_ids[-1:])
+        assert (again.miss_reason, again.cached_tokens) == ("none", len(fed)), (name, again)
+        kit.pool.release(again)
+
+
 CHECKS: dict[str, Callable[[RunnerKit], None]] = {
     "prefill_equals_cold": check_prefill_equals_cold,
     "chunked_equals_one_pass": check_chunked_equals_one_pass,
@@ -432,6 +473,7 @@ CHECKS: dict[str, Callable[[RunnerKit], None]] = {
     "error_in_one_row": check_an_error_in_one_row_leaves_the_others,
     "alternatives_share_one_prefill": check_alternatives_share_one_prefill,
     "speculative_row_in_the_batch": check_speculative_row_in_the_batch,
+    "rows_that_end_early": check_rows_that_end_early_report_and_keep_their_kv,
 }
 
 
