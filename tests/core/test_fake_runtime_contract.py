@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.params import Speculative
 from tests.support.runner_checks import CHECKS, RunnerKit, fake_kit
 
 
@@ -47,3 +48,47 @@ def test_a_third_runtime_resumes_a_chat_from_disk(kit: RunnerKit, tmp_path: Path
     cold = again.cold_lease("cold")
     assert torch.equal(warm, kit.runner.forward(cold, kit.prompt[:50], 1))
     again.shelf.close(10)
+
+
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+def test_the_plain_step_time_is_a_moving_average_a_drafted_step_leaves_alone(
+        kit: RunnerKit, speculative: Speculative | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch's plain decode step time (what sizes the prompt chunks riding in its steps)
+    is the first step's, then 0.7 of the last average and 0.3 of the new step; a step that
+    verified a draft costs more than a plain one and is left out. The clock is the batch's own
+    (engine/core/batch.py's now_ns), stepped by hand: first logits, then two steps' ends."""
+    from engine.core import batch as batch_module
+    from engine.core.reply import DetachedJob
+    from engine.events import GenerationResult
+    from engine.params import GenerationRequest, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    first = kit.prompt[20:44]
+    said: list[int] = []
+
+    def done(_job: object, result: GenerationResult | None, _error: object) -> None:
+        assert result is not None
+        said.extend(result.token_ids)
+
+    alone = kit.batcher(lambda _job, _event: None, done, None)
+    alone.admit([DetachedJob(GenerationRequest([], params, prompt_token_ids=first,
+                                               reuse_cache=False))])
+    while alone.rows:
+        alone.step()
+    prompt = first + said[:4] + first  # continued with `said` again: prompt lookup drafts
+
+    clock = iter([0, 0, 2_000_000, 10_000_000, 14_000_000])
+    monkeypatch.setattr(batch_module, "now_ns", lambda: next(clock))
+    batcher = kit.batcher(lambda _job, _event: None, lambda *_: None, None)
+    batcher.admit([DetachedJob(GenerationRequest([], params, prompt_token_ids=prompt,
+                                                 reuse_cache=False, speculative=speculative))])
+    row = batcher.rows[0]
+    batcher.step()
+    if speculative is None:
+        assert batcher._decode_step_s == pytest.approx(0.002)
+        batcher.step()
+        assert batcher._decode_step_s == pytest.approx(0.7 * 0.002 + 0.3 * 0.004)
+    else:
+        assert row.spec.proposed > 0
+        assert batcher._decode_step_s == 0.0
