@@ -45,7 +45,7 @@ from engine.machine import cpu_name as cpu_name
 from engine.machine import read_json, write_json_entry
 from engine.model_files import cache_root
 from engine.native import ChildError, NativeChild, NativeCrashError
-from engine.runtimes.torch.file_pages import release_file_pages
+from engine.runtimes.torch.file_pages import clean_file_mappings, release_file_pages
 from engine.runtimes.torch.loader import LoadedModel
 from engine.runtimes.torch.quality import perplexity, reference_ids, within_tolerance
 
@@ -147,33 +147,39 @@ def _with_dynamic_linears(model: nn.Module, qconfig: Any) -> nn.Module:
     copied = share_tensors_copy(model)
     linears = [(parent, name, child) for parent in copied.modules()
                for name, child in parent.named_children() if type(child) is nn.Linear]
+    clean = clean_file_mappings()  # once: no conversion writes to the weights' file mapping
     with warnings.catch_warnings():  # the deprecated torch.ao API; see _int8_dynamic_model
         warnings.filterwarnings("ignore", message=r"(?is).*deprecat")
         for parent, name, linear in linears:
-            setattr(parent, name, _dynamic_linear(linear, qconfig))
+            setattr(parent, name, _dynamic_linear(linear, qconfig, clean))
     return copied
 
 
-def _dynamic_linear(linear: nn.Linear, qconfig: Any) -> PackedLinear:
+def _dynamic_linear(linear: nn.Linear, qconfig: Any, clean: list[tuple[int, int]]
+                    ) -> PackedLinear:
     """torch.ao's DynamicLinear.from_float, less its first step: that builds and packs a zero
     weight of the full shape before packing the real one (for a 262k-token head, 0.7 GB more
-    at load for fp16, 0.3 GB for int8)."""
+    at load for fp16, 0.3 GB for int8). `clean`: the file mappings whose pages may be given
+    back (clean_file_mappings)."""
     from torch.ao.nn.quantized.modules.utils import _quantize_weight
 
     observer = qconfig.weight()
     observer(linear.weight)
     weight = linear.weight.float()
-    if observer.dtype == torch.qint8:
+    int8 = observer.dtype == torch.qint8
+    if int8:
         weight = _quantize_weight(weight, observer)
     # torch.ao is untyped (no-untyped-call)
     packed = PackedLinear(1, 1, dtype=observer.dtype)  # type: ignore[no-untyped-call]
-    # The float pages, once read (int8: before packing, so one copy of a large head is held at
-    # a time), are read back from the file if needed again: a tied head's are the embedding's,
-    # whose lookups then read the rows they use.
-    if observer.dtype == torch.qint8:
-        release_file_pages([linear.weight])
+    # The float pages are given back once read for the last time (int8: by the quantizer,
+    # before packing, so one copy of a large head is held at a time; fp16: by the packing);
+    # read back from the file if needed again: a tied head's are the embedding's, whose
+    # lookups then read the rows they use.
+    if int8:
+        release_file_pages([linear.weight], clean)
     packed.set_weight_bias(weight, linear.bias)
-    release_file_pages([linear.weight])
+    if not int8:
+        release_file_pages([linear.weight], clean)
     packed.in_features, packed.out_features = linear.in_features, linear.out_features
     bias = linear.bias
     packed.bias_bytes = 0 if bias is None else bias.numel() * bias.element_size()
