@@ -22,7 +22,7 @@ from typing import Any
 from PySide6.QtCore import Qt
 from pytestqt.qtbot import QtBot
 
-from engine import GenerationResult, PrefillProgress, PrefillStarted, TokenEmitted
+from engine import GenerationResult, PrefillProgress, PrefillStarted, RequestFinished, TokenEmitted
 from engine.events import EngineEvent
 from engine.worker import Engine
 from tests.support.window_helpers import WAIT_MS, greedy, settings
@@ -272,9 +272,15 @@ def two_chats_at_once(bot: QtBot, rig: Rig) -> dict[str, Any]:
     speak for A), A's second turn runs beside B's (one batch), then B is opened again."""
     window = rig.window
     ids, finished = _started(window), _finished(window)
-    order: list[str] = []
-    rig.engine.add_listener(
-        lambda e: order.append(e.request_id) if isinstance(e, TokenEmitted) else None)
+    order: list[str] = []  # request ids of tokens, in the engine's own order
+    ended: dict[str, int] = {}  # request id -> how many tokens the engine had sent as it ended
+
+    def note(event: object) -> None:  # on the engine's thread: its order, not the UI's timing
+        if isinstance(event, TokenEmitted):
+            order.append(event.request_id)
+        elif isinstance(event, RequestFinished):
+            ended[event.request_id] = len(order)
+    rig.engine.add_listener(note)
 
     greedy(window, 12)
     a1 = send_and_wait(bot, rig, "Name a fruit.")
@@ -297,7 +303,6 @@ def two_chats_at_once(bot: QtBot, rig: Rig) -> dict[str, Any]:
         gate.release()
     bot.waitUntil(lambda: a2_id in finished, timeout=rig.wait_ms)
     a_live = hud_view(window)
-    b_running_after_a = b_id not in finished
     bot.waitUntil(lambda: b_id in finished, timeout=rig.wait_ms)
     a_after_b = hud_view(window)
     window.open_conversation(chat_b)
@@ -314,7 +319,8 @@ def two_chats_at_once(bot: QtBot, rig: Rig) -> dict[str, Any]:
         "b_headline": headline(finished[b_id]),
         "a_open": a_open, "a_live": a_live, "a_after_b": a_after_b, "b_open": b_open,
         "button_a_while_b_streams": button_a,
-        "b_running_after_a": b_running_after_a,
+        # the engine sent B's tokens after A's second reply ended
+        "b_running_after_a": b_id in order[ended[a2_id]:],
         # A's second reply decoded in B's steps: B's tokens came before, between and after
         "b_tokens_around_a2": bool(a2_tokens) and any(
             a2_tokens[0] < i < a2_tokens[-1] for i in b_tokens),
