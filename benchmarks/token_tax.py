@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="print cProfile's top entries")
+    parser.add_argument("--profile-sort", choices=("tottime", "cumulative"), default="tottime")
     args = parser.parse_args()
     runtime = load(args.model, LLAMA_CPP, context_length=1024)
     model = runtime.model
@@ -69,7 +70,7 @@ def main() -> None:
             runtime.new_session(pool).run(request, timeline, threading.Event(), lambda _e: None)
             if profile:
                 profile.disable()
-                pstats.Stats(profile).sort_stats("tottime").print_stats(12)
+                pstats.Stats(profile).sort_stats(args.profile_sort).print_stats(24)
                 continue
             if i == 0:
                 continue  # warm-up

@@ -14,7 +14,7 @@ Speculative = Literal["ngram", "draft"]  # a speculative decoding method
 Overflow = Literal["refuse", "drop_oldest"]  # what a prompt over the context gets
 _request_ids = itertools.count(1)
 MAX_ALTERNATIVES = 8  # one decode batch
-# Seeds are 0 <= seed < 2**63: what torch.Generator.manual_seed and a signed 64-bit field on a
+# Seeds are 0 <= seed < 2**63: what the sampler's generator and a signed 64-bit field on a
 # remote server both accept. Alternatives use (seed + i) mod SEED_LIMIT, staying in range.
 SEED_LIMIT = 2**63
 

@@ -72,8 +72,7 @@ class Reply:
     """One request's generation: sampler, text state, budget, cache lease and timeline."""
 
     def __init__(self, job: ReplyJob, prompt: PreparedPrompt, lease: CacheLease,
-                 vocab: Vocabulary, info: ModelInfo, emit: EmitEvent,
-                 device: torch.device | str = "cpu") -> None:
+                 vocab: Vocabulary, info: ModelInfo, emit: EmitEvent) -> None:
         params = job.request.params
         self.job = job
         self.prompt_ids = prompt.ids
@@ -83,7 +82,7 @@ class Reply:
         self.info = info
         self.emit = emit
         self.budget = min(params.max_tokens, info.context_length - len(prompt.ids))
-        self.generator = None if params.greedy else make_generator(params.seed, device)
+        self.generator = None if params.greedy else make_generator(params.seed)
         self.detok = IncrementalDetokenizer(vocab.tokenizer)
         self.stopper = StopMatcher(tuple(params.stop) + vocab.stops)
         self.generated: list[int] = []
@@ -220,7 +219,7 @@ class Reply:
 
 
 def open_reply(model: ChatModel, cache: KvLedger[Any], job: ReplyJob, vocab: Vocabulary,
-               emit: EmitEvent, device: torch.device | str = "cpu") -> Reply:
+               emit: EmitEvent) -> Reply:
     """Start a request: its prompt, a lease on the longest cached prefix of it (an empty one
     when the request must not reuse the cache), and the PrefillStarted event."""
     request, timeline = job.request, job.timeline
@@ -232,11 +231,10 @@ def open_reply(model: ChatModel, cache: KvLedger[Any], job: ReplyJob, vocab: Voc
         lease = cache.cold_lease(request.conversation_id)
     emit(PrefillStarted(request.request_id, timeline.prefill_start_ns, len(prompt.ids),
                         lease.cached_tokens, lease.miss_reason))
-    return Reply(job, prompt, lease, vocab, model.info, emit, device)
+    return Reply(job, prompt, lease, vocab, model.info, emit)
 
 
-def sibling_reply(job: ReplyJob, source: Reply, lease: CacheLease, emit: EmitEvent,
-                  device: torch.device | str) -> Reply:
+def sibling_reply(job: ReplyJob, source: Reply, lease: CacheLease, emit: EmitEvent) -> Reply:
     """Alternative `job` of source's prompt, on `lease` (a fork of source's prefilled cache):
     its prefill is source's, every prompt token cached."""
     timeline, src = job.timeline, source.job.timeline
@@ -245,7 +243,7 @@ def sibling_reply(job: ReplyJob, source: Reply, lease: CacheLease, emit: EmitEve
     ids = list(source.prompt_ids)
     emit(PrefillStarted(job.request.request_id, timeline.prefill_start_ns, len(ids), len(ids),
                         "none"))
-    reply = Reply(job, PreparedPrompt(ids), lease, source.vocab, source.info, emit, device)
+    reply = Reply(job, PreparedPrompt(ids), lease, source.vocab, source.info, emit)
     reply.dropped_messages = source.dropped_messages  # the same prompt, the same turns left out
     return reply
 

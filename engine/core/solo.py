@@ -78,14 +78,12 @@ class SoloSession:
     """Runs one request to completion on the engine thread, on any runtime's SoloRunner."""
 
     def __init__(self, model: ChatModel, runner: SoloRunner, cache: KvLedger[Any],
-                 vocab: Vocabulary, draft: TokenProposer | None,
-                 device: torch.device | str) -> None:
+                 vocab: Vocabulary, draft: TokenProposer | None) -> None:
         self.model = model
         self.runner = runner
         self.cache = cache
         self.vocab = vocab
         self.draft = draft  # proposes tokens for speculative="draft" requests
-        self.device = device
 
     @torch.inference_mode()
     def run(self, request: GenerationRequest, timeline: RequestTimeline,
@@ -94,7 +92,7 @@ class SoloSession:
             raise InvalidRequestError("speculative decoding with a draft model needs one: "
                                       "load it first (--draft-model SPEC)")
         reply = open_reply(self.model, self.cache, DetachedJob(request, timeline, cancel),
-                           self.vocab, emit, self.device)
+                           self.vocab, emit)
         try:
             reply.use_drafter(drafter_for(request, reply.prompt_ids, self.runner.can_roll_back,
                                           self.draft, self.vocab.eos_ids, reply.generator))

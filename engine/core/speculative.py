@@ -28,7 +28,14 @@ from typing import Protocol
 import torch
 
 from engine.core.ledger import common_prefix_len
-from engine.core.sampling import apply_repetition_penalty, check_logits, draw, filtered_probs
+from engine.core.sampling import (
+    Generator,
+    apply_repetition_penalty,
+    check_logits,
+    draw,
+    filtered_probs,
+    uniform,
+)
 from engine.events import ModelInfo
 from engine.params import GenerationRequest, SamplingParams
 
@@ -103,7 +110,7 @@ class Proposer(Protocol):
 
 def drafter_for(request: GenerationRequest, prompt_ids: Sequence[int], can_roll_back: bool,
                 draft: Drafter | None, stop_ids: Collection[int],
-                generator: torch.Generator | None) -> Proposer | None:
+                generator: Generator | None) -> Proposer | None:
     """A speculative request's drafter, alone or in a batch. Greedy requests: verification
     keeps the output identical to plain decoding. Sampled requests: a draft model's sampled
     drafts pass the speculative sampling test, which keeps the output distribution the
@@ -129,7 +136,7 @@ class SpecStats:
 
 
 def verify_sampled(logits: torch.Tensor, params: SamplingParams, previous_ids: Iterable[int],
-                   drafted: int, q: torch.Tensor, generator: torch.Generator | None) -> int:
+                   drafted: int, q: torch.Tensor, generator: Generator | None) -> int:
     """The target's token for one verified row of a sampled request: its distribution p is
     built as sample_token builds it (penalty, temperature, filters), then the draft's token
     is kept or replaced by accept_or_resample."""
@@ -140,7 +147,7 @@ def verify_sampled(logits: torch.Tensor, params: SamplingParams, previous_ids: I
 
 
 def accept_or_resample(p: torch.Tensor, q: torch.Tensor, drafted: int,
-                       generator: torch.Generator | None) -> int:
+                       generator: Generator | None) -> int:
     """Speculative sampling (Leviathan et al. 2023, Chen et al. 2023): keep the drafted token
     with probability min(1, p/q), else draw from the residual max(0, p - q), renormalised.
 
@@ -152,7 +159,7 @@ def accept_or_resample(p: torch.Tensor, q: torch.Tensor, drafted: int,
         q = torch.nn.functional.pad(q, (0, p.shape[-1] - q.shape[-1]))
     q = q[: p.shape[-1]].to(p.device, p.dtype)
     p_x, q_x = float(p[drafted]), float(q[drafted])
-    u = float(torch.rand((), generator=generator, device=p.device))
+    u = uniform(generator)
     if q_x > 0 and u * q_x < p_x:
         return drafted
     residual = (p - q).clamp(min=0)
@@ -215,7 +222,7 @@ class TokenProposer(ABC):
     @torch.inference_mode()
     def propose(self, history: Sequence[int], k: int, stop_ids: Collection[int] = (),
                 params: SamplingParams | None = None,
-                generator: torch.Generator | None = None) -> list[int]:
+                generator: Generator | None = None) -> list[int]:
         """Up to k tokens continuing history, ending early at a stop id: greedy, or drawn
         with params' temperature and filters (no repetition penalty), keeping each token's
         distribution in last_probs for the target's acceptance test."""
@@ -236,7 +243,7 @@ class TokenProposer(ABC):
             raise
 
     def _pick(self, logits: torch.Tensor, params: SamplingParams | None,
-              generator: torch.Generator | None) -> int:
+              generator: Generator | None) -> int:
         if params is None or params.greedy:
             return int(logits.argmax())
         probs = filtered_probs(logits, params)  # a copy: a logits view may die at the next step
@@ -255,7 +262,7 @@ class Drafter(Protocol):
 
     def propose(self, history: Sequence[int], k: int, stop_ids: Collection[int] = (),
                 params: SamplingParams | None = None,
-                generator: torch.Generator | None = None) -> list[int]: ...
+                generator: Generator | None = None) -> list[int]: ...
 
 
 class DraftProposer:
@@ -268,7 +275,7 @@ class DraftProposer:
 
     def __init__(self, draft: Drafter, prompt_ids: Sequence[int],
                  stop_ids: Collection[int] = (), params: SamplingParams | None = None,
-                 generator: torch.Generator | None = None) -> None:
+                 generator: Generator | None = None) -> None:
         self.draft = draft
         self.history = list(prompt_ids)
         self.stop_ids = frozenset(stop_ids)

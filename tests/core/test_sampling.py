@@ -1,16 +1,21 @@
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from engine.core.sampling import (
+    BLOCK,
+    SAMPLE_SIZE,
     apply_repetition_penalty,
     beyond_top_p,
     draw,
     filtered_probs,
     make_generator,
+    pick,
     sample_token,
     sampler_view,
+    top_k_ids,
 )
 from engine.errors import InvalidRequestError, SamplingError
 from engine.params import SamplingParams
@@ -257,7 +262,7 @@ def test_sampling_draws_with_the_given_generator() -> None:
     assert first == again
     assert len(set(first)) == 1  # a fresh generator of one seed: the same first draw each time
     # one uniform number from that generator picks the token (1000 equal tokens: its 1000th)
-    u = float(torch.rand((), generator=torch.Generator().manual_seed(99), dtype=torch.float64))
+    u = float(np.random.default_rng(99).random())
     assert first[0] == int(u * 1000)
 
 
@@ -322,35 +327,35 @@ def test_draws_follow_the_distribution_and_never_pick_a_zero() -> None:
 
 
 def test_top_p_on_a_large_vocabulary_drops_what_a_full_sort_drops() -> None:
-    """beyond_top_p sorts only the head: the same tokens go as with a full sort, also where
-    the head must grow (a flat tail holding most of the mass)."""
+    """beyond_top_p never sorts the vocabulary: the same tokens go as with a full sort (the mass
+    before each token against top_p of the whole, in float64), also where most of the mass
+    lies in a flat tail of equal weights (ties go by token id)."""
     gen = torch.Generator().manual_seed(3)
     for logits in (torch.randn(262_144, generator=gen) * 4,
-                   torch.cat([torch.tensor([6.0, 5.0]), torch.zeros(100_000)])):
-        probs = torch.softmax(logits, dim=-1)
+                   torch.cat([torch.tensor([6.0, 5.0]), torch.zeros(100_000)]),
+                   torch.randn(50_000, generator=gen) * 0.01):
+        weights = torch.softmax(logits, dim=-1).numpy()
+        order = np.argsort(-weights, kind="stable")
+        cumulative = np.cumsum(weights[order], dtype=np.float64)
         for top_p in (0.1, 0.5, 0.9, 0.999):
-            sorted_probs, order = torch.sort(probs, descending=True, stable=True)
-            cumulative = torch.cumsum(sorted_probs, dim=-1)
-            full = torch.zeros_like(probs, dtype=torch.bool).scatter(
-                -1, order, (cumulative - sorted_probs) >= top_p)
-            assert torch.equal(beyond_top_p(probs, top_p), full), top_p
+            full = np.zeros(weights.size, dtype=bool)
+            full[order] = (cumulative - weights[order]) >= top_p * cumulative[-1]
+            assert np.array_equal(beyond_top_p(weights, top_p), full), top_p
 
 
 def test_a_draw_landing_exactly_on_a_boundary_takes_the_next_token_with_mass() -> None:
     """The drawn token is the first whose cumulative probability passes the draw: one that lands
     exactly where a token's mass ends goes on past it, and past the zeros after it."""
-    seed = next(s for s in range(100) if float(torch.rand(
-        (), generator=make_generator(s), dtype=torch.float64)) >= 0.5)
-    u = float(torch.rand((), generator=make_generator(seed), dtype=torch.float64))
+    seed = next(s for s in range(100) if make_generator(s).random() >= 0.5)
+    u = make_generator(seed).random()
     probs = torch.tensor([u, 0.0, 0.0, 1.0 - u], dtype=torch.float64)  # sums to 1 exactly
     assert draw(probs, make_generator(seed)) == 3
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
-def test_logits_of_other_dtypes_are_checked_and_sampled_without_numpy(
-        dtype: torch.dtype) -> None:
-    """bf16-eager on a CPU, a GPU's half precision: numpy has no bfloat16, so these take
-    torch's path (the float32 fast path reads the logits through numpy)."""
+def test_logits_of_other_dtypes_are_checked_and_sampled(dtype: torch.dtype) -> None:
+    """bf16-eager on a CPU, a GPU's half precision: numpy has no bfloat16, so these are read
+    through one float32 copy (float32 and float64 logits are read in place)."""
     logits = torch.tensor([0.5, 3.0, 1.0, -2.0], dtype=dtype)
     assert sample_token(logits, SamplingParams(temperature=0.0), None) == 1
     assert sample_token(logits, SamplingParams(temperature=1.0, top_k=1),
@@ -365,3 +370,48 @@ def test_a_repetition_penalty_of_two_turns_greedy_away_from_a_repeat() -> None:
     greedy = SamplingParams(temperature=0.0, repetition_penalty=2.0)
     assert sample_token(logits, greedy, None) == 0
     assert sample_token(logits, greedy, None, previous_ids=[0]) == 1  # 2.0 / 2 < 1.5
+
+
+def test_a_draw_from_blocks_picks_what_one_cumulative_sum_picks() -> None:
+    """pick sums a long vector in blocks and accumulates only the block the draw lands in: the
+    token is the one a single float64 cumulative sum gives, at block edges and across runs of
+    zeros (never a zero)."""
+    rng = np.random.default_rng(5)
+    weights = rng.random(262_144 + 77).astype(np.float32)
+    weights[rng.random(weights.size) < 0.5] = 0.0
+    weights[3 * BLOCK:9 * BLOCK] = 0.0  # whole blocks without mass
+    cumulative = np.cumsum(weights, dtype=np.float64)
+    edges = [float(cumulative[i]) / float(cumulative[-1]) for i in (BLOCK - 1, 3 * BLOCK - 1)]
+    for u in [*rng.random(300), 0.0, *edges, np.nextafter(1.0, 0.0)]:
+        expected = min(int(np.searchsorted(cumulative, u * cumulative[-1], side="right")),
+                       int(np.flatnonzero(weights)[-1]))
+        chosen = pick(weights, float(u))
+        assert weights[chosen] > 0
+        assert chosen == expected or float(cumulative[chosen - 1]) == pytest.approx(
+            u * cumulative[-1], rel=1e-12), u  # a draw on an edge, to within rounding
+
+
+@pytest.mark.parametrize("k", [1, 40, 64, 1000])
+def test_top_k_ids_are_the_k_largest_and_their_ties(k: int) -> None:
+    rng = np.random.default_rng(k)
+    flat = rng.standard_normal(262_144).astype(np.float32)
+    tied = np.round(flat, 1)  # many equal logits, the k-th among them
+    only_in_sample = np.zeros(262_144, np.float32)
+    only_in_sample[:: 262_144 // SAMPLE_SIZE] = 10 + np.arange(SAMPLE_SIZE)  # misleads the sample
+    for logits in (flat, tied, only_in_sample, rng.standard_normal(1500).astype(np.float32)):
+        kth = np.sort(logits)[::-1][k - 1]
+        assert np.array_equal(top_k_ids(logits, k), np.flatnonzero(logits >= kth))
+
+
+def test_top_p_finds_a_head_the_sample_misses() -> None:
+    """A few heavy tokens between the sampled positions hold most of the mass: the set still
+    ends where a full sort ends it."""
+    logits = np.zeros(262_144, np.float32)
+    logits[[1, 333, 70_001]] = [12.0, 11.5, 11.0]
+    weights = np.exp(logits - logits.max())
+    for top_p in (0.3, 0.6, 0.95):
+        order = np.argsort(-weights, kind="stable")
+        cumulative = np.cumsum(weights[order], dtype=np.float64)
+        full = np.zeros(weights.size, dtype=bool)
+        full[order] = (cumulative - weights[order]) >= top_p * cumulative[-1]
+        assert np.array_equal(beyond_top_p(weights, top_p), full), top_p

@@ -36,9 +36,8 @@ def sampled_split(engine: Engine, tokenizer) -> GenerationResult:
             list(FIRST), SamplingParams(temperature=1.0, max_tokens=6, seed=seed),
             conversation_id="c")).wait(60)
 
-    # 50 is the first such seed on the tiny model with today's sampler (about 1 seed in 1,600
-    # splits: most of the tiny vocabulary's replies hold an unprintable byte); the search
-    # keeps the test honest if sampling changes (each reply is checked, not assumed).
+    # Rare on the tiny model (most of its vocabulary's replies hold an unprintable byte):
+    # split_reply.SPLIT_SEEDS says where the search starts; each reply is checked, not assumed.
     return first_split_reply(sample, tokenizer, end_ids(tokenizer), SPLIT_SEEDS)[1]
 
 

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -419,8 +420,8 @@ def test_a_row_may_generate_up_to_max_tokens_or_the_context_left() -> None:
     assert (row.prompt_ids, row.lease, row.generated, row.finish) == (prompt, lease, [], None)
     assert new_row(batcher, GREEDY).generator is None
     seeded = new_row(batcher, SamplingParams(seed=5))
-    assert torch.rand(1, generator=seeded.generator).item() == \
-        torch.rand(1, generator=torch.Generator().manual_seed(5)).item()
+    assert seeded.generator is not None
+    assert seeded.generator.random() == np.random.default_rng(5).random()
     stops = SamplingParams(stop=("END",), max_tokens=4)
     plain = new_row(batcher, stops)
     assert plain.stopper.feed("a END b") == "a " and plain.stopper.stopped

@@ -28,6 +28,7 @@ from engine import (
     SamplingParams,
     TokenEmitted,
 )
+from engine.core.sampling import make_generator
 from engine.core.speculative import MAX_DRAFT, START_DRAFT, DraftProposer, accept_or_resample
 from engine.metrics import RequestTimeline, now_ns
 from engine.runtimes.torch.draft import DraftModel, load_draft
@@ -214,11 +215,11 @@ def chi_square(counts: torch.Tensor, p: torch.Tensor) -> float:
 def test_speculative_sampling_rule_draws_from_the_target(q: list[float]) -> None:
     p = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05, 0.0])
     q_t = torch.tensor(q)
-    gen = torch.Generator().manual_seed(0)
+    drafts, gen = torch.Generator().manual_seed(0), make_generator(0)
     counts = torch.zeros(6)
     draws = 12_000
     for _ in range(draws):
-        drafted = int(torch.multinomial(q_t, 1, generator=gen))
+        drafted = int(torch.multinomial(q_t, 1, generator=drafts))
         counts[accept_or_resample(p, q_t, drafted, gen)] += 1
     # 4 degrees of freedom: 35 is far out in the tail (p < 1e-6) for the right distribution;
     # keeping the draft's distribution or resampling from p instead of the residual lands

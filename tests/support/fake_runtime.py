@@ -160,7 +160,7 @@ class FakeBatcher(OwnKvBatch):
         key = alternative_cache_key(source.lease.conversation_id, index)
         lease = self.prefix_cache.lease_for(key, list(source.lease.ids))
         lease.cache.states[:] = source.lease.cache.states
-        return sibling_reply(job, source, lease, partial(self._emit, job), "cpu")
+        return sibling_reply(job, source, lease, partial(self._emit, job))
 
     drafts_in_batch = True  # each row steps on its own KV: a draft is a few more positions
 

@@ -49,7 +49,6 @@ class RunnerKit:
     # Asserts two logits vectors of the same context agree as far as this runtime promises.
     assert_close: Callable[[torch.Tensor, torch.Tensor, str], None]
     prompt: list[int]  # at least 60 ordinary tokens
-    device: torch.device | str = "cpu"
     # Whether a row's logits are the same whatever else a batch step feeds. llama.cpp's are
     # not: a step of more tokens takes other matrix kernels, whose float sums can flip a
     # near-tie between two tokens.
@@ -66,7 +65,7 @@ def _job(ids: list[int], conversation: str, reuse: bool = True,
 
 def _open(kit: RunnerKit, job: ReplyJob, events: list[EngineEvent] | None = None) -> Reply:
     sink = events.append if events is not None else (lambda _e: None)
-    return open_reply(kit.model, kit.pool, job, kit.vocab, sink, kit.device)
+    return open_reply(kit.model, kit.pool, job, kit.vocab, sink)
 
 
 def _prefill(kit: RunnerKit, reply: Reply) -> torch.Tensor:
@@ -234,8 +233,7 @@ def check_solo_progress_and_stop(kit: RunnerKit) -> None:
     kit.pool.discard(reply.lease)
     job = _job(ids, "stopped")
     reply = open_reply(kit.model, kit.pool, job, kit.vocab,
-                       lambda e: job.cancel.set() if isinstance(e, PrefillProgress) else None,
-                       kit.device)
+                       lambda e: job.cancel.set() if isinstance(e, PrefillProgress) else None)
     every_ns = prefill_progress.WITHIN_CHUNK_NS
     prefill_progress.WITHIN_CHUNK_NS = 0  # progress from inside the chunk too
     try:
@@ -518,7 +516,7 @@ def torch_kit(loaded: Any) -> RunnerKit:
 
     return RunnerKit("torch", loaded, pool, torch_vocabulary(loaded), TorchRunner(loaded),
                      batcher, lambda lease: int(lease.cache.get_seq_length()), assert_fp_close,
-                     fixed_prompt_ids(loaded, 64), loaded.device)
+                     fixed_prompt_ids(loaded, 64))
 
 
 def fake_kit(tokenizer: Any) -> RunnerKit:

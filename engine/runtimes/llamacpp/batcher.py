@@ -167,7 +167,7 @@ class LlamaBatcher(OwnKvBatch):
         lease = self.prefix_cache.lease_for(key, list(source.lease.ids))
         self.loaded.llama_cpp.llama_memory_seq_cp(self.loaded.memory, source.lease.cache,
                                                   lease.cache, -1, -1)
-        return sibling_reply(job, source, lease, partial(self._emit, job), "cpu")
+        return sibling_reply(job, source, lease, partial(self._emit, job))
 
     # ----- decoding --------------------------------------------------------------------------
     def _forward_rows(self) -> torch.Tensor:

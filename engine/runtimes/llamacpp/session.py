@@ -68,4 +68,4 @@ class LlamaSession(SoloSession):
     def __init__(self, loaded: LlamaCppModel, prefix_cache: SeqPrefixCache,
                  draft: TokenProposer | None = None) -> None:
         super().__init__(loaded, LlamaRunner(loaded, prefix_cache), prefix_cache,
-                         llama_vocabulary(loaded), draft, "cpu")
+                         llama_vocabulary(loaded), draft)

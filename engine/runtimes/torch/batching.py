@@ -84,7 +84,7 @@ class Batcher(BatchCore):
     # ----- joining ---------------------------------------------------------------------------
     def _open(self, job: ReplyJob) -> Reply:
         return open_reply(self.loaded, self.prefix_cache, job, self.vocab,
-                          partial(self._emit, job), self.loaded.device)
+                          partial(self._emit, job))
 
     def _read_prompt(self, reply: Reply, ids: list[int]) -> torch.Tensor | None:
         job, lease = reply.job, reply.lease
@@ -158,7 +158,7 @@ class Batcher(BatchCore):
         conversation = alternative_cache_key(source.lease.conversation_id, index)
         ids = list(source.prompt_ids)
         lease = CacheLease(conversation, ids, None, len(ids), "none")
-        return sibling_reply(job, source, lease, partial(self._emit, job), self.loaded.device)
+        return sibling_reply(job, source, lease, partial(self._emit, job))
 
     def _join(self, joining: list[Reply], ended: list[Reply], source: Reply) -> None:
         """Alternatives share source's prefill KV: each joins (or ends) with a view of it."""

@@ -102,7 +102,7 @@ class DecodeSession(SoloSession):
     def __init__(self, loaded: LoadedModel, prefix_cache: PrefixCache,
                  draft: TokenProposer | None = None, prefill_chunk: int | None = None) -> None:
         super().__init__(loaded, TorchRunner(loaded, prefill_chunk), prefix_cache,
-                         torch_vocabulary(loaded), draft, loaded.device)
+                         torch_vocabulary(loaded), draft)
 
 
 # ----- pieces shared with the batcher (batching.py) --------------------------------------------
