@@ -224,13 +224,15 @@ def uniform(generator: Generator | None) -> float:
 
 
 def pick(weights: np.ndarray, u: float) -> int:
-    """The index of the first weight whose cumulative sum passes u times the total, in float64;
-    never a weight of 0. A long vector is summed in blocks first and only the block the draw
-    lands in is accumulated (a float64 cumulative sum of 262,144 weights took 0.3-1.6 ms)."""
+    """The index of the first weight whose cumulative sum passes u times the total; never a
+    weight of 0. A long vector is summed in blocks first (in its own precision: a block's
+    sum is off by ~1e-7 of itself, which moves where the blocks meet by far less than a
+    token's weight) and only the block the draw lands in is accumulated, in float64 (a float64
+    cumulative sum of 262,144 weights took 0.3-1.6 ms, the block sums 0.04-0.1 ms)."""
     if weights.size <= 4 * BLOCK:
         return _first_past(weights, u * float(weights.sum(dtype=np.float64)))
     whole = weights.size // BLOCK * BLOCK
-    sums = weights[:whole].reshape(-1, BLOCK).sum(axis=1, dtype=np.float64)
+    sums = weights[:whole].reshape(-1, BLOCK).sum(axis=1).astype(np.float64)
     if whole < weights.size:
         sums = np.append(sums, weights[whole:].sum(dtype=np.float64))
     ends = np.cumsum(sums)

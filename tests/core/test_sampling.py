@@ -375,7 +375,8 @@ def test_a_repetition_penalty_of_two_turns_greedy_away_from_a_repeat() -> None:
 def test_a_draw_from_blocks_picks_what_one_cumulative_sum_picks() -> None:
     """pick sums a long vector in blocks and accumulates only the block the draw lands in: the
     token is the one a single float64 cumulative sum gives, at block edges and across runs of
-    zeros (never a zero)."""
+    zeros (never a zero), but where the draw falls within the blocks' float32 rounding of a
+    token's edge."""
     rng = np.random.default_rng(5)
     weights = rng.random(262_144 + 77).astype(np.float32)
     weights[rng.random(weights.size) < 0.5] = 0.0
@@ -387,8 +388,10 @@ def test_a_draw_from_blocks_picks_what_one_cumulative_sum_picks() -> None:
                        int(np.flatnonzero(weights)[-1]))
         chosen = pick(weights, float(u))
         assert weights[chosen] > 0
-        assert chosen == expected or float(cumulative[chosen - 1]) == pytest.approx(
-            u * cumulative[-1], rel=1e-12), u  # a draw on an edge, to within rounding
+        if chosen != expected:  # a draw on an edge: the chosen token's span reaches it
+            slack = 1e-7 * float(cumulative[-1])
+            target = u * float(cumulative[-1])
+            assert cumulative[chosen - 1] - slack <= target <= cumulative[chosen] + slack, u
 
 
 @pytest.mark.parametrize("k", [1, 40, 64, 1000])
