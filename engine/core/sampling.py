@@ -151,8 +151,8 @@ def weight_reaching(weights: np.ndarray, target: float) -> tuple[float, float]:
             band = np.compress((pool >= low) & (pool <= high), pool)
             band_mass = float(band.sum(dtype=np.float64))
             if above + band_mass >= target:
-                if band.size == pool.size and low == high:
-                    return float(low), above  # every weight left is equal: the set ends at it
+                if low == high:  # the band is one weight, and the set ends at it
+                    return float(low), above
                 rest = band
             else:
                 above += band_mass
@@ -236,10 +236,8 @@ def pick(weights: np.ndarray, u: float) -> int:
     if whole < weights.size:
         sums = np.append(sums, weights[whole:].sum(dtype=np.float64))
     ends = np.cumsum(sums)
-    target = u * float(ends[-1])
+    target = u * float(ends[-1])  # below the last end (u < 1): the draw lands in a block
     block = int(np.searchsorted(ends, target, side="right"))
-    if block >= sums.size:  # rounding carried the draw past the end: the last block with mass
-        block = int(np.flatnonzero(sums)[-1])
     before = float(ends[block - 1]) if block else 0.0
     start = block * BLOCK
     return start + _first_past(weights[start:start + BLOCK], target - before)

@@ -16,6 +16,7 @@ from engine.core.sampling import (
     sample_token,
     sampler_view,
     top_k_ids,
+    weight_reaching,
 )
 from engine.errors import InvalidRequestError, SamplingError
 from engine.params import SamplingParams
@@ -418,3 +419,62 @@ def test_top_p_finds_a_head_the_sample_misses() -> None:
         full = np.zeros(weights.size, dtype=bool)
         full[order] = (cumulative - weights[order]) >= top_p * cumulative[-1]
         assert np.array_equal(beyond_top_p(weights, top_p), full), top_p
+
+
+# ----- the survivors of `make mutation` on the numpy sampler ------------------------------------
+def test_filtered_probabilities_are_float32_and_keep_one_of_equal_tokens_where_p_asks() -> None:
+    probs = filtered_probs(torch.zeros(4), SamplingParams(temperature=1.0, top_p=0.2))
+    assert probs.dtype == torch.float32
+    assert probs.tolist() == [1.0, 0.0, 0.0, 0.0]  # 0.2 of four equal tokens: the first alone
+    sparse = filtered_probs(torch.tensor([3.0, 1.0, 2.0]), SamplingParams(temperature=1.0,
+                                                                          top_k=2))
+    assert sparse.dtype == torch.float32
+
+
+def test_sampler_view_counts_what_top_k_and_top_p_together_keep() -> None:
+    logits = torch.tensor([5.0, 4.0, 3.0, 2.0, 1.0, 0.0])
+    _, kept = sampler_view(logits, SamplingParams(temperature=1.0, top_k=4, top_p=0.5), k=6)
+    assert kept == 1  # top-k keeps four; of those, e^5 alone holds half of their mass
+
+
+def test_sampler_view_lists_equal_candidates_by_token_id() -> None:
+    """Five tokens above 40 equal ones: the twelve shown are the five, then the first seven of
+    the equal ones by id (an unstable sort of the candidates mixes them)."""
+    values = np.zeros(120, np.float32)
+    order = np.random.default_rng(0).permutation(120)
+    values[order[:5]], values[order[5:45]] = 2.0, 1.0
+    top, _ = sampler_view(torch.from_numpy(values), SamplingParams(temperature=1.0))
+    assert [t for t, _ in top] == sorted(range(120), key=lambda i: (-values[i], i))[:12]
+
+
+def test_where_top_p_ends_is_found_also_at_exact_masses_and_past_rounding() -> None:
+    """weight_reaching: (the weight where the set reaching the target ends, the mass heavier
+    than it). Exact sums (integers in float32), heavy tokens outside the selection's sample,
+    and a target a rounding above the whole (the set is then every token)."""
+    heavy = np.ones(10_000, np.float32)
+    heavy[[1, 2]] = 1000.0  # between the sampled positions; they hold the target exactly
+    assert weight_reaching(heavy, 2000.0) == (1000.0, 0.0)
+    levels = np.repeat(np.array([2.0, 1.0], np.float32), 5000)  # the 2s hold it exactly
+    assert weight_reaching(levels, 10_000.0) == (2.0, 0.0)
+    assert weight_reaching(np.ones(10_000, np.float32), 10_000 * (1 + 1e-9)) == (1.0, 0.0)
+    small = np.arange(1, 101, dtype=np.float32)
+    assert weight_reaching(small, 5050 * (1 + 1e-9)) == (1.0, 5049.0)
+
+
+def test_a_draw_on_a_block_edge_or_past_a_block_sums_rounding_takes_the_right_token() -> None:
+    """Exact sums: a draw exactly where a block's mass ends takes the next block's first
+    token. A block's float32 sum can exceed its tokens' float64 sum: a draw landing between the
+    two takes the block's last token with mass."""
+    ones = np.ones(8 * BLOCK, np.float32)
+    assert pick(ones, 0.125) == BLOCK  # 0.125 x 8,192 = 1,024: past the first block
+    for count in range(900, BLOCK - 1):  # one whose float32 sum rounds up (found at 900 here)
+        rounded_up = np.zeros(5 * BLOCK, np.float32)
+        rounded_up[1:count + 1] = 3 * 2.0**-25  # 0.75 of float32's step at 1.0
+        rounded_up[0] = 1.0
+        exact = float(np.cumsum(rounded_up, dtype=np.float64)[-1])
+        block_sum = float(rounded_up[:BLOCK].sum())
+        if block_sum > exact:
+            break
+    assert block_sum > exact
+    u = (exact + (block_sum - exact) / 2) / block_sum
+    assert pick(rounded_up, u) == count  # the last token with mass; those after it weigh 0
