@@ -478,3 +478,13 @@ def test_a_draw_on_a_block_edge_or_past_a_block_sums_rounding_takes_the_right_to
     assert block_sum > exact
     u = (exact + (block_sum - exact) / 2) / block_sum
     assert pick(rounded_up, u) == count  # the last token with mass; those after it weigh 0
+
+
+def test_a_logit_overflowing_below_the_top_weighs_nothing_without_a_warning() -> None:
+    """-3e38 - 3e38 and -1,000 / 1e-36 overflow float32 to -inf: weight 0, as exp would give
+    (found by the fuzz test; warnings are errors here)."""
+    wide = torch.tensor([3e38, -3e38])
+    assert filtered_probs(wide, SamplingParams(temperature=1.0)).tolist() == [1.0, 0.0]
+    assert sample_token(wide, SamplingParams(temperature=1.0), make_generator(0)) == 0
+    cold = torch.tensor([0.0, -1000.0])
+    assert filtered_probs(cold, SamplingParams(temperature=1e-36)).tolist() == [1.0, 0.0]
