@@ -64,10 +64,12 @@ class StopMatcher:
             return delta
         self._pending += delta
         text = self.emitted + self._pending
-        hits = [i for i in (text.find(s, max(0, len(self.emitted) - len(s))) for s in self._stops)]
-        hits = [i for i in hits if i >= 0]
+        found = ((text.find(s, max(0, len(self.emitted) - len(s))), s) for s in self._stops)
+        # the stop the text completes first (then the earlier start): what streaming it a
+        # character at a time would stop at, however the text arrives in pieces
+        hits = [(i + len(s), i) for i, s in found if i >= 0]
         if hits:
-            cut = min(hits)
+            cut = min(hits)[1]
             out = text[len(self.emitted) : cut]
             self.emitted = text[:cut]
             self._pending = ""

@@ -36,8 +36,12 @@ def apply_repetition_penalty(
         return logits
     ids = torch.tensor(sorted(set(previous_ids)), device=logits.device)
     seen = logits.index_select(-1, ids)
-    seen = torch.where(seen > 0, seen / penalty, seen * penalty)
-    return logits.index_copy(-1, ids, seen)
+    lowered = torch.where(seen > 0, seen / penalty, seen * penalty)
+    # a finite logit stays finite where the penalty lowers it (-3e38 x 1.3 would overflow to
+    # -inf: probability 0, and an error if it was the only token left)
+    floor = torch.finfo(lowered.dtype).min
+    lowered = torch.where(torch.isfinite(seen) & (lowered < floor), floor, lowered)
+    return logits.index_copy(-1, ids, lowered)
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -51,3 +51,12 @@ def test_held_back_prefix_is_released_when_not_a_stop() -> None:
     assert stopper.feed("<") == ""
     assert stopper.flush() == "<"
     assert stopper.emitted == "a <EX<"
+
+
+def test_overlapping_stops_end_where_streaming_would_whatever_the_pieces() -> None:
+    """'>' completes before '<><' (which starts earlier): the reply ends before '>' whether the
+    text comes in one piece or a character at a time (found by the deep fuzz profile)."""
+    whole = StopMatcher([">", "<><"])
+    assert whole.feed("<<><") == "<<" and whole.stopped
+    pieces = StopMatcher([">", "<><"])
+    assert "".join(pieces.feed(c) for c in "<<><") == "<<" and pieces.stopped

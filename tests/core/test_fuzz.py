@@ -211,8 +211,9 @@ def test_stop_matcher_shows_text_up_to_the_first_stop(
         shown.append(matcher.feed(text[pos : pos + n]))
         pos += n
     shown.append(matcher.flush())
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    expected = text[: min(hits)] if hits else text
+    # the stop completed first ends the text (then the earlier start), as when streamed
+    hits = [(i + len(s), i) for i, s in ((text.find(s), s) for s in stops) if i >= 0]
+    expected = text[: min(hits)[1]] if hits else text
     assert "".join(shown) == expected == matcher.emitted
     assert matcher.stopped == bool(hits)
 

@@ -488,3 +488,14 @@ def test_a_logit_overflowing_below_the_top_weighs_nothing_without_a_warning() ->
     assert sample_token(wide, SamplingParams(temperature=1.0), make_generator(0)) == 0
     cold = torch.tensor([0.0, -1000.0])
     assert filtered_probs(cold, SamplingParams(temperature=1e-36)).tolist() == [1.0, 0.0]
+
+
+def test_a_penalty_lowering_a_huge_negative_logit_keeps_it_finite() -> None:
+    """-3e38 x 1.3 overflows float32: the penalised logit stays at the lowest finite value, so
+    the token is still the only one left to draw (found by the deep fuzz profile); a masked
+    (-inf) token stays masked."""
+    logits = torch.tensor([-3e38, float("-inf")])
+    out = apply_repetition_penalty(logits, [0, 1], 1.3)
+    assert out.tolist() == [torch.finfo(torch.float32).min, float("-inf")]
+    assert sample_token(logits, SamplingParams(temperature=0, repetition_penalty=1.3), None,
+                        previous_ids=[0]) == 0
