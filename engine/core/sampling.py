@@ -194,14 +194,9 @@ def _median_bracket(pool: np.ndarray) -> tuple[float, float]:
 
 def check_logits(logits: torch.Tensor) -> float:
     """Refuse logits no token can be honestly drawn from (a numerical fault upstream); their
-    maximum."""
-    return checked_top(host_array(logits))
-
-
-def checked_top(host: np.ndarray) -> float:
-    """check_logits on a host array: one pass (the maximum is NaN if any logit is, +inf if
-    one overflowed, -inf if all are)."""
-    return _checked(float(host.max()))
+    maximum. One pass: the maximum is NaN if any logit is, +inf if one overflowed, -inf if
+    all are."""
+    return _checked(float(host_array(logits).max()))
 
 
 def _checked(top: float) -> float:
@@ -269,7 +264,7 @@ def sample_token(
     if params.greedy:  # an extreme penalty can overflow a logit: checked after it
         return greedy_token(logits)
     host = host_array(logits)
-    chosen = distribution(host, params, checked_top(host))
+    chosen = distribution(host, params, _checked(float(host.max())))
     return chosen.token(pick(chosen.weights, uniform(generator)))
 
 
