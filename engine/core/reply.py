@@ -17,7 +17,12 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.core.detok import IncrementalDetokenizer, StopMatcher
+from engine.core.detok import (
+    ByteDetokenizer,
+    Detokenizer,
+    IncrementalDetokenizer,
+    StopMatcher,
+)
 from engine.core.ledger import CacheLease, KvLedger
 from engine.core.prompt import ChatModel, PreparedPrompt, prepare_prompt
 from engine.core.sampling import make_generator, sample_token, sampler_view
@@ -66,6 +71,15 @@ class Vocabulary:
     tokenizer: Any  # decode(ids) -> str, as a Hugging Face tokenizer
     eos_ids: frozenset[int]
     stops: tuple[str, ...] = ()
+    # a token's bytes as a reply shows them, where tokens are byte strings (llama.cpp): the
+    # reply's text then streams through one UTF-8 decoder
+    piece: Callable[[int], bytes] | None = None
+
+    def detokenizer(self) -> Detokenizer:
+        """A new reply's detokenizer."""
+        if self.piece is not None:
+            return ByteDetokenizer(self.piece)
+        return IncrementalDetokenizer(self.tokenizer)
 
 
 class Reply:
@@ -83,7 +97,7 @@ class Reply:
         self.emit = emit
         self.budget = min(params.max_tokens, info.context_length - len(prompt.ids))
         self.generator = None if params.greedy else make_generator(params.seed)
-        self.detok = IncrementalDetokenizer(vocab.tokenizer)
+        self.detok = vocab.detokenizer()
         self.stopper = StopMatcher(tuple(params.stop) + vocab.stops)
         self.generated: list[int] = []
         self.finish: FinishReason | None = None
@@ -150,6 +164,11 @@ class Reply:
         cache). Consumes the draft."""
         draft, self.draft = self.draft, []
         drafter = self.drafter
+        if not draft:  # a plain step: one row
+            token = self.take(rows[0])
+            if token is not None and drafter is not None:
+                drafter.append(token)
+            return token, 0
         probs = drafter.draft_probs if drafter is not None and draft else None
         accepted, token = 0, None
         for j in range(rows.shape[0]):

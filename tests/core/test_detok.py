@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from engine.core.detok import IncrementalDetokenizer, StopMatcher
+from engine.core.detok import ByteDetokenizer, IncrementalDetokenizer, StopMatcher
 
 TEXTS = [
     "Hello, world! The capital of France is Paris.",
@@ -34,6 +34,25 @@ def test_emoji_is_held_until_complete(tokenizer) -> None:
     pieces = [detok.push(i) for i in ids]
     assert pieces[:-1] == [""] * (len(ids) - 1)
     assert pieces[-1] == "😀"
+
+
+def test_byte_pieces_hold_a_character_until_its_last_byte() -> None:
+    pieces = [b"Hi ", b"\xf0\x9f", b"\x98", b"\x80", b"!", b"", b"\xe2\x82"]
+    detok = ByteDetokenizer(pieces.__getitem__)
+    assert [detok.push(i) for i in range(len(pieces))] == ["Hi ", "", "", "\U0001f600", "!", "",
+                                                           ""]
+    assert detok.flush() == "\ufffd"  # a character the reply never finished
+
+
+def test_a_stop_late_in_a_long_reply_is_found_across_pieces() -> None:
+    """Each piece looks only at the held-back text and the last few characters shown."""
+    stopper = StopMatcher(["<|im_end|>", "\n\nUser:"])
+    body = "word <|im and \n\nUse " * 500
+    shown = [stopper.feed(body[i : i + 3]) for i in range(0, len(body), 3)]
+    assert "".join(shown) == body == stopper.emitted
+    assert stopper.feed("end<|im") == "end" and stopper.feed("_en") == ""
+    assert stopper.feed("d|>tail") == "" and stopper.stopped
+    assert stopper.emitted == body + "end"
 
 
 def test_stop_string_is_cut_and_never_shown() -> None:

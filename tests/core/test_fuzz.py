@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from engine.core.detok import IncrementalDetokenizer, StopMatcher
+from engine.core.detok import ByteDetokenizer, IncrementalDetokenizer, StopMatcher
 from engine.core.ledger import common_prefix_len
 from engine.core.sampling import filtered_probs, make_generator, sample_token
 from engine.errors import SamplingError
@@ -195,6 +195,18 @@ def test_detokenizer_streams_valid_text_exactly(tokenizer, text: str) -> None:
 def test_detokenizer_matches_whole_decode_for_any_ids(tokenizer, data: st.DataObject) -> None:
     ids = data.draw(st.lists(st.integers(0, len(tokenizer) - 1), max_size=24))
     assert "".join(stream(tokenizer, ids)) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@given(st.lists(st.binary(max_size=5), max_size=24))
+def test_byte_detokenizer_streams_what_decoding_the_whole_gives(pieces: list[bytes]) -> None:
+    """Any bytes in any pieces (llama.cpp's tokens): the text is the whole's, and a valid
+    character never shows half-done."""
+    detok = ByteDetokenizer(pieces.__getitem__)
+    shown = [detok.push(i) for i in range(len(pieces))] + [detok.flush()]
+    whole = b"".join(pieces).decode("utf-8", "replace")
+    assert "".join(shown) == whole
+    if "\ufffd" not in whole:
+        assert all("\ufffd" not in piece for piece in shown)
 
 
 alphabet_text = st.text(alphabet="ab<>\n", max_size=30)

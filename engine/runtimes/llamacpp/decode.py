@@ -55,6 +55,12 @@ class BatchWriter:
         n = len(tokens)
         if n > self.capacity:
             raise ValueError(f"{n} tokens exceed the batch of {self.capacity}")
+        if n == 1:  # a decode step: item by item, not a list converted to an array (~10 us)
+            self.token[0], self.pos[0], self.n_seq_id[0] = tokens[0], positions[0], 1
+            self.logits[0] = outputs[0]
+            self._seq_rows[0][0] = seqs[0]
+            self.batch.n_tokens = 1
+            return
         self.token[:n] = tokens
         self.pos[:n] = positions
         self.n_seq_id[:n] = 1
@@ -107,6 +113,10 @@ def feed(loaded: LlamaCppModel, pool: SeqPrefixCache, lease: CacheLease, ids: Se
     n = len(ids)
     if not 1 <= rows <= n:
         raise ValueError(f"need 1 <= rows <= {n}")
+    if n == 1 and progress is None:  # a decode step
+        decode(loaded, pool, ids, (len(lease.ids),), (lease.cache,), (True,))
+        lease.ids.append(ids[0])
+        return True
     begin = 0
     while begin < n:
         if begin and cancel is not None and cancel.is_set():

@@ -32,7 +32,8 @@ def eos_ids(loaded: LlamaCppModel) -> set[int]:
 
 
 def llama_vocabulary(loaded: LlamaCppModel) -> Vocabulary:
-    return Vocabulary(loaded.tokenizer, frozenset(eos_ids(loaded)), template_stops(loaded))
+    return Vocabulary(loaded.tokenizer, frozenset(eos_ids(loaded)), template_stops(loaded),
+                      loaded.tokenizer.token_to_piece)
 
 
 class LlamaRunner:
