@@ -25,7 +25,7 @@ from engine.core.detok import (
 )
 from engine.core.ledger import CacheLease, KvLedger
 from engine.core.prompt import ChatModel, PreparedPrompt, prepare_prompt
-from engine.core.sampling import make_generator, sample_token, sampler_view
+from engine.core.sampling import Distribution, make_generator, sample, sampler_view
 from engine.core.speculative import Proposer, SpecStats, verify_sampled
 from engine.events import (
     EngineEvent,
@@ -130,9 +130,11 @@ class Reply:
         seen = self.prompt_ids + self.generated if params.repetition_penalty != 1.0 else ()
         if proposal is not None:
             token = verify_sampled(logits, params, seen, proposal[0], proposal[1], self.generator)
+            self._maybe_snapshot(logits, token)
         else:
-            token = sample_token(logits, params, self.generator, seen)
-        self._maybe_snapshot(logits, token)
+            drawn = sample(logits, params, self.generator, seen)
+            token = drawn.token
+            self._maybe_snapshot(drawn.logits, token, drawn.chosen)
         self.generated.append(token)
         text, ends = self._text(token)
         self.emit(self._stamped(token, text))
@@ -198,14 +200,16 @@ class Reply:
         timeline.token_ns.append(t)
         return TokenEmitted(self.request.request_id, t, len(timeline.token_ns) - 1, token, text)
 
-    def _maybe_snapshot(self, logits: torch.Tensor, token: int) -> None:
-        """The sampler's view of this token, throttled so it costs nothing per token."""
+    def _maybe_snapshot(self, logits: torch.Tensor, token: int,
+                        chosen: Distribution | None = None) -> None:
+        """The sampler's view of this token (chosen: the distribution it was drawn from),
+        throttled so it costs nothing per token."""
         t = now_ns()
         if self.generated and t - self._last_snapshot_ns < SNAPSHOT_INTERVAL_NS:
             return
         self._last_snapshot_ns = t
         self.emit(sampler_snapshot(self.vocab.tokenizer, self.request, logits, token,
-                                   len(self.generated), t))
+                                   len(self.generated), t, chosen))
 
     def result(self) -> GenerationResult:
         """End the reply: flush held-back text (unless a stop string cut it), stamp the end,
@@ -281,10 +285,12 @@ def readable_piece(text: str) -> str:
 
 
 def sampler_snapshot(tokenizer: Any, request: GenerationRequest, logits: torch.Tensor,
-                     token: int, index: int, t: int) -> SamplerSnapshot:
-    """The sampler's view of one token: the top candidates after temperature, the top-p cut."""
+                     token: int, index: int, t: int,
+                     chosen: Distribution | None = None) -> SamplerSnapshot:
+    """The sampler's view of one token: the top candidates after temperature, the top-p cut
+    (chosen: the distribution the token was drawn from, if at hand)."""
     params = request.params
-    top, kept = sampler_view(logits, params)
+    top, kept = sampler_view(logits, params, chosen=chosen)
     candidates = tuple((tid, readable_piece(tokenizer.decode([tid])), p) for tid, p in top)
     return SamplerSnapshot(request.request_id, t, index, params.temperature, params.top_p,
                            candidates, kept, token)

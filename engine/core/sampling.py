@@ -251,6 +251,34 @@ def _first_past(weights: np.ndarray, target: float) -> int:
     return index
 
 
+@dataclass(frozen=True)
+class Draw:
+    """A token picked, the logits it was picked from (after the penalty) and, when sampled,
+    the distribution it was drawn from: what a snapshot of the sampler shows, not computed
+    twice."""
+
+    token: int
+    logits: torch.Tensor
+    chosen: Distribution | None  # None: greedy
+
+
+def sample(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: Generator | None,
+    previous_ids: Sequence[int] = (),
+) -> Draw:
+    """Pick the next token from a 1-D logits vector."""
+    if params.repetition_penalty != 1.0 and previous_ids:
+        check_logits(logits)
+        logits = apply_repetition_penalty(logits, previous_ids, params.repetition_penalty)
+    if params.greedy:  # an extreme penalty can overflow a logit: checked after it
+        return Draw(greedy_token(logits), logits, None)
+    host = host_array(logits)
+    chosen = distribution(host, params, _checked(float(host.max())))
+    return Draw(chosen.token(pick(chosen.weights, uniform(generator))), logits, chosen)
+
+
 def sample_token(
     logits: torch.Tensor,
     params: SamplingParams,
@@ -258,14 +286,7 @@ def sample_token(
     previous_ids: Sequence[int] = (),
 ) -> int:
     """Pick the next token id from a 1-D logits vector."""
-    if params.repetition_penalty != 1.0 and previous_ids:
-        check_logits(logits)
-        logits = apply_repetition_penalty(logits, previous_ids, params.repetition_penalty)
-    if params.greedy:  # an extreme penalty can overflow a logit: checked after it
-        return greedy_token(logits)
-    host = host_array(logits)
-    chosen = distribution(host, params, _checked(float(host.max())))
-    return chosen.token(pick(chosen.weights, uniform(generator)))
+    return sample(logits, params, generator, previous_ids).token
 
 
 def greedy_token(logits: torch.Tensor) -> int:
@@ -298,9 +319,12 @@ def host_array(tensor: torch.Tensor) -> np.ndarray:
 
 
 def sampler_view(
-    logits: torch.Tensor, params: SamplingParams, k: int = 12
+    logits: torch.Tensor, params: SamplingParams, k: int = 12,
+    chosen: Distribution | None = None,
 ) -> tuple[list[tuple[int, float]], int]:
-    """Top-k candidates with probabilities after temperature, and how many survive filtering.
+    """Top-k candidates with probabilities after temperature, and how many survive filtering
+    (by `chosen`, the distribution a token was drawn from these logits with, if given: on a
+    flat 262,144-token distribution, top-p's selection is most of a view's time).
 
     For greedy decoding the probabilities are the plain softmax and only the argmax survives.
     """
@@ -311,5 +335,7 @@ def sampler_view(
     head = top_k_ids(host, k)
     head = head[np.argsort(-plain.weights[head], kind="stable")][:k]
     probs = plain.weights[head] / plain.weights.sum(dtype=np.float64)
-    kept = 1 if params.greedy else distribution(host, params).kept(head)
+    if chosen is None and not params.greedy:
+        chosen = distribution(host, params)
+    kept = 1 if chosen is None else chosen.kept(head)
     return [(int(i), float(p)) for i, p in zip(head, probs, strict=True)], kept

@@ -13,6 +13,7 @@ from engine.core.sampling import (
     filtered_probs,
     make_generator,
     pick,
+    sample,
     sample_token,
     sampler_view,
     top_k_ids,
@@ -91,6 +92,32 @@ def test_sampler_view_reports_cut() -> None:
     assert [t for t, _ in top] == [0, 1, 2, 3]
     assert kept == 2
     assert sampler_view(logits, SamplingParams(temperature=0))[1] == 1
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7, top_p=0.9),
+    SamplingParams(temperature=1.0, top_k=5),
+    SamplingParams(temperature=1.3, min_p=0.2),
+    SamplingParams(temperature=0.8, top_k=40, top_p=0.5, min_p=0.05),
+], ids=["top-p", "top-k", "min-p", "all"])
+def test_a_view_from_the_drawn_distribution_is_the_view_computed_afresh(
+        params: SamplingParams) -> None:
+    logits = torch.randn(20_000, generator=torch.Generator().manual_seed(3)) * 4
+    drawn = sample(logits, params, make_generator(1))
+    assert drawn.chosen is not None
+    assert sampler_view(logits, params, chosen=drawn.chosen) == sampler_view(logits, params)
+    assert 0 < sampler_view(logits, params, chosen=drawn.chosen)[1] <= 12
+
+
+def test_a_draw_keeps_the_logits_it_was_picked_from_after_the_penalty() -> None:
+    """A snapshot shows what the sampler saw: the penalised logits."""
+    logits = torch.tensor([3.0, 2.0, 0.0])
+    greedy = SamplingParams(temperature=0, repetition_penalty=2.0)
+    drawn = sample(logits, greedy, None, previous_ids=[0])
+    assert drawn.token == 1 and drawn.chosen is None
+    assert drawn.logits.tolist() == [1.5, 2.0, 0.0]
+    assert sampler_view(drawn.logits, greedy)[0][0][0] == 1
+    assert sampler_view(logits, greedy)[0][0][0] == 0
 
 
 @pytest.mark.parametrize(
