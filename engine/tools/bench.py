@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from engine.core.batch import batchable
 from engine.core.ledger import KvLedger
 from engine.core.prompt import prepare_prompt
 from engine.core.reply import DetachedJob
@@ -66,7 +67,9 @@ def run_ours(
     speculative: Speculative | None = None,
     draft: TokenProposer | None = None,
 ) -> GenerationResult:
-    """One greedy request of exactly max_tokens tokens through the engine's decode loop."""
+    """One greedy request of exactly max_tokens tokens, on the path the engine's worker takes
+    for it: the continuous batcher for one that may join a batch (a chat's plain reply), alone
+    otherwise (a draft model's)."""
     pool = cache or loaded.new_prefix_cache(budget_bytes=1 << 40)
     request = GenerationRequest(
         messages=[],
@@ -77,9 +80,27 @@ def run_ours(
         speculative=speculative,
     )
     timeline = RequestTimeline(submitted_ns=now_ns())
+    if loaded.supports_batching and batchable(request, loaded.drafts_in_batch):
+        return _run_in_batch(loaded, pool, request, timeline)
     session = loaded.new_session(pool, draft)
     result: GenerationResult = session.run(request, timeline, threading.Event(),
                                            lambda _e: None)
+    return result
+
+
+def _run_in_batch(loaded: Runtime, pool: KvLedger[Any], request: GenerationRequest,
+                  timeline: RequestTimeline) -> GenerationResult:
+    """The request as the only row of a fresh batcher, stepped until it ends."""
+    ended: list[tuple[GenerationResult | None, BaseException | None]] = []
+    batcher = loaded.new_batcher(pool, lambda _job, _event: None,
+                                 lambda _job, result, error: ended.append((result, error)))
+    batcher.admit([DetachedJob(request, timeline)])
+    while batcher.rows:
+        batcher.step()
+    result, error = ended[0]
+    if error is not None:
+        raise error
+    assert result is not None  # a batcher reports a result or an error
     return result
 
 
@@ -247,6 +268,7 @@ def bench_decode(
                 drafted.append(run_ours(loaded, prompt_ids, max_tokens, speculative="draft",
                                         draft=draft))
     report = decode_summary(loaded, ours, prompt_tokens, max_tokens, repeats) | about
+    report["decode_path"] = "batch" if loaded.supports_batching else "alone"  # as the worker
     if "hf" in theirs:
         report.update(peer_summary("hf", theirs["hf"], report))
     report.update(llama_cpp_summary(theirs, report))

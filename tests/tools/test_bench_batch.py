@@ -8,7 +8,7 @@ from typing import Any
 from engine.core.batch import BatchCore
 from engine.runtimes.torch.loader import load_model
 from engine.runtimes.torch.runtime import TorchRuntime
-from engine.tools.bench import bench_batch
+from engine.tools.bench import bench_batch, bench_decode, run_ours
 
 
 class CountingRuntime(TorchRuntime):
@@ -38,3 +38,28 @@ def test_every_step_bench_batch_drives_decodes_all_b_rows(tiny_model_dir: Path) 
                          rounds=1)
     assert runtime.rows_per_step == [1] * 4 + [3] * 4
     assert [row["steps_timed"] for row in report["batches"]] == [4, 4]
+
+
+class PathRuntime(CountingRuntime):
+    """The tiny model's runtime, noting which path each request ran on."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(folder)
+        self.alone = 0
+
+    def new_session(self, *args: Any, **kwargs: Any) -> Any:
+        self.alone += 1
+        return super().new_session(*args, **kwargs)
+
+
+def test_bench_decodes_a_plain_reply_on_the_path_the_app_takes(tiny_model_dir: Path) -> None:
+    """The worker batches a plain reply (and a prompt-lookup one where drafts verify in the
+    batch): `bench` times that path, not the one a draft model's request runs alone on."""
+    runtime = PathRuntime(tiny_model_dir)
+    ids = list(range(5, 25))
+    result = run_ours(runtime, ids, 6)
+    assert result.metrics.output_tokens == 6
+    assert runtime.alone == 0 and runtime.rows_per_step == [1] * 5  # the first from the prefill
+    assert run_ours(runtime, ids, 1).metrics.output_tokens == 1  # ends in its prefill
+    report = bench_decode(runtime, prompt_tokens=16, max_tokens=4, repeats=1)
+    assert report["decode_path"] == "batch" and runtime.alone == 0
