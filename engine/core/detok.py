@@ -36,10 +36,10 @@ class ByteDetokenizer:
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
     def push(self, token_id: int) -> str:
-        return str(self._utf8.decode(self._piece(token_id)))
+        return self._utf8.decode(self._piece(token_id))
 
     def flush(self) -> str:
-        return str(self._utf8.decode(b"", final=True))
+        return self._utf8.decode(b"", final=True)
 
 
 class IncrementalDetokenizer:
@@ -81,15 +81,13 @@ class IncrementalDetokenizer:
 class StopMatcher:
     """Holds back text that could be the start of a stop string; reports a full match.
 
-    Only what is held back and the last few characters shown are looked at per piece (a stop
-    cannot start earlier: any stop's beginning at the end of the text is held), so a piece
-    costs the same at the end of a long reply as at its start."""
+    Only the held-back text and the new piece are looked at: a stop cannot start in the text
+    already shown, as any stop's beginning at the end of the text is held back. A piece costs
+    the same at the end of a long reply as at its start."""
 
     def __init__(self, stops: Sequence[str]) -> None:
         self._stops = [s for s in stops if s]
-        self._reach = max((len(s) for s in self._stops), default=0)
         self._shown: list[str] = []
-        self._tail = ""  # the end of the text shown, as long as the longest stop
         self._pending = ""
         self.stopped = False
 
@@ -106,20 +104,18 @@ class StopMatcher:
             return ""
         if not self._stops:
             return self._show(delta)
-        self._pending += delta
-        text = self._tail + self._pending
-        shown = len(self._tail)
-        found = ((text.find(s, max(0, shown - len(s))), s) for s in self._stops)
+        text = self._pending + delta
+        found = ((text.find(s), s) for s in self._stops)
         # the stop the text completes first (then the earlier start): what streaming it a
         # character at a time would stop at, however the text arrives in pieces
         hits = [(i + len(s), i) for i, s in found if i >= 0]
         if hits:
             self._pending = ""
             self.stopped = True
-            return self._show(text[shown : min(hits)[1]])
-        safe_end = max(shown, len(text) - self._longest_stop_prefix_suffix(text))
+            return self._show(text[: min(hits)[1]])
+        safe_end = len(text) - self._longest_stop_prefix_suffix(text)
         self._pending = text[safe_end:]
-        return self._show(text[shown:safe_end])
+        return self._show(text[:safe_end])
 
     def flush(self) -> str:
         """At the end of the reply the held-back text is not a stop string after all."""
@@ -129,7 +125,6 @@ class StopMatcher:
     def _show(self, text: str) -> str:
         if text:
             self._shown.append(text)
-            self._tail = (self._tail + text)[-self._reach:] if self._reach else ""
         return text
 
     def _longest_stop_prefix_suffix(self, text: str) -> int:

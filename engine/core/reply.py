@@ -171,7 +171,7 @@ class Reply:
             if token is not None and drafter is not None:
                 drafter.append(token)
             return token, 0
-        probs = drafter.draft_probs if drafter is not None and draft else None
+        probs = drafter.draft_probs if drafter is not None else None
         accepted, token = 0, None
         for j in range(rows.shape[0]):
             token = self.take(rows[j], (draft[j], probs[j]) if probs and j < len(draft)
