@@ -80,12 +80,19 @@ def run_ours(
         speculative=speculative,
     )
     timeline = RequestTimeline(submitted_ns=now_ns())
-    if loaded.supports_batching and batchable(request, loaded.drafts_in_batch):
+    if decode_path(loaded, request) == "batch":
         return _run_in_batch(loaded, pool, request, timeline)
     session = loaded.new_session(pool, draft)
     result: GenerationResult = session.run(request, timeline, threading.Event(),
                                            lambda _e: None)
     return result
+
+
+def decode_path(loaded: Runtime, request: GenerationRequest) -> str:
+    """Where the engine's worker decodes the request: "batch" (the continuous batcher) or
+    "alone"."""
+    batched = loaded.supports_batching and batchable(request, loaded.drafts_in_batch)
+    return "batch" if batched else "alone"
 
 
 def _run_in_batch(loaded: Runtime, pool: KvLedger[Any], request: GenerationRequest,
@@ -268,7 +275,7 @@ def bench_decode(
                 drafted.append(run_ours(loaded, prompt_ids, max_tokens, speculative="draft",
                                         draft=draft))
     report = decode_summary(loaded, ours, prompt_tokens, max_tokens, repeats) | about
-    report["decode_path"] = "batch" if loaded.supports_batching else "alone"  # as the worker
+    report["decode_path"] = decode_path(loaded, GenerationRequest([], SamplingParams()))
     if "hf" in theirs:
         report.update(peer_summary("hf", theirs["hf"], report))
     report.update(llama_cpp_summary(theirs, report))
