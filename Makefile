@@ -10,7 +10,9 @@ STAMP  := $(VENV)/.setup-stamp
 .PHONY: setup run test lint bench peers llama-cpp package test-packaging clean gpu-check \
 	gpu-wheels mutation
 
-$(STAMP): pyproject.toml Makefile
+# (pip compiles engine/core/_weights.c, the sampler's native pass, into the tree: a change to it
+# reinstalls.)
+$(STAMP): pyproject.toml Makefile engine/core/_weights.c
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet "$(TORCH)"
@@ -146,4 +148,4 @@ test-packaging: $(VENV)/.package-stamp
 	$(PY) -m pytest -q -m packaging tests/project/test_packaging.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) build dist *.egg-info engine/core/_weights.*.so

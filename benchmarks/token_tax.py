@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Any
 
+from engine.core.sampling import weights_kernel
 from engine.machine import cpu_name
 from engine.metrics import RequestTimeline, now_ns
 from engine.params import GenerationRequest, SamplingParams
@@ -57,7 +58,7 @@ def main() -> None:
     ids = fixed_prompt_ids(runtime, 64)
     out: dict[str, Any] = {"cpu": cpu_name(), "loadavg": os.getloadavg()[0],
                            "model": runtime.info.name, "vocab": model.n_vocab,
-                           "kernel": runtime.info.kernel}
+                           "kernel": runtime.info.kernel, "sampling_weights": weights_kernel()}
     for name, params in SAMPLINGS.items():
         shares, steps = [], []
         for i in range(args.repeats + 1):

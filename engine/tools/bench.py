@@ -26,6 +26,7 @@ from engine.core.ledger import KvLedger
 from engine.core.prompt import prepare_prompt
 from engine.core.reply import DetachedJob
 from engine.core.runtime import BatchSchedule, Runtime
+from engine.core.sampling import weights_kernel
 from engine.core.speculative import TokenProposer
 from engine.errors import InvalidRequestError
 from engine.events import GenerationResult, PrefillProgress
@@ -276,6 +277,8 @@ def bench_decode(
                                         draft=draft))
     report = decode_summary(loaded, ours, prompt_tokens, max_tokens, repeats) | about
     report["decode_path"] = decode_path(loaded, GenerationRequest([], SamplingParams()))
+    # what a sampled reply's weights are computed with (bench's own replies are greedy)
+    report["sampling_weights"] = weights_kernel()
     if "hf" in theirs:
         report.update(peer_summary("hf", theirs["hf"], report))
     report.update(llama_cpp_summary(theirs, report))

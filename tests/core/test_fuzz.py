@@ -8,12 +8,14 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
+from engine.core import sampling
 from engine.core.detok import ByteDetokenizer, IncrementalDetokenizer, StopMatcher
 from engine.core.ledger import common_prefix_len
 from engine.core.sampling import filtered_probs, make_generator, sample_token
@@ -71,6 +73,28 @@ def test_sampler_errors_clearly_or_draws_a_token_it_kept(
         probs = filtered_probs(penalised, params)
         assert torch.isfinite(probs).all() and probs[token] > 0
         assert math.isclose(float(probs.sum()), 1.0, rel_tol=1e-4)
+
+
+@pytest.mark.skipif(not sampling.native_weights, reason="engine/core/_weights.c not compiled")
+@given(st.lists(logit, min_size=1, max_size=3000), st.floats(1e-6, 10.0))
+def test_native_weights_are_numpys_within_rounding(values: list[float],
+                                                   temperature: float) -> None:
+    """The native pass against numpy's four on any logits a draw accepts: the same weights
+    within float32's rounding of the scaled logit (the native pass multiplies by 1 / T, numpy
+    divides), 0 where numpy's weight is below exp(-87) or 0, and its block sums."""
+    logits = np.array(values, np.float32)
+    if not sampleable(logits.tolist()):
+        return
+    top = float(logits.max())
+    native, sums = sampling.exp_weights(logits, top, temperature)
+    with mock.patch.object(sampling, "native_weights", False):
+        reference, none = sampling.exp_weights(logits, top, temperature)
+    assert sums is not None and none is None
+    assert np.allclose(native, reference, rtol=2e-5, atol=1.7e-38)  # exp(-87): 1.65e-38
+    assert np.all(native[reference == 0] == 0)
+    expected = [float(native[i:i + sampling.BLOCK].sum(dtype=np.float64))
+                for i in range(0, native.size, sampling.BLOCK)]
+    assert np.allclose(sums, expected, rtol=1e-6, atol=0)
 
 
 # ----- prefix matching ----------------------------------------------------------------------

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.core import sampling
 from engine.core.sampling import (
     BLOCK,
     SAMPLE_SIZE,
@@ -21,6 +22,16 @@ from engine.core.sampling import (
 )
 from engine.errors import InvalidRequestError, SamplingError
 from engine.params import SamplingParams
+
+
+@pytest.fixture(autouse=True, params=["native", "numpy"])
+def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here runs on both ways of computing the weights: the native pass
+    (engine/core/_weights.c) and numpy's, which a machine without a C compiler gets."""
+    if request.param == "native" and not sampling.native_weights:
+        pytest.skip("engine/core/_weights.c was not compiled here")
+    monkeypatch.setattr(sampling, "native_weights", request.param == "native")
+    return str(request.param)
 
 
 def logits_from_probs(probs: list[float]) -> torch.Tensor:
@@ -526,3 +537,80 @@ def test_a_penalty_lowering_a_huge_negative_logit_keeps_it_finite() -> None:
     assert out.tolist() == [torch.finfo(torch.float32).min, float("-inf")]
     assert sample_token(logits, SamplingParams(temperature=0, repetition_penalty=1.3), None,
                         previous_ids=[0]) == 0
+
+
+# ----- the native weights (engine/core/_weights.c) against numpy's -----------------------------
+def numpy_weights(logits: np.ndarray, temperature: float) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return np.exp((logits.astype(np.float64) - float(logits.max())) / temperature)
+
+
+@pytest.mark.parametrize("temperature", [0.05, 0.7, 1.0, 4.0])
+def test_weights_are_exp_of_the_scaled_logits_within_float_rounding(
+        kernel: str, temperature: float) -> None:
+    """Both kernels: exp((logit - top) / T) within float32's rounding of the scaled logit (the
+    native pass multiplies by 1 / T: ~87 x 6e-8 relative at the far end), the top token exactly
+    1, a masked (-inf) token and one far below the top exactly 0; the block sums (native) or
+    none (numpy) in every length, a partial last block included."""
+    rng = np.random.default_rng(11)
+    logits = (rng.standard_normal(5 * BLOCK + 77) * 6).astype(np.float32)
+    logits[[7, 4000]] = -np.inf
+    logits[9] = logits.max() - 1000 * temperature  # exp(-1000): 0, under float32's smallest
+    top = float(logits.max())
+    weights, sums = sampling.exp_weights(logits, top, temperature)
+    expected = numpy_weights(logits, temperature)
+    assert weights.dtype == np.float32
+    assert weights[int(logits.argmax())] == 1.0
+    assert weights[[7, 4000, 9]].tolist() == [0.0, 0.0, 0.0]
+    normal = expected > 1.2e-38  # float32's normal range (the native pass flushes below it)
+    assert np.allclose(weights[normal], expected[normal], rtol=1e-5, atol=0)
+    assert np.all(weights[~normal] <= 1.2e-38)
+    if kernel == "numpy":
+        assert sums is None
+        return
+    assert sums is not None and sums.size == 6
+    exact = [float(weights[i:i + BLOCK].sum(dtype=np.float64)) for i in range(0, 6 * BLOCK,
+                                                                               BLOCK)]
+    assert sums.tolist() == pytest.approx(exact, rel=1e-6)
+
+
+def test_a_draw_takes_the_token_numpy_would_take_on_either_kernel(kernel: str) -> None:
+    """The native pick walks the block sums and the block in float64, in order, as numpy's
+    cumulative sums do: for the same weights and sums, the same token at every draw."""
+    rng = np.random.default_rng(4)
+    weights = rng.random(40 * BLOCK + 5).astype(np.float32) ** 8
+    weights[rng.random(weights.size) < 0.3] = 0.0
+    sums = sampling._block_sums(weights)
+    for u in [*rng.random(500), 0.0, np.nextafter(1.0, 0.0)]:
+        chosen = pick(weights, float(u), sums)
+        cumulative = np.cumsum(sums)
+        target = float(u) * float(cumulative[-1])
+        block = int(np.searchsorted(cumulative, target, side="right"))
+        before = float(cumulative[block - 1]) if block else 0.0
+        inside = np.cumsum(weights[block * BLOCK:(block + 1) * BLOCK], dtype=np.float64)
+        at = int(np.searchsorted(inside, target - before, side="right"))
+        expected = block * BLOCK + min(at, int(np.flatnonzero(
+            weights[block * BLOCK:(block + 1) * BLOCK])[-1]))
+        assert chosen == expected, u
+        assert weights[chosen] > 0
+
+
+@pytest.mark.parametrize("top_p", [0.1, 0.5, 0.95, 0.999])
+def test_top_p_in_a_distribution_keeps_what_beyond_top_p_keeps(kernel: str, top_p: float) -> None:
+    """The native pass cuts top-p in place (one selection, one pass, its block sums kept): the
+    same tokens stay as beyond_top_p's mask keeps, on a trained model's shape, a flat one and a
+    tail of equal weights (ties by id), and a draw's block sums are the kept weights'."""
+    gen = torch.Generator().manual_seed(8)
+    peaked = torch.randn(262_144, generator=gen)
+    peaked[[3, 900, 77_000]] = torch.tensor([16.0, 15.0, 14.5])
+    for logits in (peaked, torch.randn(262_144, generator=gen) * 0.3,
+                   torch.cat([torch.tensor([6.0, 5.0]), torch.zeros(100_000)])):
+        host = logits.numpy()
+        plain = sampling.distribution(host, SamplingParams(temperature=0.7)).weights
+        chosen = sampling.distribution(host, SamplingParams(temperature=0.7, top_p=top_p))
+        assert np.array_equal(chosen.weights > 0, ~beyond_top_p(plain, top_p)), top_p
+        assert np.array_equal(chosen.weights[chosen.weights > 0], plain[chosen.weights > 0])
+        if kernel == "native":
+            assert chosen.block_sums is not None
+            assert np.allclose(chosen.block_sums, sampling._block_sums(chosen.weights),
+                               rtol=1e-6, atol=0)

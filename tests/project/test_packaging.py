@@ -134,6 +134,8 @@ def test_bundle_ships_the_gguf_and_the_llama_cpp_libraries(unpacked: Path) -> No
     assert {"libllama.so", "libggml.so.0", "libggml-base.so.0"} <= libs
     assert {"libggml-cpu-x64.so", "libggml-cpu-haswell.so", "libggml-cpu-zen4.so"} <= libs
     assert not [name for name in libs if "mtmd" in name or "llava" in name]
+    # the sampler's native pass (engine/core/_weights.c), compiled by the install
+    assert list((unpacked / BUNDLE / "_internal/engine/core").glob("_weights.*.so"))
 
 
 def test_frozen_smoke_test_offline_with_empty_home(unpacked: Path, tmp_path: Path) -> None:

@@ -1,0 +1,27 @@
+"""Sampling weights in one native pass (engine/core/_weights.c)."""
+
+import numpy as np
+import numpy.typing as npt
+
+def exp_weights(logits: npt.NDArray[np.float32], top: float, inv_temperature: float,
+                out: npt.NDArray[np.float32], sums: npt.NDArray[np.float64], block: int,
+                /) -> None:
+    """out[i] = exp((logits[i] - top) * inv_temperature) (0 below exp(-87)); sums[b] = the sum
+    of block b of out. C-contiguous float32 logits and out of one length, a float64 sum per
+    block."""
+
+def pick(weights: npt.NDArray[np.float32], sums: npt.NDArray[np.float64], u: float, block: int,
+         /) -> int:
+    """The index of the first weight whose cumulative sum (float64, in order) passes u times
+    the total, found through the block sums first."""
+
+def reaching(weights: npt.NDArray[np.float32], target: float, /) -> tuple[float, float]:
+    """The largest weight w whose weights >= w hold target, and the mass of those heavier."""
+
+def cut(weights: npt.NDArray[np.float32], last: float, stay: int, sums: npt.NDArray[np.float64],
+        block: int, /) -> int:
+    """Zero the weights below last and those equal to it after the first `stay`, in place, the
+    block sums following; how many weights equal last."""
+
+def level() -> str:
+    """The instruction-set level the weights run on: 'avx512', 'avx2' or 'portable'."""
