@@ -26,15 +26,30 @@ BLOCK = 1024  # a draw sums the weights in blocks of this many first
 _NATIVE_MIN_TEMPERATURE = 1e-30
 
 
-Generator = np.random.Generator
+AHEAD = 64  # a request's generator draws this many numbers at a time
 _UNSEEDED = np.random.default_rng()  # draws for callers without a request's generator
 
 
+class Generator:
+    """A request's random numbers: numpy's PCG64 (on the host whatever the model's device),
+    drawn AHEAD at a time, in the order single draws give them: a fixed seed reproduces a
+    sampled reply exactly, on either runtime. (After a decode step numpy's code is cold in the
+    caches: one draw took ~10 us there, what 64 cost; the first torch.rand took ~40 us.)"""
+
+    def __init__(self, seed: int | None) -> None:
+        self._numbers = np.random.default_rng(seed)
+        self._ahead: list[float] = []
+
+    def random(self) -> float:
+        """The next number in [0, 1) (float64)."""
+        if not self._ahead:
+            self._ahead = self._numbers.random(AHEAD).tolist()[::-1]
+        return self._ahead.pop()
+
+
 def make_generator(seed: int | None) -> Generator:
-    """A per-request generator (numpy's PCG64, on the host whatever the model's device): a
-    fixed seed reproduces a sampled reply exactly, on either runtime. (The first torch.rand
-    after a llama_decode took ~40 us, its code cold in the caches; numpy's draw is lighter.)"""
-    return np.random.default_rng(seed)
+    """A per-request generator (a fixed seed reproduces its numbers)."""
+    return Generator(seed)
 
 
 def apply_repetition_penalty(
@@ -273,7 +288,7 @@ def draw(probs: torch.Tensor, generator: Generator | None) -> int:
 
 def uniform(generator: Generator | None) -> float:
     """One number in [0, 1) from the request's generator (float64)."""
-    return float((generator or _UNSEEDED).random())
+    return generator.random() if generator is not None else float(_UNSEEDED.random())
 
 
 def pick(weights: np.ndarray, u: float, block_sums: np.ndarray | None = None) -> int:
@@ -366,8 +381,9 @@ def greedy_token(logits: torch.Tensor) -> int:
 
 
 def _in_place(tensor: torch.Tensor) -> bool:
-    """Whether numpy can read the tensor's own memory."""
-    return tensor.device.type == "cpu" and tensor.dtype in (torch.float32, torch.float64)
+    """Whether numpy can read the tensor's own memory. (is_cpu: `device.type` builds a device
+    object, ~5 us after a decode step.)"""
+    return tensor.is_cpu and tensor.dtype in (torch.float32, torch.float64)
 
 
 def host_array(tensor: torch.Tensor) -> np.ndarray:
@@ -393,7 +409,10 @@ def sampler_view(
     host = host_array(logits)
     k = min(k, host.size)
     temperature = params.temperature if params.temperature > 0 else 1.0
-    plain = distribution(host, SamplingParams(temperature=temperature))
+    unfiltered = (params.top_k, params.top_p, params.min_p) == (0, 1.0, 0.0)
+    # a draw without filters was made from the plain distribution itself
+    plain = (chosen if chosen is not None and unfiltered
+             else distribution(host, SamplingParams(temperature=temperature)))
     head = top_k_ids(host, k)
     head = head[np.argsort(-plain.weights[head], kind="stable")][:k]
     probs = plain.weights[head] / plain.mass()

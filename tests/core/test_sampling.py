@@ -6,6 +6,7 @@ import torch
 
 from engine.core import sampling
 from engine.core.sampling import (
+    AHEAD,
     BLOCK,
     SAMPLE_SIZE,
     apply_repetition_penalty,
@@ -106,11 +107,12 @@ def test_sampler_view_reports_cut() -> None:
 
 
 @pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7),  # the draw's own distribution is the plain one
     SamplingParams(temperature=0.7, top_p=0.9),
     SamplingParams(temperature=1.0, top_k=5),
     SamplingParams(temperature=1.3, min_p=0.2),
     SamplingParams(temperature=0.8, top_k=40, top_p=0.5, min_p=0.05),
-], ids=["top-p", "top-k", "min-p", "all"])
+], ids=["plain", "top-p", "top-k", "min-p", "all"])
 def test_a_view_from_the_drawn_distribution_is_the_view_computed_afresh(
         params: SamplingParams) -> None:
     logits = torch.randn(20_000, generator=torch.Generator().manual_seed(3)) * 4
@@ -593,6 +595,15 @@ def test_a_draw_takes_the_token_numpy_would_take_on_either_kernel(kernel: str) -
             weights[block * BLOCK:(block + 1) * BLOCK])[-1]))
         assert chosen == expected, u
         assert weights[chosen] > 0
+
+
+def test_a_generator_gives_the_numbers_single_draws_give() -> None:
+    """Drawn AHEAD at a time, in order: a seed's sequence is numpy's PCG64 sequence (a reply
+    seeded before this change draws the same tokens)."""
+    generator = make_generator(123)
+    reference = np.random.default_rng(123)
+    assert [generator.random() for _ in range(3 * AHEAD + 5)] == \
+        [reference.random() for _ in range(3 * AHEAD + 5)]
 
 
 @pytest.mark.parametrize("top_p", [0.1, 0.5, 0.95, 0.999])
