@@ -97,6 +97,32 @@ def test_native_weights_are_numpys_within_rounding(values: list[float],
     assert np.allclose(sums, expected, rtol=1e-6, atol=0)
 
 
+weight = st.one_of(st.sampled_from([0.0, 1.0, 0.5, 0.25, 1e-3, 1e-40, 3e-39]),
+                   st.floats(0.0, 1.0, width=32))
+
+
+@given(st.lists(weight, min_size=1, max_size=3000), st.floats(1e-3, 1.0, exclude_max=True))
+def test_top_p_keeps_what_a_full_sort_keeps(values: list[float], top_p: float) -> None:
+    """Top-p's selection (native: a radix select on the weights' bits; else numpy's rounds) on
+    any weights, ties, zeros and subnormals included: the set a full sort keeps (the mass before
+    each token, by weight then id, against top_p of the whole), unless the target lies within
+    float64 rounding of where a token's mass starts."""
+    weights = np.array(values, np.float32)
+    if not weights.any():
+        return
+    order = np.argsort(-weights, kind="stable")
+    before = np.cumsum(weights[order], dtype=np.float64) - weights[order]
+    target = top_p * float(weights.sum(dtype=np.float64))
+    if np.any(np.abs(before - target) <= 1e-9 * target):
+        return  # which side a token falls on is rounding's call
+    expected = np.zeros(weights.size, dtype=bool)
+    expected[order] = before >= target
+    expected[order[0]] = False  # the most likely token always stays
+    assert np.array_equal(sampling.beyond_top_p(weights, top_p), expected)
+    with mock.patch.object(sampling, "native_weights", False):
+        assert np.array_equal(sampling.beyond_top_p(weights, top_p), expected)
+
+
 # ----- prefix matching ----------------------------------------------------------------------
 
 class FakeTensor:
