@@ -95,21 +95,39 @@ __attribute__((target("avx512f,avx2,fma"))) static void weights_avx512(
 }
 #endif
 
-static weights_fn chosen = weights_portable;
-static const char *chosen_name = "portable";
+typedef struct {
+    const char *name;
+    weights_fn fn;
+    int needs_avx2_fma, needs_avx512f;
+} weights_level;
+
+static const weights_level levels[] = { /* the best first */
+#ifdef X86_LEVELS
+    {"avx512", weights_avx512, 1, 1},
+    {"avx2", weights_avx2, 1, 0},
+#endif
+    {"portable", weights_portable, 0, 0},
+};
+#define LEVELS ((int)(sizeof levels / sizeof levels[0]))
+
+static int runs_here(const weights_level *level) {
+#ifdef X86_LEVELS
+    __builtin_cpu_init(); /* the checks include the OS saving the registers (XCR0) */
+    if (level->needs_avx2_fma &&
+        !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")))
+        return 0;
+    if (level->needs_avx512f && !__builtin_cpu_supports("avx512f"))
+        return 0;
+#endif
+    return 1;
+}
+
+static const weights_level *running = &levels[LEVELS - 1];
 
 static void choose(void) {
-#ifdef X86_LEVELS
-    __builtin_cpu_init(); /* these checks include the OS saving the registers (XCR0) */
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
-        __builtin_cpu_supports("fma")) {
-        chosen = weights_avx512;
-        chosen_name = "avx512";
-    } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-        chosen = weights_avx2;
-        chosen_name = "avx2";
-    }
-#endif
+    for (int i = LEVELS - 1; i >= 0; i--)
+        if (runs_here(&levels[i]))
+            running = &levels[i];
 }
 
 static PyObject *exp_weights(PyObject *self, PyObject *args) {
@@ -130,7 +148,7 @@ static PyObject *exp_weights(PyObject *self, PyObject *args) {
         problem = "sums must hold one float64 per block";
     if (problem == NULL) {
         Py_BEGIN_ALLOW_THREADS
-        chosen((const float *)logits.buf, (float *)out.buf, n, top, inv_temperature, block,
+        running->fn((const float *)logits.buf, (float *)out.buf, n, top, inv_temperature, block,
                (double *)sums.buf);
         Py_END_ALLOW_THREADS
     }
@@ -326,7 +344,24 @@ static PyObject *cut(PyObject *self, PyObject *args) {
 static PyObject *level(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
-    return PyUnicode_FromString(chosen_name);
+    return PyUnicode_FromString(running->name);
+}
+
+/* Another level this CPU runs (tests compare every copy with numpy; benchmarks time them). */
+static PyObject *use(PyObject *self, PyObject *arg) {
+    (void)self;
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (name == NULL)
+        return NULL;
+    for (int i = 0; i < LEVELS; i++)
+        if (strcmp(levels[i].name, name) == 0) {
+            if (!runs_here(&levels[i]))
+                Py_RETURN_FALSE;
+            running = &levels[i];
+            Py_RETURN_TRUE;
+        }
+    PyErr_Format(PyExc_ValueError, "no weights level %R here", arg);
+    return NULL;
 }
 
 static PyMethodDef methods[] = {
@@ -343,6 +378,9 @@ static PyMethodDef methods[] = {
      "cut(weights, last, stay, sums, block) -> ties: zero the weights below last and those equal "
      "to it after the first stay, in place; the block sums follow."},
     {"level", level, METH_NOARGS, "The instruction-set level the weights run on."},
+    {"use", use, METH_O,
+     "use(level) -> bool: run the weights on this level ('avx512', 'avx2', 'portable') if the "
+     "CPU can (False, unchanged, if not)."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_weights",

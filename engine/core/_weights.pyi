@@ -25,3 +25,6 @@ def cut(weights: npt.NDArray[np.float32], last: float, stay: int, sums: npt.NDAr
 
 def level() -> str:
     """The instruction-set level the weights run on: 'avx512', 'avx2' or 'portable'."""
+
+def use(level: str, /) -> bool:
+    """Run the weights on `level` if this CPU can (False, unchanged, if not)."""

@@ -37,3 +37,41 @@ def test_seeded_draws_on_a_large_vocabulary_are_the_same_on_both_kernels(
             assert native == [sample_token(logits, params, make_generator(seed))
                               for seed in range(60)]
         assert {5, 70_000, 200_001} <= set(native)
+
+
+@pytest.mark.skipif(not sampling.native_weights, reason="engine/core/_weights.c not compiled")
+@pytest.mark.parametrize("level", ["avx512", "avx2", "portable"])
+def test_every_copy_this_cpu_runs_makes_numpys_weights(level: str) -> None:
+    """Each instruction-set copy of the pass (the import picks the best this CPU runs; the
+    others are tested here where the CPU runs them): numpy's weights within float32 rounding,
+    the top exactly 1, a masked token 0, float64-close block sums."""
+    from engine.core import _weights
+
+    best = _weights.level()
+    try:
+        if not _weights.use(level):
+            pytest.skip(f"this CPU does not run the {level} copy")
+    except ValueError:
+        pytest.skip(f"no {level} copy in this build (another architecture)")
+    try:
+        rng = np.random.default_rng(6)
+        logits = (rng.standard_normal(3 * 1024 + 5) * 5).astype(np.float32)
+        logits[17] = -np.inf
+        top = float(logits.max())
+        weights, sums = sampling.exp_weights(logits, top, 0.6)
+    finally:
+        assert _weights.use(best)
+    expected = np.exp((logits.astype(np.float64) - top) / 0.6)
+    assert weights[int(logits.argmax())] == 1.0 and weights[17] == 0.0
+    assert np.allclose(weights, expected, rtol=2e-5, atol=1.7e-38)
+    assert sums is not None
+    assert np.allclose(sums, [weights[i:i + 1024].sum(dtype=np.float64)
+                              for i in range(0, weights.size, 1024)], rtol=1e-6, atol=0)
+
+
+@pytest.mark.skipif(not sampling.native_weights, reason="engine/core/_weights.c not compiled")
+def test_an_unknown_level_is_refused() -> None:
+    from engine.core import _weights
+
+    with pytest.raises(ValueError, match="no weights level 'avx1024'"):
+        _weights.use("avx1024")
