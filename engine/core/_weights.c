@@ -244,9 +244,12 @@ static float reaching_body(const float *weights, Py_ssize_t n, double target, do
             lowest = b;
             heavier += mass[b];
         }
-        if (chosen == buckets) { /* rounding: even the whole pool falls short; it ends there */
+        if (chosen == buckets && lowest < buckets) { /* rounding: even the whole pool falls
+                                                         short of target; it ends there */
             chosen = lowest;
             heavier -= mass[lowest];
+        } else if (chosen == buckets) { /* no mass at all (never a distribution's weights) */
+            chosen = 0;
         }
         prefix = (prefix << width) | chosen;
         high = shift;
