@@ -1,12 +1,15 @@
 /* Sampling weights in one pass over a vocabulary: w[i] = exp((logit[i] - top) * inv_temperature)
  * and the sum of every block of them, for engine/core/sampling.py.
  *
- * numpy needs four passes for this (subtract, scale, exp, the block sums: ~190 us over 262,144
- * logits, cold, on a Zen 5 core); fused, one pass that stays in the caches takes ~60 us. The
- * exponent is Cephes' expf (degree-6 polynomial after a two-part ln 2 reduction, within ~2 ulp),
- * written without branches so the compiler vectorizes it; each instruction-set level gets its
- * own copy, picked once at import from what the CPU (and the OS) supports: never -march=native,
- * the same build runs on any x86-64. Other architectures take the portable copy.
+ * numpy needs four passes for this (subtract, scale, exp, the block sums: ~150-190 us over
+ * 262,144 logits, cold, on a Zen 5 core); fused, one pass that stays in the caches takes ~55 us
+ * on AVX-512, ~90 us on AVX2 (the portable SSE2 copy ~245 us: sampling.py keeps numpy's
+ * exponent there). The exponent is Cephes' expf (degree-6 polynomial after a two-part ln 2
+ * reduction, within ~2 ulp), written without branches so the compiler vectorizes it (given
+ * -fno-trapping-math: otherwise gcc keeps the AVX2 and SSE2 copies scalar rather than evaluate
+ * both sides of a select); each instruction-set level gets its own copy, picked once at import
+ * from what the CPU (and the OS) supports: never -march=native, the same build runs on any
+ * x86-64. Other architectures take the portable copy.
  *
  * Arguments below zero are all this needs (top is the maximum). Below -87 (a weight under
  * 1.6e-38 of the top token's, float32's smallest normal) the weight is 0: such a token is never
@@ -42,7 +45,8 @@ INLINE float exp_nonpositive(float x) {
     int32_t bits = ((int32_t)k + 127) << 23; /* 2^k, k in [-126, 0]: a normal float */
     float scale;
     memcpy(&scale, &bits, sizeof scale);
-    return x < FLOOR ? 0.0f : y * scale;
+    float w = y * scale;
+    return x < FLOOR ? 0.0f : w;
 }
 
 /* Block sums: float32 lanes over CHUNK weights at a time (vectorized: 16 additions a lane with

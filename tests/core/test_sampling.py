@@ -567,7 +567,7 @@ def test_weights_are_exp_of_the_scaled_logits_within_float_rounding(
     normal = expected > 1.2e-38  # float32's normal range (the native pass flushes below it)
     assert np.allclose(weights[normal], expected[normal], rtol=1e-5, atol=0)
     assert np.all(weights[~normal] <= 1.2e-38)
-    if kernel == "numpy":
+    if kernel == "numpy" or not sampling.native_exp:
         assert sums is None
         return
     assert sums is not None and sums.size == 6
@@ -621,7 +621,7 @@ def test_top_p_in_a_distribution_keeps_what_beyond_top_p_keeps(kernel: str, top_
         chosen = sampling.distribution(host, SamplingParams(temperature=0.7, top_p=top_p))
         assert np.array_equal(chosen.weights > 0, ~beyond_top_p(plain, top_p)), top_p
         assert np.array_equal(chosen.weights[chosen.weights > 0], plain[chosen.weights > 0])
-        if kernel == "native":
+        if kernel == "native" and sampling.native_exp:
             assert chosen.block_sums is not None
             assert np.allclose(chosen.block_sums, sampling._block_sums(chosen.weights),
                                rtol=1e-6, atol=0)
