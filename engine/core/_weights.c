@@ -134,6 +134,15 @@ static void choose(void) {
             running = &levels[i];
 }
 
+#define BLOCKS_MISFIT "weights must be float32 with one float64 sum per block"
+
+/* Whether `weights` holds float32s and `sums` one float64 for each block of them. */
+static int blocks_fit(const Py_buffer *weights, const Py_buffer *sums, Py_ssize_t block) {
+    Py_ssize_t n = weights->len / (Py_ssize_t)sizeof(float);
+    return block >= 1 && weights->len % (Py_ssize_t)sizeof(float) == 0 &&
+           sums->len == (n + block - 1) / block * (Py_ssize_t)sizeof(double);
+}
+
 static PyObject *exp_weights(PyObject *self, PyObject *args) {
     Py_buffer logits, out, sums;
     float top, inv_temperature;
@@ -142,25 +151,19 @@ static PyObject *exp_weights(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*ffw*w*n", &logits, &top, &inv_temperature, &out, &sums,
                           &block))
         return NULL;
-    Py_ssize_t n = logits.len / (Py_ssize_t)sizeof(float);
-    const char *problem = NULL;
-    if (block < 1)
-        problem = "block must be at least 1";
-    else if (logits.len % (Py_ssize_t)sizeof(float) || out.len != logits.len)
-        problem = "logits and out must be float32 buffers of one length";
-    else if (sums.len != (n + block - 1) / block * (Py_ssize_t)sizeof(double))
-        problem = "sums must hold one float64 per block";
-    if (problem == NULL) {
+    int fits = blocks_fit(&logits, &sums, block) && out.len == logits.len;
+    if (fits) {
         Py_BEGIN_ALLOW_THREADS
-        running->fn((const float *)logits.buf, (float *)out.buf, n, top, inv_temperature, block,
-               (double *)sums.buf);
+        running->fn((const float *)logits.buf, (float *)out.buf,
+                    logits.len / (Py_ssize_t)sizeof(float), top, inv_temperature, block,
+                    (double *)sums.buf);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&logits);
     PyBuffer_Release(&out);
     PyBuffer_Release(&sums);
-    if (problem != NULL) {
-        PyErr_SetString(PyExc_ValueError, problem);
+    if (!fits) {
+        PyErr_SetString(PyExc_ValueError, "logits and out: " BLOCKS_MISFIT ", of one length");
         return NULL;
     }
     Py_RETURN_NONE;
@@ -200,16 +203,14 @@ static PyObject *pick(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*y*dn", &weights, &sums, &u, &block))
         return NULL;
     Py_ssize_t n = weights.len / (Py_ssize_t)sizeof(float);
-    Py_ssize_t blocks = sums.len / (Py_ssize_t)sizeof(double);
-    int fits = block >= 1 && n >= 1 && weights.len % (Py_ssize_t)sizeof(float) == 0 &&
-               blocks == (n + block - 1) / block;
+    int fits = n >= 1 && blocks_fit(&weights, &sums, block);
     if (fits)
-        index = pick_body((const float *)weights.buf, n, (const double *)sums.buf, blocks,
-                          block, u);
+        index = pick_body((const float *)weights.buf, n, (const double *)sums.buf,
+                          sums.len / (Py_ssize_t)sizeof(double), block, u);
     PyBuffer_Release(&weights);
     PyBuffer_Release(&sums);
     if (!fits) {
-        PyErr_SetString(PyExc_ValueError, "weights must be float32 with one float64 sum per block");
+        PyErr_SetString(PyExc_ValueError, BLOCKS_MISFIT " (at least one)");
         return NULL;
     }
     return PyLong_FromSsize_t(index);
@@ -331,18 +332,17 @@ static PyObject *cut(PyObject *self, PyObject *args) {
     (void)self;
     if (!PyArg_ParseTuple(args, "w*fnw*n", &weights, &last, &stay, &sums, &block))
         return NULL;
-    Py_ssize_t n = weights.len / (Py_ssize_t)sizeof(float);
-    int fits = block >= 1 && weights.len % (Py_ssize_t)sizeof(float) == 0 &&
-               sums.len == (n + block - 1) / block * (Py_ssize_t)sizeof(double);
+    int fits = blocks_fit(&weights, &sums, block);
     if (fits) {
         Py_BEGIN_ALLOW_THREADS
-        ties = cut_body((float *)weights.buf, n, last, stay, block, (double *)sums.buf);
+        ties = cut_body((float *)weights.buf, weights.len / (Py_ssize_t)sizeof(float), last,
+                        stay, block, (double *)sums.buf);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&weights);
     PyBuffer_Release(&sums);
     if (!fits) {
-        PyErr_SetString(PyExc_ValueError, "weights must be float32 with one float64 sum per block");
+        PyErr_SetString(PyExc_ValueError, BLOCKS_MISFIT);
         return NULL;
     }
     return PyLong_FromSsize_t(ties);
