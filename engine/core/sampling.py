@@ -148,13 +148,17 @@ def weights_kernel() -> str:
     return f"native-{_weights.level()}" if native_weights and native_exp else "numpy"
 
 
+def _native_reads(array: np.ndarray) -> bool:
+    """Whether the native pass takes this array as it is (C-contiguous float32)."""
+    return native_weights and array.dtype == np.float32 and array.flags.c_contiguous
+
+
 def exp_weights(logits: np.ndarray, top: float,
                 temperature: float) -> tuple[np.ndarray, np.ndarray | None]:
     """exp((logits - top) / T) as float32, and their sums per BLOCK where the native pass
     (one pass: ~60 us over 262,144 cold logits, against numpy's ~190 us in four) made them.
     Shifting by the maximum first: a tiny temperature cannot overflow a finite logit to inf."""
-    if (native_weights and native_exp and logits.dtype == np.float32 and logits.flags.c_contiguous
-            and temperature >= _NATIVE_MIN_TEMPERATURE):
+    if native_exp and _native_reads(logits) and temperature >= _NATIVE_MIN_TEMPERATURE:
         weights = np.empty_like(logits)
         sums = np.empty(-(-logits.size // BLOCK), np.float64)
         _weights.exp_weights(logits, top, 1.0 / temperature, weights, sums, BLOCK)
@@ -213,7 +217,7 @@ def weight_reaching(weights: np.ndarray, target: float) -> tuple[float, float]:
     between two weights from a sample of the pool and keeps the part the target is crossed in
     (the mass above it counted); a small pool is sorted. (np.compress, not a boolean index:
     5x faster here.) The native pass selects by the weights' bits instead, in three passes."""
-    if native_weights and weights.dtype == np.float32 and weights.flags.c_contiguous:
+    if _native_reads(weights):
         return _weights.reaching(weights, target)
     above = 0.0  # the mass of the tokens heavier than the pool
     pool = weights
@@ -306,7 +310,7 @@ def pick(weights: np.ndarray, u: float, block_sums: np.ndarray | None = None) ->
     if weights.size <= 4 * BLOCK:
         return _first_past(weights, u * float(weights.sum(dtype=np.float64)))
     sums = _block_sums(weights) if block_sums is None else block_sums
-    if native_weights and weights.dtype == np.float32 and weights.flags.c_contiguous:
+    if _native_reads(weights):
         return _weights.pick(weights, sums, u, BLOCK)
     ends = np.cumsum(sums)
     target = u * float(ends[-1])  # below the last end (u < 1): the draw lands in a block
