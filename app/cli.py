@@ -320,13 +320,20 @@ def run_bench(args: argparse.Namespace, reference: Any, loaded: Any, draft: Any,
               progress: Any) -> dict[str, Any]:
     """The measurement cmd_bench asked for, its table printed; returns the report."""
     from engine import PhasewiseError
-    from engine.tools.bench import bench_batch, bench_decode, bench_interference, bench_turns
+    from engine.tools.bench import (
+        bench_batch,
+        bench_decode,
+        bench_interference,
+        bench_turns,
+        settle,
+    )
 
     if args.prompt_tokens + args.max_tokens > loaded.info.context_length:
         raise CliError(
             f"--prompt-tokens + --max-tokens is {args.prompt_tokens + args.max_tokens}, over the "
             f"model's context of {loaded.info.context_length} tokens"
         )
+    settle(loaded, progress)
     try:
         if args.batch:
             report = bench_batch(loaded, batch_sizes=tuple(args.batch),
@@ -388,6 +395,8 @@ def print_decode_table(r: dict[str, Any]) -> None:
         ("ITL p50 / p90 / p99", f"{r['itl_p50_s'] * 1e3:.1f} / {r['itl_p90_s'] * 1e3:.1f} / "
                                 f"{r['itl_p99_s'] * 1e3:.1f} ms"),
     ]
+    if r.get("memory_pages"):
+        rows.append(("memory", r["memory_pages"]))
     rows += peer_rows(r)
     if "spec_decode_tok_s" in r:
         rows.append(("speculative (ngram)", f"{r['spec_decode_tok_s']:.1f} tok/s decode, "

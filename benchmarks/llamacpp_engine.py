@@ -21,7 +21,7 @@ from engine.metrics import RequestTimeline, now_ns
 from engine.model_files import default_gguf_path
 from engine.params import GenerationRequest, SamplingParams
 from engine.runtimes import LLAMA_CPP, load
-from engine.tools.bench import fixed_prompt_ids
+from engine.tools.bench import fixed_prompt_ids, settle
 from engine.tools.peers import greedy_run
 
 
@@ -45,6 +45,7 @@ def main() -> None:
     import llama_cpp
 
     runtime = load("default", LLAMA_CPP)
+    settle(runtime)  # as the app's engine does while idle
 
     loaded = runtime.model
     llm = llama_cpp.Llama(model_path=str(default_gguf_path()), n_ctx=2048,

@@ -26,7 +26,7 @@ from engine.machine import cpu_name
 from engine.metrics import RequestTimeline, now_ns
 from engine.params import GenerationRequest, SamplingParams
 from engine.runtimes import LLAMA_CPP, load
-from engine.tools.bench import fixed_prompt_ids
+from engine.tools.bench import fixed_prompt_ids, settle
 
 SAMPLINGS = {"greedy": SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
              "sampled": SamplingParams(temperature=0.7, max_tokens=64, ignore_eos=True, seed=1),
@@ -42,6 +42,7 @@ def main() -> None:
     parser.add_argument("--profile-sort", choices=("tottime", "cumulative"), default="tottime")
     args = parser.parse_args()
     runtime = load(args.model, LLAMA_CPP, context_length=1024)
+    settle(runtime)  # as the app's engine does while idle
     model = runtime.model
     lib = model.llama_cpp
     inside: list[float] = []

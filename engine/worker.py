@@ -340,6 +340,7 @@ class Engine(EventSource, Backend):
         while True:
             if item is None:
                 self._shelve_while_idle()
+                self._settle_while_idle()
                 self._set_idle(True)
             item = self._inbox.get() if item is None else item
             self._set_idle(False)
@@ -377,6 +378,16 @@ class Engine(EventSource, Backend):
         pool = self._prefix_cache
         while pool is not None and self._inbox.empty() and pool.shelve_one():
             pass
+
+    def _settle_while_idle(self) -> None:
+        """The runtime's idle work (huge pages for a llama.cpp model's memory), a few ms at a
+        time, each time looking whether a request came in."""
+        runtime = self._runtime
+        try:
+            while runtime is not None and self._inbox.empty() and runtime.idle_work():
+                pass
+        except Exception:  # only speed is lost: the model runs as it is
+            log.exception("idle work failed")
 
     def _close_shelf(self) -> None:
         """Snapshot what is left and let it reach the disk (bounded: quitting must not hang;

@@ -103,6 +103,18 @@ class Runtime(Protocol):
         checked against this model's; ModelLoadError with one line on failure."""
         ...
 
+    def idle_work(self) -> bool:
+        """One short piece (a few ms) of work that makes later steps faster, for the engine
+        thread to do while nothing waits; False once none is left. llama.cpp: a 2 MiB piece of
+        the model's memory moved to a huge page (core/huge_pages.py)."""
+        ...
+
+    @property
+    def memory_pages(self) -> str:
+        """How the model's memory is paged, for `bench --json` ("160 of 162 MiB in 2 MiB
+        pages"); "" where the runtime leaves it to the system."""
+        ...
+
     def close(self) -> None:
         """Free native memory now (the garbage collector frees the rest)."""
         ...

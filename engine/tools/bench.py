@@ -89,6 +89,14 @@ def run_ours(
     return result
 
 
+def settle(loaded: Runtime, progress: Callable[[str], None] = lambda _m: None) -> None:
+    """The runtime's idle work done (llama.cpp: its memory moved to huge pages), as the
+    engine thread does it before a request arrives: a bench measures the app's steady state."""
+    progress("settling memory")
+    while loaded.idle_work():
+        pass
+
+
 def decode_path(loaded: Runtime, request: GenerationRequest) -> str:
     """Where the engine's worker decodes the request: "batch" (the continuous batcher) or
     "alone"."""
@@ -304,6 +312,7 @@ def decode_summary(loaded: Runtime, ours: list[GenerationResult], prompt_tokens:
         "kernel": loaded.info.kernel,
         "engine": loaded.info.engine,
         "system_info": loaded.system_info,
+        "memory_pages": loaded.memory_pages,
         "prompt_tokens": prompt_tokens,
         "max_tokens": max_tokens,
         "repeats": repeats,

@@ -57,6 +57,54 @@ def _greedy(runtime: Any, pool: Any, prompt_ids: list[int] | None = None, *, tok
                                          lambda _e: None)
 
 
+# ----- huge pages ------------------------------------------------------------------------------
+def _huge_pages_body() -> dict:
+    from pathlib import Path
+
+    from engine.core import huge_pages
+    from engine.params import ChatMessage
+
+    runtime = load_default()
+    chat = [ChatMessage("user", "Name a colour.")]
+
+    def two_turns(move_between: bool) -> tuple[Any, Any, int]:
+        """A chat's two turns in a new prefix cache (which clears the KV memory), the memory
+        moved to huge pages between them or not: the second turn reads the first's KV."""
+        pool = runtime.new_prefix_cache(1 << 30)
+        first = _greedy(runtime, pool, messages=chat, conversation="a", tokens=16)
+        pieces = 0
+        while move_between and runtime.idle_work():
+            pieces += 1
+        turn = [*chat, ChatMessage("assistant", first.text), ChatMessage("user", "And a fruit?")]
+        return first, _greedy(runtime, pool, messages=turn, conversation="a", tokens=16), pieces
+
+    first, second, _ = two_turns(move_between=False)
+    first_after, second_after, pieces = two_turns(move_between=True)
+    path = runtime.info.path
+    mapped = [line for line in Path("/proc/self/maps").read_text().splitlines()
+              if line.endswith(path)]
+    return {"supported": huge_pages.supported(), "pages": runtime.memory_pages,
+            "pieces": pieces, "mapped": mapped,
+            "turns": [[(r.metrics.cached_tokens, r.token_ids) for r in pair]
+                      for pair in ((first, second), (first_after, second_after))]}
+
+
+@needs_llama_cpp
+def test_memory_moved_to_huge_pages_changes_no_token_and_no_cached_chat() -> None:
+    out = run_in_child(_huge_pages_body)
+    before, after = out["turns"]
+    assert after == before  # the same tokens, and the second turn read the first's KV
+    assert before[1][0] > 0
+    if out["supported"]:  # the weights are read into the process's memory, which moves
+        backed, _, tried = out["pages"].split()[:3]
+        assert out["mapped"] == []
+        assert int(backed) > 100 and out["pieces"] > 50  # MiB: the bundled model's ~100 MB
+        assert int(backed) <= int(tried)
+        assert not out["pages"].endswith("still moving")
+    else:
+        assert out["pages"] == "" and out["pieces"] == 0
+
+
 # ----- exactness ------------------------------------------------------------------------------
 def _parity_body() -> dict:
     import llama_cpp

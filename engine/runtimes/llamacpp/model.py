@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.core import huge_pages
+from engine.core.memory import free_memory
 from engine.errors import ModelLoadError
 from engine.events import ModelInfo, SamplingDefaults
 from engine.gguf_header import read_gguf, read_gguf_model
@@ -119,6 +121,7 @@ class LlamaCppModel:
     can_roll_back: bool = True  # False for recurrent/hybrid memory: no partial seq_rm
     context_params: Any = None  # the llama_context_params ctx was made with (a side context's)
     graph_nodes: int = 0  # nodes in a decode's graph, once a graph_meter.GraphMeter saw one
+    fresh_memory: list[huge_pages.Range] = field(default_factory=list)  # mapped by the load
     _views: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -176,15 +179,33 @@ def load_gguf(
     notify("loading GGUF into llama.cpp")
     _log_tail.clear()
     params = llama_cpp.llama_model_default_params()
+    paged = _weights_in_own_memory(path)
+    if paged:
+        params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
+    before = huge_pages.anonymous_ranges() if paged else []
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
     if not model:
         raise ModelLoadError(_load_failure(path))
     try:
-        return _with_context(llama_cpp, model, path, name, source, context_length, n_threads,
-                             flash_attn, backend.variant, progress)
+        loaded = _with_context(llama_cpp, model, path, name, source, context_length,
+                               n_threads, flash_attn, backend.variant, progress)
     except BaseException:
         llama_cpp.llama_model_free(model)
         raise
+    if paged:
+        loaded.fresh_memory = huge_pages.new_ranges(before, huge_pages.anonymous_ranges())
+    return loaded
+
+
+def _weights_in_own_memory(path: Path) -> bool:
+    """Whether to read the weights into the process's memory (which can move to huge pages
+    once loaded: core/huge_pages.py) rather than map the file (which here cannot). Only where
+    huge pages are on and the file fits twice in what is free: a mapped file's pages can be
+    dropped and read again under memory pressure, the process's own cannot."""
+    if not huge_pages.supported():
+        return False
+    free = free_memory()
+    return free is not None and 2 * path.stat().st_size <= free
 
 
 def _context_params(llama_cpp: Any, n_ctx: int, n_seq: int, threads: int,

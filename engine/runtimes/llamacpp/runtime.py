@@ -11,6 +11,7 @@ import llama_cpp
 import torch
 
 from engine.core.batch import BatchCore, Done, Emit
+from engine.core.huge_pages import HugePages
 from engine.core.ledger import KvLedger
 from engine.core.runtime import ENGINE_SCHEDULE, BatchSchedule, Progress
 from engine.core.solo import SoloSession
@@ -33,6 +34,7 @@ class LlamaRuntime:
 
     def __init__(self, model: LlamaCppModel) -> None:
         self.model = model
+        self._pages = HugePages(model.fresh_memory)
 
     @property
     def info(self) -> ModelInfo:
@@ -89,7 +91,16 @@ class LlamaRuntime:
             raise ModelLoadError(f"a llama.cpp model's draft must be a .gguf file too; {spec} "
                                  "is not one (or load the model with --engine torch)")
         path, name, source = gguf_path(spec)
-        return load_llama_draft(path, self.model, name=name, source=source, progress=progress)
+        draft = load_llama_draft(path, self.model, name=name, source=source, progress=progress)
+        self._pages.add(draft.loaded.fresh_memory)
+        return draft
+
+    def idle_work(self) -> bool:
+        return self._pages.step()
+
+    @property
+    def memory_pages(self) -> str:
+        return self._pages.describe()
 
     def close(self) -> None:
         self.model.close()

@@ -86,6 +86,15 @@ class TorchRuntime:
                    **options: Any) -> DraftModel:
         return load_torch_draft(spec, self.loaded, kernel=kernel, progress=progress, **options)
 
+    def idle_work(self) -> bool:
+        # Nothing to do: torch's weights moved to 2 MiB pages decoded no faster (SmolLM2 on the
+        # CPU, its ~16 ms step is not bound by page walks; docs/benchmarks.md).
+        return False
+
+    @property
+    def memory_pages(self) -> str:
+        return ""
+
     def close(self) -> None:
         """Nothing native to free: the garbage collector frees torch's tensors."""
 
