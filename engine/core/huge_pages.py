@@ -18,6 +18,7 @@ Measured (docs/benchmarks.md): llama.cpp decode 1-3% faster, K-quant models the 
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import ctypes.util
 import errno
@@ -74,16 +75,15 @@ def new_ranges(before: Iterable[Range], after: Iterable[Range]) -> list[Range]:
     """The parts of `after` that no range of `before` covers (a mapping made since may have
     merged with an older neighbour)."""
     old = sorted(before)
+    ends = [old_end for _, old_end in old]
     fresh = []
     for start, end in sorted(after):
-        for old_start, old_end in old:
-            if old_end <= start or old_start >= end:
-                continue
-            if old_start > start:
-                fresh.append((start, old_start))
-            start = max(start, old_end)
-            if start >= end:
-                break
+        i = bisect.bisect_right(ends, start)  # the first older mapping that ends past start
+        while i < len(old) and old[i][0] < end:
+            if old[i][0] > start:
+                fresh.append((start, old[i][0]))
+            start = max(start, old[i][1])
+            i += 1
         if start < end:
             fresh.append((start, end))
     return fresh

@@ -8,6 +8,8 @@ import platform
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from engine.core import huge_pages
 from engine.core.huge_pages import HUGE_PAGE, HugePages, anonymous_ranges, huge_pieces, new_ranges
@@ -142,3 +144,20 @@ def test_unmapped_memory_is_skipped() -> None:
         pass
     assert pages.tried_bytes == 0
     assert HugePages([]).describe() == ""
+
+
+def _disjoint(cuts: list[int]) -> list[tuple[int, int]]:
+    """Non-empty disjoint ranges from sorted distinct cut points, every other gap kept."""
+    points = sorted(set(cuts))
+    return [(a, b) for a, b in zip(points[::2], points[1::2], strict=False)]
+
+
+@given(st.lists(st.integers(0, 200), max_size=16), st.lists(st.integers(0, 200), max_size=16))
+def test_new_ranges_cover_exactly_what_is_new(before_cuts: list[int],
+                                               after_cuts: list[int]) -> None:
+    before, after = _disjoint(before_cuts), _disjoint(after_cuts)
+    fresh = new_ranges(before, after)
+    covered = {x for a, b in fresh for x in range(a, b)}
+    assert covered == ({x for a, b in after for x in range(a, b)}
+                       - {x for a, b in before for x in range(a, b)})
+    assert all(a < b for a, b in fresh) and sum(b - a for a, b in fresh) == len(covered)
