@@ -23,6 +23,8 @@ import ctypes
 import ctypes.util
 import errno
 import logging
+import platform
+import re
 import sys
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -49,9 +51,15 @@ def thp_setting(path: Path = THP_SETTING) -> str:
     return chosen[0] if chosen else ""
 
 
-def supported() -> bool:
-    """Whether this process may move memory to huge pages: Linux with THP not turned off."""
-    return sys.platform.startswith("linux") and thp_setting() in ("always", "madvise")
+def supported(release: str | None = None) -> bool:
+    """Whether this process can move memory to huge pages: Linux 6.1 or later (MADV_COLLAPSE)
+    with THP not turned off. `release`: a kernel release string (platform.release())."""
+    if not sys.platform.startswith("linux"):
+        return False
+    version = re.match(r"(\d+)\.(\d+)", release or platform.release())
+    if version is None or (int(version[1]), int(version[2])) < (6, 1):
+        return False
+    return thp_setting() in ("always", "madvise")
 
 
 def anonymous_ranges(maps: str | None = None) -> list[Range]:

@@ -61,8 +61,16 @@ def test_the_system_setting_is_the_bracketed_word(tmp_path: Path, text: str,
 
 
 def _kernel_collapses() -> bool:
-    major, minor = (int(x) for x in platform.release().split(".")[:2])
-    return huge_pages.supported() and (major, minor) >= (6, 1)
+    return huge_pages.supported()
+
+
+@pytest.mark.parametrize(("release", "new_enough"), [
+    ("6.18.44-fc-v1252", True), ("6.1.0-28-amd64", True), ("5.15.0-91-generic", False),
+    ("6.0.12", False), ("unknown", False),
+])
+def test_only_a_kernel_with_madv_collapse_is_used(release: str, new_enough: bool) -> None:
+    on = huge_pages.thp_setting() in ("always", "madvise") and platform.system() == "Linux"
+    assert huge_pages.supported(release) == (new_enough and on)
 
 
 def _huge_kib(start: int, end: int) -> int:
