@@ -23,6 +23,7 @@ import ctypes
 import ctypes.util
 import errno
 import logging
+import mmap
 import platform
 import re
 import sys
@@ -32,15 +33,25 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-HUGE_PAGE = 2 << 20  # x86-64's and arm64's (4 KiB granule) PMD page
-SMALL_PAGE = 4096
+THP_DIR = Path("/sys/kernel/mm/transparent_hugepage")
 MADV_COLLAPSE = 25  # linux/mman.h (6.1+)
-THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+SMALL_PAGE = mmap.PAGESIZE
+
+
+def _pmd_size() -> int:
+    """The huge page THP makes: 2 MiB on x86-64 and on arm64 with 4 KiB pages."""
+    try:
+        return int((THP_DIR / "hpage_pmd_size").read_text(encoding="ascii"))
+    except (OSError, ValueError):
+        return 2 << 20
+
+
+HUGE_PAGE = _pmd_size()
 
 Range = tuple[int, int]  # [start, end) addresses
 
 
-def thp_setting(path: Path = THP_SETTING) -> str:
+def thp_setting(path: Path = THP_DIR / "enabled") -> str:
     """The system's transparent huge page setting ("always", "madvise", "never"), or "" where
     there is none (not Linux, a kernel without THP)."""
     try:
@@ -118,7 +129,7 @@ class _Kernel:
         self._vector = ctypes.create_string_buffer(HUGE_PAGE // SMALL_PAGE)
 
     def resident(self, address: int) -> bool:
-        """Whether every 4 KiB page of the piece is in memory (False where it is unmapped)."""
+        """Whether every small page of the piece is in memory (False where it is unmapped)."""
         if self.mincore(address, HUGE_PAGE, self._vector) != 0:
             return False
         return all(byte & 1 for byte in self._vector.raw)
@@ -165,7 +176,7 @@ class HugePages:
                 self.refusals[name] = self.refusals.get(name, 0) + 1
                 if error == errno.EINVAL and not self.backed_bytes and self.refusals[name] >= 8:
                     log.info("huge pages: the kernel refuses MADV_COLLAPSE; memory stays in "
-                             "4 KiB pages")
+                             "small pages")
                     self._pending.clear()
             break
         return bool(self._pending)
@@ -175,5 +186,6 @@ class HugePages:
         moving" while pieces are left), or "" where no memory was given."""
         if self._kernel is None:
             return ""
-        said = f"{self.backed_bytes >> 20} of {self.tried_bytes >> 20} MiB in 2 MiB pages"
+        said = (f"{self.backed_bytes >> 20} of {self.tried_bytes >> 20} MiB in "
+                f"{HUGE_PAGE >> 20} MiB pages")
         return f"{said}, still moving" if self._pending else said
