@@ -348,6 +348,51 @@ static PyObject *cut(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(ties);
 }
 
+/* Where top-p ranks the weight at `index`: the mass of the weights heavier than it (float32
+ * lanes over CHUNK weights, the chunks added in float64, as the block sums) and how many weights
+ * equal it before it (ties rank by index). One pass, no selection: a draw checks its token. */
+static double standing_body(const float *weights, Py_ssize_t n, Py_ssize_t index,
+                            Py_ssize_t *ties_before) {
+    const float x = weights[index];
+    double above = 0.0;
+    for (Py_ssize_t chunk = 0; chunk < n; chunk += CHUNK) {
+        Py_ssize_t stop = min_size(chunk + CHUNK, n);
+        float part = 0.0f;
+#pragma omp simd reduction(+ : part)
+        for (Py_ssize_t i = chunk; i < stop; i++)
+            part += weights[i] > x ? weights[i] : 0.0f;
+        above += part;
+    }
+    Py_ssize_t ties = 0;
+#pragma omp simd reduction(+ : ties)
+    for (Py_ssize_t i = 0; i < index; i++)
+        ties += weights[i] == x;
+    *ties_before = ties;
+    return above;
+}
+
+static PyObject *standing(PyObject *self, PyObject *args) {
+    Py_buffer weights;
+    Py_ssize_t index, ties = 0;
+    double above = 0.0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*n", &weights, &index))
+        return NULL;
+    Py_ssize_t n = weights.len / (Py_ssize_t)sizeof(float);
+    int fits = weights.itemsize == (Py_ssize_t)sizeof(float) && index >= 0 && index < n;
+    if (fits) {
+        Py_BEGIN_ALLOW_THREADS
+        above = standing_body((const float *)weights.buf, n, index, &ties);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&weights);
+    if (!fits) {
+        PyErr_SetString(PyExc_ValueError, "float32 weights and an index inside them");
+        return NULL;
+    }
+    return Py_BuildValue("(dn)", above, ties);
+}
+
 static PyObject *level(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
@@ -384,6 +429,9 @@ static PyMethodDef methods[] = {
     {"cut", cut, METH_VARARGS,
      "cut(weights, last, stay, sums, block) -> ties: zero the weights below last and those equal "
      "to it after the first stay, in place; the block sums follow."},
+    {"standing", standing, METH_VARARGS,
+     "standing(weights, index) -> (above, ties_before): the mass of the weights heavier than "
+     "weights[index] and how many equal it before it (where top-p ranks it)."},
     {"level", level, METH_NOARGS, "The instruction-set level the weights run on."},
     {"use", use, METH_O,
      "use(level) -> bool: run the weights on this level ('avx512', 'avx2', 'portable') if the "

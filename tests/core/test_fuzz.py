@@ -319,3 +319,25 @@ def test_markdown_never_emits_active_content(pieces: list[str]) -> None:
         if href is not None:
             assert is_safe_link(href) or href.startswith("pw-copy:7/"), href
             assert href.lower().startswith(("http://", "https://", "pw-copy:"))
+
+
+@given(st.lists(weight, min_size=1, max_size=3000), st.floats(1e-3, 1.0, exclude_max=True))
+def test_a_drawn_tokens_top_p_check_keeps_what_a_full_sort_keeps(values: list[float],
+                                                                  top_p: float) -> None:
+    """A top-p draw by rejection checks its token alone (`top_p_keeps`: the mass of the heavier
+    weights and the equal ones before it): the same verdict as a full sort for every token,
+    unless the target lies within the check's float32-lane rounding of a token's start."""
+    weights = np.array(values, np.float32)
+    if not weights.any():
+        return
+    order = np.argsort(-weights, kind="stable")
+    before = np.cumsum(weights[order], dtype=np.float64) - weights[order]
+    target = top_p * float(weights.sum(dtype=np.float64))
+    if np.any(np.abs(before - target) <= 1e-6 * target):
+        return  # which side a token falls on is rounding's call
+    kept = np.zeros(weights.size, dtype=bool)
+    kept[order] = before < target
+    for native in (True, False):
+        with mock.patch.object(sampling, "native_weights", native):
+            verdicts = [sampling.top_p_keeps(weights, i, target) for i in range(weights.size)]
+        assert np.array_equal(verdicts, kept), native

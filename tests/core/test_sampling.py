@@ -11,6 +11,7 @@ from engine.core.sampling import (
     SAMPLE_SIZE,
     apply_repetition_penalty,
     beyond_top_p,
+    by_rejection,
     draw,
     filtered_probs,
     make_generator,
@@ -117,6 +118,9 @@ def test_a_view_from_the_drawn_distribution_is_the_view_computed_afresh(
         params: SamplingParams) -> None:
     logits = torch.randn(20_000, generator=torch.Generator().manual_seed(3)) * 4
     drawn = sample(logits, params, make_generator(1))
+    if by_rejection(params, logits.numel()):  # its token was checked, nothing was cut
+        assert drawn.chosen is None
+        return
     assert drawn.chosen is not None
     assert sampler_view(logits, params, chosen=drawn.chosen) == sampler_view(logits, params)
     assert 0 < sampler_view(logits, params, chosen=drawn.chosen)[1] <= 12
@@ -625,3 +629,39 @@ def test_top_p_in_a_distribution_keeps_what_beyond_top_p_keeps(kernel: str, top_
             assert chosen.block_sums is not None
             assert np.allclose(chosen.block_sums, sampling._block_sums(chosen.weights),
                                rtol=1e-6, atol=0)
+
+
+def test_a_top_p_draw_by_rejection_draws_from_the_kept_tokens_as_the_cut_does() -> None:
+    """Top-p without top-k on a long vocabulary draws from the whole distribution and keeps the
+    token if top-p keeps it: the kept tokens' distribution, as a draw from the cut weights."""
+    # the head holds ~53% of the mass; top-p keeps it and the first ~3,460 of the equal tail
+    logits = torch.cat([torch.tensor([8.0, 7.5, 7.0, 6.0, 6.0]), torch.zeros(6_000)])
+    params = SamplingParams(temperature=1.0, top_p=0.8)
+    assert by_rejection(params, logits.numel())
+    cut = filtered_probs(logits, params).numpy()
+    generator = make_generator(11)
+    draws = np.array([sample(logits, params, generator).token for _ in range(6_000)])
+    assert set(np.unique(draws)) <= set(np.flatnonzero(cut > 0))
+    assert 3_000 < np.count_nonzero(cut) < 4_000  # ties go by token id: the tail's first
+    for token in range(5):
+        expected = cut[token] * draws.size
+        assert abs(np.count_nonzero(draws == token) - expected) < 5 * math.sqrt(expected)
+    tail = np.count_nonzero(draws >= 5)
+    assert abs(tail - cut[5:].sum() * draws.size) < 5 * math.sqrt(cut[5:].sum() * draws.size)
+    again = make_generator(11)
+    assert [sample(logits, params, again).token for _ in range(50)] == draws[:50].tolist()
+
+
+def test_top_p_below_one_half_or_with_top_k_is_cut_not_checked() -> None:
+    assert not by_rejection(SamplingParams(temperature=1.0, top_p=0.4), 100_000)
+    assert not by_rejection(SamplingParams(temperature=1.0, top_p=0.9, top_k=40), 100_000)
+    assert not by_rejection(SamplingParams(temperature=1.0, top_p=0.9), 4 * BLOCK)
+    assert not by_rejection(SamplingParams(temperature=1.0), 100_000)
+
+
+def test_a_draw_that_never_passes_the_check_falls_back_to_the_cut(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    logits = torch.cat([torch.tensor([10.0, 9.0]), torch.zeros(10_000)])
+    params = SamplingParams(temperature=1.0, top_p=0.6)  # keeps the first two tokens only
+    monkeypatch.setattr(sampling, "top_p_keeps", lambda *_args: False)
+    assert sample(logits, params, make_generator(2)).token in (0, 1)
