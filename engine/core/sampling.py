@@ -371,23 +371,24 @@ def sample(
 
 
 def by_rejection(params: SamplingParams, vocab: int) -> bool:
-    """Whether a top-p draw skips the cut: top-p without top-k on a long vocabulary, keeping at
-    least REJECTION_MIN_TOP_P of the mass (so at most 1 / that many draws on average)."""
-    return (params.top_p < 1.0 and params.top_p >= REJECTION_MIN_TOP_P and params.top_k == 0
-            and vocab > 4 * BLOCK)
+    """Whether a top-p draw skips the cut: top-p alone (no top-k, no min-p, which could keep
+    little of the mass) on a long vocabulary, keeping at least REJECTION_MIN_TOP_P of the mass
+    (so at most 1 / that many draws on average)."""
+    return (REJECTION_MIN_TOP_P <= params.top_p < 1.0 and params.top_k == 0
+            and params.min_p == 0.0 and vocab > 4 * BLOCK)
 
 
 def top_p_by_rejection(logits: np.ndarray, params: SamplingParams, top: float,
                        generator: Generator | None) -> int:
-    """A token drawn from the whole distribution, kept if top-p (and min-p) keep it, else drawn
-    again: the kept tokens' distribution exactly, as the cut's draw, without the cut's selection
-    (~0.4 ms on a flat 262,144-token distribution; a token's check is one pass, ~30 us). Each
-    try takes the next number of the generator."""
+    """A token drawn from the whole distribution, kept if top-p keeps it, else drawn again: the
+    kept tokens' distribution exactly, as the cut's draw, without the cut's selection (~0.4 ms
+    on a flat 262,144-token distribution; a token's check is one pass, ~30 us). Each try takes
+    the next number of the generator."""
     whole = distribution(logits, SamplingParams(temperature=params.temperature), top)
     target = params.top_p * whole.mass()
     for _ in range(MAX_REJECTIONS):
         index = pick(whole.weights, uniform(generator), whole.block_sums)
-        if top_p_keeps(whole.weights, index, target) and whole.weights[index] >= params.min_p:
+        if top_p_keeps(whole.weights, index, target):
             return index
     cut = distribution(logits, params, top)  # rounding has left next to nothing kept
     return pick(cut.weights, uniform(generator), cut.block_sums)

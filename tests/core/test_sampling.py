@@ -652,9 +652,10 @@ def test_a_top_p_draw_by_rejection_draws_from_the_kept_tokens_as_the_cut_does() 
     assert [sample(logits, params, again).token for _ in range(50)] == draws[:50].tolist()
 
 
-def test_top_p_below_one_half_or_with_top_k_is_cut_not_checked() -> None:
+def test_top_p_below_one_half_or_with_top_k_or_min_p_is_cut_not_checked() -> None:
     assert not by_rejection(SamplingParams(temperature=1.0, top_p=0.4), 100_000)
     assert not by_rejection(SamplingParams(temperature=1.0, top_p=0.9, top_k=40), 100_000)
+    assert not by_rejection(SamplingParams(temperature=1.0, top_p=0.9, min_p=0.2), 100_000)
     assert not by_rejection(SamplingParams(temperature=1.0, top_p=0.9), 4 * BLOCK)
     assert not by_rejection(SamplingParams(temperature=1.0), 100_000)
 
