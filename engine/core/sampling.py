@@ -93,11 +93,22 @@ class Distribution:
     weights: np.ndarray
     ids: np.ndarray | None
     block_sums: np.ndarray | None = None
+    # top-p not applied to the weights: a token is kept if top_p_keeps (a draw by rejection;
+    # over the whole vocabulary only)
+    owed_top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.owed_top_p < 1.0 and self.ids is not None:
+            raise ValueError("top-p is owed only over the whole vocabulary")
 
     def dense(self, vocab: int) -> np.ndarray:
         """Every token's probability, renormalised, float32."""
-        probs: np.ndarray = (self.weights / self.weights.sum(dtype=np.float64)).astype(
-            np.float32)
+        weights = self.weights
+        if self.owed_top_p < 1.0:
+            weights = weights.copy()
+            sums = None if self.block_sums is None else self.block_sums.copy()
+            apply_top_p(weights, self.owed_top_p, sums)
+        probs: np.ndarray = (weights / weights.sum(dtype=np.float64)).astype(np.float32)
         if self.ids is None:
             return probs
         out = np.zeros(vocab, np.float32)
@@ -113,6 +124,8 @@ class Distribution:
 
     def kept(self, ids: np.ndarray) -> int:
         """How many of these token ids survive the filters."""
+        if self.owed_top_p < 1.0:
+            return self._kept_by_top_p(ids)
         if self.ids is None:
             return int(np.count_nonzero(self.weights[ids] > 0))
         inside = np.isin(self.ids, ids)
@@ -121,6 +134,22 @@ class Distribution:
     def token(self, index: int) -> int:
         """The token id of weights[index]."""
         return index if self.ids is None else int(self.ids[index])
+
+    def _kept_by_top_p(self, ids: np.ndarray) -> int:
+        """How many of `ids` (indices into every token's weights) the owed top-p keeps: a
+        prefix of them in order of weight (equal weights by id), its end found by bisection,
+        the last first (one check where all are kept, as top-p 0.95 keeps a view's few)."""
+        ranked = ids[np.lexsort((ids, -self.weights[ids]))]
+        target = self.owed_top_p * self.mass()
+        low, high = 0, ranked.size  # ranked[:low] kept, ranked[high:] dropped
+        probe = high - 1
+        while low < high:
+            if top_p_keeps(self.weights, int(ranked[probe]), target):
+                low = probe + 1
+            else:
+                high = probe
+            probe = (low + high) // 2
+        return low
 
 
 def distribution(logits: np.ndarray, params: SamplingParams,
@@ -135,14 +164,20 @@ def distribution(logits: np.ndarray, params: SamplingParams,
     weights, sums = exp_weights(chosen, top, params.temperature)
     # masks multiply: a boolean assignment took 0.8 ms over 262,144 weights, this 0.04 ms
     if params.top_p < 1.0:
-        if sums is not None:  # the native pass's weights: cut in place, their sums kept
-            cut_top_p(weights, params.top_p, sums)
-        else:
-            np.multiply(weights, ~beyond_top_p(weights, params.top_p), out=weights)
+        apply_top_p(weights, params.top_p, sums)
     if params.min_p > 0.0:  # relative to the most likely token's weight, 1
         np.multiply(weights, weights >= params.min_p, out=weights)
         sums = None
     return Distribution(weights, ids, sums)
+
+
+def apply_top_p(weights: np.ndarray, top_p: float, sums: np.ndarray | None) -> None:
+    """Zero in place what top-p drops: the native pass's weights cut with their block sums
+    kept up to date, others through beyond_top_p's mask."""
+    if sums is not None:
+        cut_top_p(weights, top_p, sums)
+    else:
+        np.multiply(weights, ~beyond_top_p(weights, top_p), out=weights)
 
 
 def weights_kernel() -> str:
@@ -364,7 +399,8 @@ def sample(
     host = host_array(logits)
     top = _checked(float(host.max()))
     if by_rejection(params, host.size):
-        return Draw(top_p_by_rejection(host, params, top, generator), logits, None)
+        whole, index = top_p_by_rejection(host, params, top, generator)
+        return Draw(index, logits, whole)
     chosen = distribution(host, params, top)
     index = pick(chosen.weights, uniform(generator), chosen.block_sums)
     return Draw(chosen.token(index), logits, chosen)
@@ -379,19 +415,21 @@ def by_rejection(params: SamplingParams, vocab: int) -> bool:
 
 
 def top_p_by_rejection(logits: np.ndarray, params: SamplingParams, top: float,
-                       generator: Generator | None) -> int:
+                       generator: Generator | None) -> tuple[Distribution, int]:
     """A token drawn from the whole distribution, kept if top-p keeps it, else drawn again: the
     kept tokens' distribution exactly, as the cut's draw, without the cut's selection (~0.4 ms
     on a flat 262,144-token distribution; a token's check is one pass, ~30 us). Each try takes
-    the next number of the generator."""
-    whole = distribution(logits, SamplingParams(temperature=params.temperature), top)
+    the next number of the generator. Returns the whole distribution, top-p owed, and the
+    token."""
+    plain = distribution(logits, SamplingParams(temperature=params.temperature), top)
+    whole = Distribution(plain.weights, None, plain.block_sums, owed_top_p=params.top_p)
     target = params.top_p * whole.mass()
     for _ in range(MAX_REJECTIONS):
         index = pick(whole.weights, uniform(generator), whole.block_sums)
         if top_p_keeps(whole.weights, index, target):
-            return index
+            return whole, index
     cut = distribution(logits, params, top)  # rounding has left next to nothing kept
-    return pick(cut.weights, uniform(generator), cut.block_sums)
+    return whole, pick(cut.weights, uniform(generator), cut.block_sums)
 
 
 def top_p_keeps(weights: np.ndarray, index: int, target: float) -> bool:
@@ -460,8 +498,9 @@ def sampler_view(
     k = min(k, host.size)
     temperature = params.temperature if params.temperature > 0 else 1.0
     unfiltered = (params.top_k, params.top_p, params.min_p) == (0, 1.0, 0.0)
-    # a draw without filters was made from the plain distribution itself
-    plain = (chosen if chosen is not None and unfiltered
+    # a draw without filters, or by rejection (top-p owed), was made from the plain
+    # distribution itself
+    plain = (chosen if chosen is not None and (unfiltered or chosen.owed_top_p < 1.0)
              else distribution(host, SamplingParams(temperature=temperature)))
     head = top_k_ids(host, k)
     head = head[np.argsort(-plain.weights[head], kind="stable")][:k]

@@ -118,10 +118,8 @@ def test_a_view_from_the_drawn_distribution_is_the_view_computed_afresh(
         params: SamplingParams) -> None:
     logits = torch.randn(20_000, generator=torch.Generator().manual_seed(3)) * 4
     drawn = sample(logits, params, make_generator(1))
-    if by_rejection(params, logits.numel()):  # its token was checked, nothing was cut
-        assert drawn.chosen is None
-        return
     assert drawn.chosen is not None
+    assert (drawn.chosen.owed_top_p < 1.0) == by_rejection(params, logits.numel())
     assert sampler_view(logits, params, chosen=drawn.chosen) == sampler_view(logits, params)
     assert 0 < sampler_view(logits, params, chosen=drawn.chosen)[1] <= 12
 
@@ -666,3 +664,18 @@ def test_a_draw_that_never_passes_the_check_falls_back_to_the_cut(
     params = SamplingParams(temperature=1.0, top_p=0.6)  # keeps the first two tokens only
     monkeypatch.setattr(sampling, "top_p_keeps", lambda *_args: False)
     assert sample(logits, params, make_generator(2)).token in (0, 1)
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.6, 0.8, 0.9, 0.97, 0.999])
+def test_a_top_p_draws_view_counts_what_the_cut_keeps(top_p: float) -> None:
+    """A draw by rejection keeps the whole distribution with top-p owed; its view's count of
+    kept candidates (a bisection over them by rank) is the cut's, wherever the set ends among
+    them, equal weights included."""
+    head = torch.tensor([6.0, 5.0, 5.0, 4.5, 4.0, 4.0, 4.0, 3.5, 3.0, 2.5, 2.0, 1.0, 1.0, 0.5])
+    logits = torch.cat([head, torch.full((8_000,), -6.0)])  # the tail: ~2% of the mass
+    params = SamplingParams(temperature=1.0, top_p=top_p)
+    drawn = sample(logits, params, make_generator(4))
+    assert drawn.chosen is not None and drawn.chosen.owed_top_p == top_p
+    assert sampler_view(logits, params, chosen=drawn.chosen) == sampler_view(logits, params)
+    dense, cut = drawn.chosen.dense(logits.numel()), filtered_probs(logits, params).numpy()
+    assert np.array_equal(dense > 0, cut > 0) and np.allclose(dense, cut, rtol=1e-5, atol=0)
