@@ -101,6 +101,25 @@ weight = st.one_of(st.sampled_from([0.0, 1.0, 0.5, 0.25, 1e-3, 1e-40, 3e-39]),
                    st.floats(0.0, 1.0, width=32))
 
 
+def kept_by_a_full_sort(weights: np.ndarray, top_p: float,
+                        rounding: float) -> np.ndarray | None:
+    """What top-p keeps by a full sort: the tokens whose mass before them (by weight, then id)
+    is short of top_p of the whole, the most likely always. None where there is no mass, or
+    where the target lies within `rounding` (relative) of a token's start: which side it falls
+    on is rounding's call."""
+    if not weights.any():
+        return None
+    order = np.argsort(-weights, kind="stable")
+    before = np.cumsum(weights[order], dtype=np.float64) - weights[order]
+    target = top_p * float(weights.sum(dtype=np.float64))
+    if np.any(np.abs(before - target) <= rounding * target):
+        return None
+    kept = np.zeros(weights.size, dtype=bool)
+    kept[order] = before < target
+    kept[order[0]] = True
+    return kept
+
+
 @given(st.lists(weight, min_size=1, max_size=3000), st.floats(1e-3, 1.0, exclude_max=True))
 def test_top_p_keeps_what_a_full_sort_keeps(values: list[float], top_p: float) -> None:
     """Top-p's selection (native: a radix select on the weights' bits; else numpy's rounds) on
@@ -108,16 +127,10 @@ def test_top_p_keeps_what_a_full_sort_keeps(values: list[float], top_p: float) -
     each token, by weight then id, against top_p of the whole), unless the target lies within
     float64 rounding of where a token's mass starts."""
     weights = np.array(values, np.float32)
-    if not weights.any():
+    sorted_kept = kept_by_a_full_sort(weights, top_p, rounding=1e-9)
+    if sorted_kept is None:
         return
-    order = np.argsort(-weights, kind="stable")
-    before = np.cumsum(weights[order], dtype=np.float64) - weights[order]
-    target = top_p * float(weights.sum(dtype=np.float64))
-    if np.any(np.abs(before - target) <= 1e-9 * target):
-        return  # which side a token falls on is rounding's call
-    expected = np.zeros(weights.size, dtype=bool)
-    expected[order] = before >= target
-    expected[order[0]] = False  # the most likely token always stays
+    expected = ~sorted_kept
     assert np.array_equal(sampling.beyond_top_p(weights, top_p), expected)
     with mock.patch.object(sampling, "native_weights", False):
         assert np.array_equal(sampling.beyond_top_p(weights, top_p), expected)
@@ -328,15 +341,10 @@ def test_a_drawn_tokens_top_p_check_keeps_what_a_full_sort_keeps(values: list[fl
     weights and the equal ones before it): the same verdict as a full sort for every token,
     unless the target lies within the check's float32-lane rounding of a token's start."""
     weights = np.array(values, np.float32)
-    if not weights.any():
+    kept = kept_by_a_full_sort(weights, top_p, rounding=1e-6)
+    if kept is None:
         return
-    order = np.argsort(-weights, kind="stable")
-    before = np.cumsum(weights[order], dtype=np.float64) - weights[order]
     target = top_p * float(weights.sum(dtype=np.float64))
-    if np.any(np.abs(before - target) <= 1e-6 * target):
-        return  # which side a token falls on is rounding's call
-    kept = np.zeros(weights.size, dtype=bool)
-    kept[order] = before < target
     for native in (True, False):
         with mock.patch.object(sampling, "native_weights", native):
             verdicts = [sampling.top_p_keeps(weights, i, target) for i in range(weights.size)]
