@@ -421,12 +421,13 @@ def top_p_by_rejection(logits: np.ndarray, params: SamplingParams, top: float,
     on a flat 262,144-token distribution; a token's check is one pass, ~30 us). Each try takes
     the next number of the generator. Returns the whole distribution, top-p owed, and the
     token."""
-    plain = distribution(logits, SamplingParams(temperature=params.temperature), top)
-    whole = Distribution(plain.weights, None, plain.block_sums, owed_top_p=params.top_p)
+    weights, sums = exp_weights(logits, top, params.temperature)
+    whole = Distribution(weights, None, sums, owed_top_p=params.top_p)
     target = params.top_p * whole.mass()
+    blocks = _block_sums(weights) if sums is None else sums  # numpy's: once, not every try
     for _ in range(MAX_REJECTIONS):
-        index = pick(whole.weights, uniform(generator), whole.block_sums)
-        if top_p_keeps(whole.weights, index, target):
+        index = pick(weights, uniform(generator), blocks)
+        if top_p_keeps(weights, index, target):
             return whole, index
     cut = distribution(logits, params, top)  # rounding has left next to nothing kept
     return whole, pick(cut.weights, uniform(generator), cut.block_sums)
