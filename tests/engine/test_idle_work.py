@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ class IdleWork:
         return bool(self.left)
 
 
+@contextmanager
 def engine_with(work: IdleWork, model_dir: Path, monkeypatch: pytest.MonkeyPatch
                 ) -> Iterator[Engine]:
     load = runtimes.load
@@ -60,7 +62,7 @@ def ask() -> GenerationRequest:
 def test_idle_work_is_done_after_a_load_and_never_inside_a_request(
         tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     work = IdleWork(pieces=5)
-    for engine in engine_with(work, tiny_model_dir, monkeypatch):
+    with engine_with(work, tiny_model_dir, monkeypatch) as engine:
         assert work.finished.wait(30), "the engine did its idle work while nothing waited"
         assert len(work.calls) == 5
         handle = engine.submit(ask())
@@ -74,7 +76,7 @@ def test_idle_work_is_done_after_a_load_and_never_inside_a_request(
 def test_a_request_is_served_while_idle_work_is_left(
         tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     work = IdleWork(pieces=None)  # never done
-    for engine in engine_with(work, tiny_model_dir, monkeypatch):
+    with engine_with(work, tiny_model_dir, monkeypatch) as engine:
         deadline = time.monotonic() + 30
         while len(work.calls) < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
