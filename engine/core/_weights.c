@@ -348,49 +348,75 @@ static PyObject *cut(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(ties);
 }
 
-/* Where top-p ranks the weight at `index`: the mass of the weights heavier than it (float32
- * lanes over CHUNK weights, the chunks added in float64, as the block sums) and how many weights
- * equal it before it (ties rank by index). One pass, no selection: a draw checks its token. */
-static double standing_body(const float *weights, Py_ssize_t n, Py_ssize_t index,
-                            Py_ssize_t *ties_before) {
+/* Bounds a rounding of the block sums may be off by against the check's own sums (both are
+ * float32 lanes over CHUNK weights added in float64; ~1e-6 of a block at worst). */
+#define SUMS_SLACK 1e-4
+
+/* Whether top-p keeps the weight at `index`: the mass before it, in order of weight (the heavier
+ * weights, and the equal ones before it: ties rank by index), is short of `target`. Float32
+ * lanes over CHUNK weights, the chunks added in float64, block by block; a block's end decides
+ * early when the mass counted already reaches the target (it only grows: exact), or when even
+ * every weight not yet read (the block sums left, with slack) could not bring it there. A token
+ * drawn by its weight is usually decided within a few blocks of a flat 262,144; one near top-p's
+ * edge is read to the end. */
+static int keeps_body(const float *weights, Py_ssize_t n, Py_ssize_t index, const double *sums,
+                      Py_ssize_t block, double target) {
     const float x = weights[index];
+    double left = 0.0; /* the mass of the blocks not yet read */
+    for (Py_ssize_t b = 0, blocks = (n + block - 1) / block; b < blocks; b++)
+        left += sums[b];
+    const double drift = left * 1e-12; /* what subtracting the blocks read may leave in `left` */
     double above = 0.0;
-    for (Py_ssize_t chunk = 0; chunk < n; chunk += CHUNK) {
-        Py_ssize_t stop = min_size(chunk + CHUNK, n);
-        float part = 0.0f;
-#pragma omp simd reduction(+ : part)
-        for (Py_ssize_t i = chunk; i < stop; i++)
-            part += weights[i] > x ? weights[i] : 0.0f;
-        above += part;
-    }
     Py_ssize_t ties = 0;
-#pragma omp simd reduction(+ : ties)
-    for (Py_ssize_t i = 0; i < index; i++)
-        ties += weights[i] == x;
-    *ties_before = ties;
-    return above;
+    for (Py_ssize_t start = 0, b = 0; start < n; start += block, b++) {
+        Py_ssize_t end = min_size(start + block, n);
+        for (Py_ssize_t chunk = start; chunk < end; chunk += CHUNK) {
+            Py_ssize_t stop = min_size(chunk + CHUNK, end), tied = min_size(stop, index);
+            float part = 0.0f;
+#pragma omp simd reduction(+ : part)
+            for (Py_ssize_t i = chunk; i < stop; i++)
+                part += weights[i] > x ? weights[i] : 0.0f;
+            above += part;
+            Py_ssize_t equal = 0;
+#pragma omp simd reduction(+ : equal)
+            for (Py_ssize_t i = chunk; i < tied; i++)
+                equal += weights[i] == x;
+            ties += equal;
+        }
+        double before = above + (double)ties * (double)x;
+        left -= sums[b];
+        if (before >= target)
+            return 0;
+        if (before + (left > 0.0 ? left : 0.0) * (1.0 + SUMS_SLACK) + drift < target)
+            return 1;
+    }
+    return above + (double)ties * (double)x < target;
 }
 
-static PyObject *standing(PyObject *self, PyObject *args) {
-    Py_buffer weights;
-    Py_ssize_t index, ties = 0;
-    double above = 0.0;
+static PyObject *keeps(PyObject *self, PyObject *args) {
+    Py_buffer weights, sums;
+    Py_ssize_t index, block;
+    double target;
+    int kept = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*n", &weights, &index))
+    if (!PyArg_ParseTuple(args, "y*ny*nd", &weights, &index, &sums, &block, &target))
         return NULL;
     Py_ssize_t n = weights.len / (Py_ssize_t)sizeof(float);
-    int fits = weights.itemsize == (Py_ssize_t)sizeof(float) && index >= 0 && index < n;
+    int fits = weights.itemsize == (Py_ssize_t)sizeof(float) && index >= 0 && index < n &&
+               blocks_fit(&weights, &sums, block);
     if (fits) {
         Py_BEGIN_ALLOW_THREADS
-        above = standing_body((const float *)weights.buf, n, index, &ties);
+        kept = keeps_body((const float *)weights.buf, n, index, (const double *)sums.buf, block,
+                          target);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&weights);
+    PyBuffer_Release(&sums);
     if (!fits) {
-        PyErr_SetString(PyExc_ValueError, "float32 weights and an index inside them");
+        PyErr_SetString(PyExc_ValueError, BLOCKS_MISFIT ", and an index inside them");
         return NULL;
     }
-    return Py_BuildValue("(dn)", above, ties);
+    return PyBool_FromLong(kept);
 }
 
 static PyObject *level(PyObject *self, PyObject *unused) {
@@ -429,9 +455,9 @@ static PyMethodDef methods[] = {
     {"cut", cut, METH_VARARGS,
      "cut(weights, last, stay, sums, block) -> ties: zero the weights below last and those equal "
      "to it after the first stay, in place; the block sums follow."},
-    {"standing", standing, METH_VARARGS,
-     "standing(weights, index) -> (above, ties_before): the mass of the weights heavier than "
-     "weights[index] and how many equal it before it (where top-p ranks it)."},
+    {"keeps", keeps, METH_VARARGS,
+     "keeps(weights, index, sums, block, target) -> bool: whether top-p keeps weights[index]: "
+     "the mass of the heavier weights and of the equal ones before it is short of target."},
     {"level", level, METH_NOARGS, "The instruction-set level the weights run on."},
     {"use", use, METH_O,
      "use(level) -> bool: run the weights on this level ('avx512', 'avx2', 'portable') if the "

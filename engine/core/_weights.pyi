@@ -23,9 +23,11 @@ def cut(weights: npt.NDArray[np.float32], last: float, stay: int, sums: npt.NDAr
     """Zero the weights below last and those equal to it after the first `stay`, in place, the
     block sums following; how many weights equal last."""
 
-def standing(weights: npt.NDArray[np.float32], index: int, /) -> tuple[float, int]:
-    """The mass of the weights heavier than weights[index] (float32 lanes, float64 across) and
-    how many weights equal it at lower indices."""
+def keeps(weights: npt.NDArray[np.float32], index: int, sums: npt.NDArray[np.float64],
+          block: int, target: float, /) -> bool:
+    """Whether the mass of the weights heavier than weights[index] and of those equal to it at
+    lower indices (float32 lanes, float64 across) is short of target; read block by block until
+    the verdict is sure (`sums`: one float64 sum per block)."""
 
 def level() -> str:
     """The instruction-set level the weights run on: 'avx512', 'avx2' or 'portable'."""

@@ -334,18 +334,24 @@ def test_markdown_never_emits_active_content(pieces: list[str]) -> None:
             assert href.lower().startswith(("http://", "https://", "pw-copy:"))
 
 
-@given(st.lists(weight, min_size=1, max_size=3000), st.floats(1e-3, 1.0, exclude_max=True))
+@given(st.lists(weight, min_size=1, max_size=3000), st.floats(1e-3, 1.0, exclude_max=True),
+       st.sampled_from([1, 16, 256, sampling.BLOCK]))
 def test_a_drawn_tokens_top_p_check_keeps_what_a_full_sort_keeps(values: list[float],
-                                                                  top_p: float) -> None:
+                                                                  top_p: float,
+                                                                  block: int) -> None:
     """A top-p draw by rejection checks its token alone (`top_p_keeps`: the mass of the heavier
-    weights and the equal ones before it): the same verdict as a full sort for every token,
-    unless the target lies within the check's float32-lane rounding of a token's start."""
+    weights and the equal ones before it, read block by block until the verdict is sure): the
+    same verdict as a full sort for every token, whatever the blocks, unless the target lies
+    within the check's float32-lane rounding of a token's start."""
     weights = np.array(values, np.float32)
     kept = kept_by_a_full_sort(weights, top_p, rounding=1e-6)
     if kept is None:
         return
     target = top_p * float(weights.sum(dtype=np.float64))
-    for native in (True, False):
-        with mock.patch.object(sampling, "native_weights", native):
-            verdicts = [sampling.top_p_keeps(weights, i, target) for i in range(weights.size)]
-        assert np.array_equal(verdicts, kept), native
+    with mock.patch.object(sampling, "BLOCK", block):
+        sums = sampling._block_sums(weights)
+        for native in (True, False):
+            with mock.patch.object(sampling, "native_weights", native):
+                verdicts = [sampling.top_p_keeps(weights, i, target, sums)
+                            for i in range(weights.size)]
+            assert np.array_equal(verdicts, kept), native
