@@ -15,6 +15,9 @@ def pick(weights: npt.NDArray[np.float32], sums: npt.NDArray[np.float64], u: flo
     """The index of the first weight whose cumulative sum (float64, in order) passes u times
     the total, found through the block sums first."""
 
+def top(logits: npt.NDArray[np.float32], /) -> float:
+    """The largest logit, NaN if any is."""
+
 def reaching(weights: npt.NDArray[np.float32], target: float, /) -> tuple[float, float]:
     """The largest weight w whose weights >= w hold target, and the mass of those heavier."""
 

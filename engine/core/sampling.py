@@ -159,7 +159,7 @@ def distribution(logits: np.ndarray, params: SamplingParams,
     known). A few passes over the vocabulary, no sort of it: top-k keeps only its head, the
     rest weigh exp((logit - max) / T) (shifting by the max first: a tiny temperature cannot
     overflow a finite logit to inf)."""
-    top = float(logits.max()) if top is None else top
+    top = maximum(logits) if top is None else top
     ids = top_k_ids(logits, params.top_k) if 0 < params.top_k < logits.size else None
     chosen = logits if ids is None else logits[ids]
     weights, sums = exp_weights(chosen, top, params.temperature)
@@ -311,7 +311,12 @@ def check_logits(logits: torch.Tensor) -> float:
     """Refuse logits no token can be honestly drawn from (a numerical fault upstream); their
     maximum. One pass: the maximum is NaN if any logit is, +inf if one overflowed, -inf if
     all are."""
-    return _checked(float(host_array(logits).max()))
+    return _checked(maximum(host_array(logits)))
+
+
+def maximum(logits: np.ndarray) -> float:
+    """The largest logit, NaN if any is: one native pass where it reads them as they are."""
+    return _weights.top(logits) if _native_reads(logits) else float(logits.max())
 
 
 def _checked(top: float) -> float:
@@ -398,7 +403,7 @@ def sample(
     if params.greedy:  # an extreme penalty can overflow a logit: checked after it
         return Draw(greedy_token(logits), logits, None)
     host = host_array(logits)
-    top = _checked(float(host.max()))
+    top = _checked(maximum(host))
     if by_rejection(params, host.size):
         whole, index = top_p_by_rejection(host, params, top, generator)
         return Draw(index, logits, whole)

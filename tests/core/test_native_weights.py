@@ -73,6 +73,36 @@ def test_every_copy_this_cpu_runs_makes_numpys_weights(level: str) -> None:
 
 
 @pytest.mark.skipif(not sampling.native_weights, reason="engine/core/_weights.c not compiled")
+@pytest.mark.parametrize("level", ["avx512", "avx2", "portable"])
+def test_every_copy_this_cpu_runs_finds_numpys_maximum(level: str) -> None:
+    """The native maximum (what a draw shifts the logits by, and checks) on every copy: numpy's
+    on any length, NaN wherever a NaN sits (the vector part or the tail after it), +inf for an
+    overflow, -inf when every token is masked."""
+    from engine.core import _weights
+
+    best = _weights.level()
+    try:
+        if not _weights.use(level):
+            pytest.skip(f"this CPU does not run the {level} copy")
+    except ValueError:
+        pytest.skip(f"no {level} copy in this build (another architecture)")
+    rng = np.random.default_rng(8)
+    try:
+        for size in (1, 15, 16, 17, 1000, 262_144):
+            logits = (rng.standard_normal(size) * 4).astype(np.float32)
+            assert _weights.top(logits) == float(logits.max())
+            for where in {0, size // 2, size - 1}:
+                faulty = logits.copy()
+                faulty[where] = np.nan
+                assert np.isnan(_weights.top(faulty))
+                faulty[where] = np.inf
+                assert _weights.top(faulty) == np.inf
+            assert _weights.top(np.full(size, -np.inf, np.float32)) == -np.inf
+    finally:
+        assert _weights.use(best)
+
+
+@pytest.mark.skipif(not sampling.native_weights, reason="engine/core/_weights.c not compiled")
 def test_an_unknown_level_is_refused() -> None:
     from engine.core import _weights
 
