@@ -401,18 +401,20 @@ static PyObject *cut(PyObject *self, PyObject *args) {
 #define SUMS_SLACK 1e-4
 
 /* Whether top-p keeps the weight at `index`: the mass before it, in order of weight (the heavier
- * weights, and the equal ones before it: ties rank by index), is short of `target`. Float32
+ * weights, and the equal ones before it: ties rank by index), is short of top_p of the whole
+ * (the block sums' total, in order). Float32
  * lanes over CHUNK weights, the chunks added in float64, block by block; a block's end decides
  * early when the mass counted already reaches the target (it only grows: exact), or when even
  * every weight not yet read (the block sums left, with slack) could not bring it there. A token
  * drawn by its weight is usually decided within a few blocks of a flat 262,144; one near top-p's
  * edge is read to the end. */
 static int keeps_body(const float *weights, Py_ssize_t n, Py_ssize_t index, const double *sums,
-                      Py_ssize_t block, double target) {
+                      Py_ssize_t block, double top_p) {
     const float x = weights[index];
     double left = 0.0; /* the mass of the blocks not yet read */
     for (Py_ssize_t b = 0, blocks = (n + block - 1) / block; b < blocks; b++)
         left += sums[b];
+    const double target = top_p * left;
     const double drift = left * 1e-12; /* what subtracting the blocks read may leave in `left` */
     double above = 0.0;
     Py_ssize_t ties = 0;
@@ -444,10 +446,10 @@ static int keeps_body(const float *weights, Py_ssize_t n, Py_ssize_t index, cons
 static PyObject *keeps(PyObject *self, PyObject *args) {
     Py_buffer weights, sums;
     Py_ssize_t index, block;
-    double target;
+    double top_p;
     int kept = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*ny*nd", &weights, &index, &sums, &block, &target))
+    if (!PyArg_ParseTuple(args, "y*ny*nd", &weights, &index, &sums, &block, &top_p))
         return NULL;
     Py_ssize_t n = weights.len / (Py_ssize_t)sizeof(float);
     int fits = weights.itemsize == (Py_ssize_t)sizeof(float) && index >= 0 && index < n &&
@@ -455,7 +457,7 @@ static PyObject *keeps(PyObject *self, PyObject *args) {
     if (fits) {
         Py_BEGIN_ALLOW_THREADS
         kept = keeps_body((const float *)weights.buf, n, index, (const double *)sums.buf, block,
-                          target);
+                          top_p);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&weights);
@@ -505,8 +507,9 @@ static PyMethodDef methods[] = {
      "cut(weights, last, stay, sums, block) -> ties: zero the weights below last and those equal "
      "to it after the first stay, in place; the block sums follow."},
     {"keeps", keeps, METH_VARARGS,
-     "keeps(weights, index, sums, block, target) -> bool: whether top-p keeps weights[index]: "
-     "the mass of the heavier weights and of the equal ones before it is short of target."},
+     "keeps(weights, index, sums, block, top_p) -> bool: whether top-p keeps weights[index]: "
+     "the mass of the heavier weights and of the equal ones before it is short of top_p of the "
+     "sums' total."},
     {"level", level, METH_NOARGS, "The instruction-set level the weights run on."},
     {"use", use, METH_O,
      "use(level) -> bool: run the weights on this level ('avx512', 'avx2', 'portable') if the "

@@ -27,10 +27,10 @@ def cut(weights: npt.NDArray[np.float32], last: float, stay: int, sums: npt.NDAr
     block sums following; how many weights equal last."""
 
 def keeps(weights: npt.NDArray[np.float32], index: int, sums: npt.NDArray[np.float64],
-          block: int, target: float, /) -> bool:
+          block: int, top_p: float, /) -> bool:
     """Whether the mass of the weights heavier than weights[index] and of those equal to it at
-    lower indices (float32 lanes, float64 across) is short of target; read block by block until
-    the verdict is sure (`sums`: one float64 sum per block)."""
+    lower indices (float32 lanes, float64 across) is short of top_p of the whole (`sums`: one
+    float64 sum per block); read block by block until the verdict is sure."""
 
 def level() -> str:
     """The instruction-set level the weights run on: 'avx512', 'avx2' or 'portable'."""

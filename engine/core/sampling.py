@@ -141,11 +141,10 @@ class Distribution:
         the last first (one check where all are kept, as top-p 0.95 keeps a view's few)."""
         ranked = ids[np.lexsort((ids, -self.weights[ids]))]
         sums = _block_sums(self.weights) if self.block_sums is None else self.block_sums
-        target = self.owed_top_p * float(sums.sum())
         low, high = 0, ranked.size  # ranked[:low] kept, ranked[high:] dropped
         probe = high - 1
         while low < high:
-            if top_p_keeps(self.weights, int(ranked[probe]), target, sums):
+            if top_p_keeps(self.weights, int(ranked[probe]), self.owed_top_p, sums):
                 low = probe + 1
             else:
                 high = probe
@@ -430,26 +429,26 @@ def top_p_by_rejection(logits: np.ndarray, params: SamplingParams, top: float,
     token."""
     weights, sums = exp_weights(logits, top, params.temperature)
     whole = Distribution(weights, None, sums, owed_top_p=params.top_p)
-    target = params.top_p * whole.mass()
     blocks = _block_sums(weights) if sums is None else sums  # numpy's: once, not every try
     for _ in range(MAX_REJECTIONS):
         index = pick(weights, uniform(generator), blocks)
-        if top_p_keeps(weights, index, target, blocks):
+        if top_p_keeps(weights, index, params.top_p, blocks):
             return whole, index
     cut = distribution(logits, params, top)  # rounding has left next to nothing kept
     return whole, pick(cut.weights, uniform(generator), cut.block_sums)
 
 
-def top_p_keeps(weights: np.ndarray, index: int, target: float, block_sums: np.ndarray) -> bool:
+def top_p_keeps(weights: np.ndarray, index: int, top_p: float, block_sums: np.ndarray) -> bool:
     """Whether top-p keeps weights[index] (beyond_top_p's rule): the mass before it, in order
-    of weight (equal weights by token id), is short of `target`. The native pass reads block
-    by block and stops once the verdict is sure (`block_sums`: the weights' sums per BLOCK)."""
+    of weight (equal weights by token id), is short of top_p of the whole (`block_sums`: the
+    weights' sums per BLOCK). The native pass reads block by block and stops once the verdict
+    is sure."""
     if _native_reads(weights):
-        return bool(_weights.keeps(weights, index, block_sums, BLOCK, target))
+        return bool(_weights.keeps(weights, index, block_sums, BLOCK, top_p))
     weight = weights[index]
     above = float(np.compress(weights > weight, weights).sum(dtype=np.float64))
     ties = int(np.count_nonzero(weights[:index] == weight))
-    return above + ties * float(weight) < target
+    return above + ties * float(weight) < top_p * float(block_sums.sum())
 
 
 def sample_token(

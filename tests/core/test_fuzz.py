@@ -347,11 +347,10 @@ def test_a_drawn_tokens_top_p_check_keeps_what_a_full_sort_keeps(values: list[fl
     kept = kept_by_a_full_sort(weights, top_p, rounding=1e-6)
     if kept is None:
         return
-    target = top_p * float(weights.sum(dtype=np.float64))
     with mock.patch.object(sampling, "BLOCK", block):
         sums = sampling._block_sums(weights)
         for native in (True, False):
             with mock.patch.object(sampling, "native_weights", native):
-                verdicts = [sampling.top_p_keeps(weights, i, target, sums)
+                verdicts = [sampling.top_p_keeps(weights, i, top_p, sums)
                             for i in range(weights.size)]
             assert np.array_equal(verdicts, kept), native
