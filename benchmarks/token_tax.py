@@ -2,8 +2,11 @@
 llama_decode (logits view, checks, sampling, detokenizing, events), greedy and sampled.
 
 Wraps llama_decode with a clock; a reply's decode span (first token to last, the engine's own
-stamps) less the time inside llama_decode after the first token is the tax. Largest on a large
-vocabulary: make one with benchmarks/synthetic_gguf.py --arch gemma3 --vocab 262144. Measures,
+stamps) less the time inside llama_decode after the first token is the tax (`tax_share`: every
+interruption outside llama_decode counts, so it moves with the machine's noise). `gap_share`:
+the median gap between one llama_decode's end and the next one's start against the median step
+(a typical token's work, robust to a stray preemption). Largest on a large vocabulary: make
+one with benchmarks/synthetic_gguf.py --arch gemma3 --vocab 262144. Measures,
 never asserts.
 
     .venv/bin/python benchmarks/token_tax.py [--model FILE.gguf] [--repeats 3] [--profile]
@@ -46,12 +49,18 @@ def main() -> None:
     model = runtime.model
     lib = model.llama_cpp
     inside: list[float] = []
+    gaps: list[float] = []  # from one llama_decode's end to the next one's start
+    last_end = [0.0]
     real_decode = lib.llama_decode
 
     def timed(ctx: Any, batch: Any) -> int:
         start = time.perf_counter()
         code = int(real_decode(ctx, batch))
-        inside.append(time.perf_counter() - start)
+        end = time.perf_counter()
+        if inside:
+            gaps.append(start - last_end[0])
+        inside.append(end - start)
+        last_end[0] = end
         return code
 
     lib.llama_decode = timed
@@ -61,9 +70,10 @@ def main() -> None:
                            "model": runtime.info.name, "vocab": model.n_vocab,
                            "kernel": runtime.info.kernel, "sampling_weights": weights_kernel()}
     for name, params in SAMPLINGS.items():
-        shares, steps = [], []
+        shares, steps, gap_shares = [], [], []
         for i in range(args.repeats + 1):
             inside.clear()
+            gaps.clear()
             profile = cProfile.Profile() if args.profile and i == args.repeats else None
             timeline = RequestTimeline(now_ns())
             request = GenerationRequest([], params, prompt_token_ids=ids, reuse_cache=False)
@@ -81,7 +91,10 @@ def main() -> None:
             in_decode = sum(inside[-n:])  # the steps after the first token (the prefill is first)
             shares.append(1 - in_decode / span)
             steps.append(span / n * 1e3)
-        out[name] = {"step_ms": statistics.median(steps), "tax_share": statistics.median(shares)}
+            gap, decode = statistics.median(gaps[-n:]), statistics.median(inside[-n:])
+            gap_shares.append(gap / (gap + decode))
+        out[name] = {"step_ms": statistics.median(steps), "tax_share": statistics.median(shares),
+                     "gap_share": statistics.median(gap_shares)}
     print(json.dumps(out, indent=1))
 
 
