@@ -424,9 +424,8 @@ def top_p_by_rejection(logits: np.ndarray, params: SamplingParams, top: float,
     """A token drawn from the whole distribution, kept if top-p keeps it, else drawn again: the
     kept tokens' distribution exactly, as the cut's draw, without the cut's selection (~0.4 ms
     on a flat 262,144-token distribution; a token's check reads until its verdict is sure:
-    ~7 us on the median draw, a pass ~45 us near the edge). Each try takes
-    the next number of the generator. Returns the whole distribution, top-p owed, and the
-    token."""
+    ~7 us on the median draw, a pass ~45 us near the edge). Each try takes the next number of
+    the generator. Returns the whole distribution, top-p owed, and the token."""
     weights, sums = exp_weights(logits, top, params.temperature)
     whole = Distribution(weights, None, sums, owed_top_p=params.top_p)
     blocks = _block_sums(weights) if sums is None else sums  # numpy's: once, not every try
