@@ -17,8 +17,8 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <stdint.h>
 #include <math.h>
+#include <stdint.h>
 #include <string.h>
 
 #define FLOOR (-87.0f)
@@ -203,7 +203,8 @@ static PyObject *top(PyObject *self, PyObject *arg) {
     (void)self;
     if (PyObject_GetBuffer(arg, &logits, PyBUF_SIMPLE) < 0)
         return NULL;
-    int fits = logits.len > 0 && logits.len % (Py_ssize_t)sizeof(float) == 0;
+    int fits = logits.itemsize == (Py_ssize_t)sizeof(float) && logits.len > 0 &&
+               logits.len % (Py_ssize_t)sizeof(float) == 0;
     if (fits) {
         Py_BEGIN_ALLOW_THREADS
         found = running->top((const float *)logits.buf, logits.len / (Py_ssize_t)sizeof(float));
@@ -402,12 +403,11 @@ static PyObject *cut(PyObject *self, PyObject *args) {
 
 /* Whether top-p keeps the weight at `index`: the mass before it, in order of weight (the heavier
  * weights, and the equal ones before it: ties rank by index), is short of top_p of the whole
- * (the block sums' total, in order). Float32
- * lanes over CHUNK weights, the chunks added in float64, block by block; a block's end decides
- * early when the mass counted already reaches the target (it only grows: exact), or when even
- * every weight not yet read (the block sums left, with slack) could not bring it there. A token
- * drawn by its weight is usually decided within a few blocks of a flat 262,144; one near top-p's
- * edge is read to the end. */
+ * (the block sums' total, in order). Float32 lanes over CHUNK weights, the chunks added in
+ * float64, block by block; a block's end decides early when the mass counted already reaches
+ * the target (it only grows: exact), or when even every weight not yet read (the block sums
+ * left, with slack) could not bring it there. A token drawn by its weight is usually decided
+ * within a few blocks of a flat 262,144; one near top-p's edge is read to the end. */
 static int keeps_body(const float *weights, Py_ssize_t n, Py_ssize_t index, const double *sums,
                       Py_ssize_t block, double top_p) {
     const float x = weights[index];

@@ -98,6 +98,8 @@ def test_every_copy_this_cpu_runs_finds_numpys_maximum(level: str) -> None:
                 faulty[where] = np.inf
                 assert _weights.top(faulty) == np.inf
             assert _weights.top(np.full(size, -np.inf, np.float32)) == -np.inf
+        with pytest.raises(ValueError, match="float32"):
+            _weights.top(np.zeros(4))  # float64
     finally:
         assert _weights.use(best)
 
