@@ -1,8 +1,11 @@
 """The sampler's native pass (engine/core/_weights.c): built where it can be, and drawing what
 numpy's weights draw. (tests/core/test_sampling.py runs every sampler test on both.)"""
 
+import contextlib
 import shutil
 import sysconfig
+from collections.abc import Iterator
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -42,12 +45,10 @@ def test_seeded_draws_on_a_large_vocabulary_are_the_same_on_both_kernels(
         assert {5, 70_000, 200_001} <= set(native)
 
 
-@pytest.mark.skipif(not sampling.native_weights, reason="engine/core/_weights.c not compiled")
-@pytest.mark.parametrize("level", ["avx512", "avx2", "portable"])
-def test_every_copy_this_cpu_runs_makes_numpys_weights(level: str) -> None:
-    """Each instruction-set copy of the pass (the import picks the best this CPU runs; the
-    others are tested here where the CPU runs them): numpy's weights within float32 rounding,
-    the top exactly 1, a masked token 0, float64-close block sums."""
+@contextlib.contextmanager
+def running_level(level: str) -> Iterator[ModuleType]:
+    """The native module running one instruction-set copy (skipped where this CPU or build
+    has none), the best copy restored after."""
     from engine.core import _weights
 
     best = _weights.level()
@@ -57,14 +58,24 @@ def test_every_copy_this_cpu_runs_makes_numpys_weights(level: str) -> None:
     except ValueError:
         pytest.skip(f"no {level} copy in this build (another architecture)")
     try:
-        rng = np.random.default_rng(6)
-        logits = (rng.standard_normal(3 * 1024 + 5) * 5).astype(np.float32)
-        logits[17] = -np.inf
-        top = float(logits.max())
-        weights, sums = np.empty_like(logits), np.empty(4)
-        _weights.exp_weights(logits, top, 1 / 0.6, weights, sums, 1024)
+        yield _weights
     finally:
         assert _weights.use(best)
+
+
+@pytest.mark.skipif(not sampling.native_weights, reason="engine/core/_weights.c not compiled")
+@pytest.mark.parametrize("level", ["avx512", "avx2", "portable"])
+def test_every_copy_this_cpu_runs_makes_numpys_weights(level: str) -> None:
+    """Each instruction-set copy of the pass (the import picks the best this CPU runs; the
+    others are tested here where the CPU runs them): numpy's weights within float32 rounding,
+    the top exactly 1, a masked token 0, float64-close block sums."""
+    rng = np.random.default_rng(6)
+    logits = (rng.standard_normal(3 * 1024 + 5) * 5).astype(np.float32)
+    logits[17] = -np.inf
+    top = float(logits.max())
+    weights, sums = np.empty_like(logits), np.empty(4)
+    with running_level(level) as native:
+        native.exp_weights(logits, top, 1 / 0.6, weights, sums, 1024)
     expected = np.exp((logits.astype(np.float64) - top) / 0.6)
     assert weights[int(logits.argmax())] == 1.0 and weights[17] == 0.0
     assert np.allclose(weights, expected, rtol=2e-5, atol=1.7e-38)
@@ -78,30 +89,20 @@ def test_every_copy_this_cpu_runs_finds_numpys_maximum(level: str) -> None:
     """The native maximum (what a draw shifts the logits by, and checks) on every copy: numpy's
     on any length, NaN wherever a NaN sits (the vector part or the tail after it), +inf for an
     overflow, -inf when every token is masked."""
-    from engine.core import _weights
-
-    best = _weights.level()
-    try:
-        if not _weights.use(level):
-            pytest.skip(f"this CPU does not run the {level} copy")
-    except ValueError:
-        pytest.skip(f"no {level} copy in this build (another architecture)")
     rng = np.random.default_rng(8)
-    try:
+    with running_level(level) as native:
         for size in (1, 15, 16, 17, 1000, 262_144):
             logits = (rng.standard_normal(size) * 4).astype(np.float32)
-            assert _weights.top(logits) == float(logits.max())
+            assert native.top(logits) == float(logits.max())
             for where in {0, size // 2, size - 1}:
                 faulty = logits.copy()
                 faulty[where] = np.nan
-                assert np.isnan(_weights.top(faulty))
+                assert np.isnan(native.top(faulty))
                 faulty[where] = np.inf
-                assert _weights.top(faulty) == np.inf
-            assert _weights.top(np.full(size, -np.inf, np.float32)) == -np.inf
+                assert native.top(faulty) == np.inf
+            assert native.top(np.full(size, -np.inf, np.float32)) == -np.inf
         with pytest.raises(ValueError, match="float32"):
-            _weights.top(np.zeros(4))  # float64
-    finally:
-        assert _weights.use(best)
+            native.top(np.zeros(4))  # float64
 
 
 @pytest.mark.skipif(not sampling.native_weights, reason="engine/core/_weights.c not compiled")
