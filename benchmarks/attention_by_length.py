@@ -23,6 +23,7 @@ from typing import Any
 
 from engine.machine import cpu_name
 from engine.runtimes import LLAMA_CPP, load
+from engine.runtimes.llamacpp.decode import BatchWriter
 from engine.runtimes.llamacpp.model import LlamaCppModel
 from engine.runtimes.llamacpp.runtime import LlamaRuntime
 from engine.tools.bench import fixed_prompt_ids, settle
@@ -46,21 +47,20 @@ def step_ms(loaded: LlamaCppModel, ctx: Any, ids: list[int], steps: int) -> floa
     """The median single-token step after a chat of len(ids) tokens (prefilled in batches)."""
     lib = loaded.llama_cpp
     lib.llama_memory_clear(lib.llama_get_memory(ctx), True)
-    batch_size = int(loaded.context_params.n_batch)
-    batch = lib.llama_batch_init(batch_size, 0, 1)
-    try:
-        def decode(tokens: list[int], start: int) -> None:
-            for i, token in enumerate(tokens):
-                batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, start + i, 1
-                batch.seq_id[i][0] = 0
-                batch.logits[i] = i == len(tokens) - 1
-            batch.n_tokens = len(tokens)
-            if lib.llama_decode(ctx, batch) != 0:
-                raise SystemExit("llama_decode failed")
+    size = int(loaded.context_params.n_batch)
+    batch = lib.llama_batch_init(size, 0, 1)
+    writer = BatchWriter(batch, size)
 
-        for start in range(0, len(ids), batch_size):
-            decode(ids[start:start + batch_size], start)
-        times = []
+    def decode(tokens: list[int], start: int) -> None:
+        n = len(tokens)
+        writer.fill(tokens, range(start, start + n), [0] * n, [i == n - 1 for i in range(n)])
+        if lib.llama_decode(ctx, batch) != 0:
+            raise SystemExit("llama_decode failed")
+
+    times = []
+    try:
+        for start in range(0, len(ids), size):
+            decode(ids[start:start + size], start)
         for k in range(steps):
             began = time.perf_counter()
             decode([ids[k % len(ids)]], len(ids) + k)
