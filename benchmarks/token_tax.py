@@ -48,19 +48,13 @@ def main() -> None:
     settle(runtime)  # as the app's engine does while idle
     model = runtime.model
     lib = model.llama_cpp
-    inside: list[float] = []
-    gaps: list[float] = []  # from one llama_decode's end to the next one's start
-    last_end = [0.0]
+    calls: list[tuple[float, float]] = []  # each llama_decode's start and end
     real_decode = lib.llama_decode
 
     def timed(ctx: Any, batch: Any) -> int:
         start = time.perf_counter()
         code = int(real_decode(ctx, batch))
-        end = time.perf_counter()
-        if inside:
-            gaps.append(start - last_end[0])
-        inside.append(end - start)
-        last_end[0] = end
+        calls.append((start, time.perf_counter()))
         return code
 
     lib.llama_decode = timed
@@ -72,8 +66,7 @@ def main() -> None:
     for name, params in SAMPLINGS.items():
         shares, steps, gap_shares = [], [], []
         for i in range(args.repeats + 1):
-            inside.clear()
-            gaps.clear()
+            calls.clear()
             profile = cProfile.Profile() if args.profile and i == args.repeats else None
             timeline = RequestTimeline(now_ns())
             request = GenerationRequest([], params, prompt_token_ids=ids, reuse_cache=False)
@@ -88,10 +81,12 @@ def main() -> None:
                 continue  # warm-up
             span = (timeline.token_ns[-1] - timeline.token_ns[0]) / 1e9
             n = len(timeline.token_ns) - 1
-            in_decode = sum(inside[-n:])  # the steps after the first token (the prefill is first)
-            shares.append(1 - in_decode / span)
+            inside = [end - start for start, end in calls[-n:]]  # the steps after the first token
+            shares.append(1 - sum(inside) / span)
             steps.append(span / n * 1e3)
-            gap, decode = statistics.median(gaps[-n:]), statistics.median(inside[-n:])
+            gaps = [start - end for (_, end), (start, _)
+                    in zip(calls[-n - 1:-1], calls[-n:], strict=True)]
+            gap, decode = statistics.median(gaps), statistics.median(inside)
             gap_shares.append(gap / (gap + decode))
         out[name] = {"step_ms": statistics.median(steps), "tax_share": statistics.median(shares),
                      "gap_share": statistics.median(gap_shares)}
