@@ -79,13 +79,14 @@ gpu-wheels: $(STAMP)
 # another: the installer, CI). On x86-64 ggml's CPU backend is built as run-time loadable
 # variants (GGML_BACKEND_DL + GGML_CPU_ALL_VARIANTS), one library per instruction-set level:
 # LLAMA_CPU_VARIANTS picks which of ggml's (packaging/llama-cpp/cpu-variants.patch adds the
-# choice and installs them beside libllama). engine/runtimes/llamacpp/cpu_backend.py loads the
-# best one the CPU runs, smoke-run in a child process first (AMX faults on VMs that advertise
-# it: that variant is skipped there). Other architectures take ggml's generic build. The wheel is
+# choice and installs them beside libllama; flash-attention-avx2.patch gives the AVX2 variants
+# a faster flash attention over an F16 KV cache). engine/runtimes/llamacpp/cpu_backend.py
+# loads the best one the CPU runs, smoke-run in a child process first (AMX faults on VMs that
+# advertise it: that variant is skipped there). Other architectures take ggml's generic build. The wheel is
 # cached per version, flags and patch outside the tree, so a change rebuilds and a second
 # clone does not.
 LLAMA_CPP_VERSION ?= 0.3.36
-LLAMA_PATCH    := packaging/llama-cpp/cpu-variants.patch
+LLAMA_PATCHES  := $(addprefix packaging/llama-cpp/,cpu-variants.patch flash-attention-avx2.patch)
 # x86-64 (SSE2 only: the floor), haswell (x86-64-v3: AVX2, FMA, F16C, BMI2), alderlake (+ AVX-VNNI),
 # skylakex (AVX-512), cascadelake (+ VNNI), icelake (+ VBMI, VNNI), zen4 (+ BF16),
 # sapphirerapids (+ AMX). ggml's other x86 variants (sse42, sandybridge, ivybridge, piledriver,
@@ -101,14 +102,14 @@ else
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_OPENMP=ON -DLLAMA_CURL=OFF
 endif
 LLAMA_KEY      := $(shell { echo "$(LLAMA_CPP_VERSION) $(LLAMA_CMAKE_ARGS)"; \
-	cat $(LLAMA_PATCH); } | sha256sum | cut -c1-16)
+	cat $(LLAMA_PATCHES); } | sha256sum | cut -c1-16)
 WHEEL_CACHE    ?= $(HOME)/.cache/phasewise/wheels
 LLAMA_WHEELDIR := $(WHEEL_CACHE)/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_KEY)
 LLAMA_STAMP    := $(VENV)/.llama-cpp-$(LLAMA_KEY)
 LLAMA_SRC      := llama_cpp_python-$(LLAMA_CPP_VERSION)
 FLOCK          := $(shell command -v flock 2>/dev/null)
 
-# pip fetches the source archive (as `pip wheel llama-cpp-python==...` would), the patch goes
+# pip fetches the source archive (as `pip wheel llama-cpp-python==...` would), the patches go
 # on, and the patched tree is built.
 $(LLAMA_WHEELDIR)/.built:
 	@echo "building llama-cpp-python $(LLAMA_CPP_VERSION) (portable: $(LLAMA_CMAKE_ARGS))"
@@ -119,7 +120,8 @@ $(LLAMA_WHEELDIR)/.built:
 		$(PIP) download --quiet --no-deps --no-binary :all: -d $$src \
 		"llama-cpp-python==$(LLAMA_CPP_VERSION)" && \
 		tar -xzf $$src/$(LLAMA_SRC).tar.gz -C $$src && \
-		patch -s -p1 -d $$src/$(LLAMA_SRC) < $(LLAMA_PATCH) && \
+		for patch in $(LLAMA_PATCHES); do \
+			patch -s -p1 -d $$src/$(LLAMA_SRC) < $$patch || exit 1; done && \
 		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
 		$(PIP) wheel --quiet --no-deps --no-cache-dir -w $(LLAMA_WHEELDIR) $$src/$(LLAMA_SRC) && \
 		rm -rf $$src && \

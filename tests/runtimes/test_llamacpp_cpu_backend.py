@@ -8,7 +8,9 @@ anything that loads llama.cpp in-process runs in a child (tests/support/child.py
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from engine.errors import ModelLoadError
@@ -96,6 +98,21 @@ def test_attention_is_chosen_by_its_worst_state_not_by_a_lone_chat() -> None:
     assert attention.choose(_steps((10.0, 10.0, 12.0), (10.0, 10.0, 12.0))) == "on"  # a tie
 
 
+def test_a_rebuilt_variant_library_measures_attention_again(tmp_path: Path) -> None:
+    # packaging/llama-cpp's patches change a variant's kernels without changing llama-cpp-python's
+    # version: the choice made on the old kernels must not stand
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    library = tmp_path / "libggml-cpu-haswell.so"
+    library.write_bytes(b"one build")
+    backend = cpu_backend.CpuBackend("haswell", str(library))
+    key = attention.cache_key(model, backend, 2, "0.3.36", 8192)
+    assert attention.cache_key(model, backend, 2, "0.3.36", 8192) == key
+    library.write_bytes(b"another build")
+    assert attention.cache_key(model, backend, 2, "0.3.36", 8192) != key
+    assert attention.cache_key(model, cpu_backend.CpuBackend(BUILT_IN), 2, "0.3.36", 8192) != key
+
+
 # ----- the real build -------------------------------------------------------------------------
 def _real_variants() -> dict[str, Path]:
     files = variant_files(library_dir())
@@ -129,6 +146,74 @@ def test_the_variant_smoke_tested_here_is_loaded_and_named() -> None:
     assert ("AVX512 = 1" in out["system_info"]) == (entry["choice"] in (
         "skylakex", "cannonlake", "cascadelake", "icelake", "cooperlake", "zen4",
         "sapphirerapids"))
+
+
+def _logits_after(loaded: Any, ids: list[int], steps: int) -> np.ndarray:
+    """The logits of `steps` single-token decode steps after a chat of ids, in a fresh KV."""
+    from engine.runtimes.llamacpp.decode import BatchWriter
+
+    lib, ctx = loaded.llama_cpp, loaded.ctx
+    lib.llama_memory_clear(lib.llama_get_memory(ctx), True)
+    batch = lib.llama_batch_init(loaded.n_batch, 0, 1)
+    writer = BatchWriter(batch, loaded.n_batch)
+
+    def decode(tokens: list[int], start: int) -> np.ndarray:
+        n = len(tokens)
+        writer.fill(tokens, range(start, start + n), [0] * n, [i == n - 1 for i in range(n)])
+        assert lib.llama_decode(ctx, batch) == 0
+        return np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, -1),
+                                     shape=(loaded.n_vocab,)).copy()
+
+    try:
+        for start in range(0, len(ids), loaded.n_batch):
+            decode(ids[start:start + loaded.n_batch], start)
+        return np.stack([decode([ids[k]], len(ids) + k) for k in range(steps)])
+    finally:
+        lib.llama_batch_free(batch)
+
+
+def _attention_agreement_body(variant: str, cache_dir: str) -> dict:
+    """Decode steps' logits with flash attention off and on, on `variant` (forced through this
+    child's own variant cache), after a short chat and after one past 512 cells (ggml splits
+    the cells among threads from there)."""
+    import os
+
+    from engine.runtimes.llamacpp.model import load_gguf
+    from engine.tools.bench import PASSAGE
+
+    os.environ["PHASEWISE_CACHE_DIR"] = cache_dir
+    files = variant_files(library_dir())
+    cpu_backend.write_cache(cpu_backend.cache_key(files), {
+        "order": [variant], "skipped": {}, "choice": variant, "unverified": None})
+    logits, kernels = {}, []
+    for flash in (False, True):
+        loaded = load_gguf(default_gguf_path(), name="default", source="bundled", n_threads=2,
+                           context_length=1024, flash_attn=flash)
+        ids = loaded.tokenizer(PASSAGE * 8, add_special_tokens=False)["input_ids"]
+        assert len(ids) >= 608
+        logits[flash] = [_logits_after(loaded, ids[:n], 4) for n in (100, 600)]
+        kernels.append(loaded.info.kernel)
+        loaded.close()
+    steps = [(off, on) for chat_off, chat_on in zip(logits[False], logits[True], strict=True)
+             for off, on in zip(chat_off, chat_on, strict=True)]
+    return {"kernels": kernels,
+            "correlations": [float(np.corrcoef(off, on)[0, 1]) for off, on in steps],
+            "same_top": [int(off.argmax()) == int(on.argmax()) for off, on in steps]}
+
+
+@needs_llama_cpp
+def test_flash_attention_agrees_with_attention_without_it_on_every_kernel_here(
+        tmp_path: Path) -> None:
+    """packaging/llama-cpp/flash-attention-avx2.patch rewrites flash attention for the AVX2
+    variants (haswell, alderlake): checked there and on the variant this CPU loads."""
+    entry = choose_and_cache(_real_variants(), default_gguf_path())
+    runs = [name for name in entry["order"] if name not in entry["skipped"]]
+    for variant in dict.fromkeys([entry["choice"]] + [v for v in ("haswell",) if v in runs]):
+        out = run_in_child(_attention_agreement_body, variant, str(tmp_path / variant))
+        assert out["kernels"] == [f"llama.cpp-{variant}-2t", f"llama.cpp-{variant}-2t-fa"]
+        # the two differ by rounding only (measured: correlation >= 0.998, the same top token)
+        assert min(out["correlations"]) > 0.99, (variant, out["correlations"])
+        assert sum(out["same_top"]) >= len(out["same_top"]) - 1, (variant, out["same_top"])
 
 
 def _attention_body() -> dict:

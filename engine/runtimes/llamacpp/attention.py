@@ -21,8 +21,8 @@ and chooses the setting whose worst state is the least slower than the other set
 smaller worst-case regret; a tie keeps flash attention, whose cost does not grow with other
 chats). The other chats' cells are copies of the first chat's (`llama_state_seq_set_data`), so
 the probe prefills only one short prompt per setting. Cached per model, CPU, CPU backend
-variant, threads and llama.cpp build (`llama-attention.json` in the cache root); a change of
-any re-measures.
+variant (its library as built: a rebuilt kernel measures again), threads and llama-cpp-python
+version (`llama-attention.json` in the cache root); a change of any re-measures.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from typing import Any
 
 from engine.machine import cpu_fingerprint, read_json, write_json_entry
 from engine.model_files import cache_root
+from engine.runtimes.llamacpp.cpu_backend import CpuBackend
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +54,22 @@ SETTINGS = {"off": False, "on": True}
 MakeContext = Callable[[bool, int, int], Any]  # (flash attention, n_ctx, n_seq) -> ctx | None
 
 
-def cache_key(path: Path, variant: str, threads: int, version: str, n_ctx: int) -> str:
-    """Identifies (model file, CPU, CPU backend variant, threads, llama-cpp-python, the probe's
-    foreign cells): a new one measures again."""
+def cache_key(path: Path, backend: CpuBackend, threads: int, version: str, n_ctx: int) -> str:
+    """Identifies (model file, CPU, CPU backend variant and its library, threads,
+    llama-cpp-python, the probe's foreign cells): a new one measures again."""
     stat = path.stat()
     parts = [str(path.resolve()), str(stat.st_size), str(stat.st_mtime_ns), cpu_fingerprint(),
-             variant, str(threads), version, str(foreign_cells(n_ctx))]
+             backend.variant, _library_stamp(backend.path), str(threads), version,
+             str(foreign_cells(n_ctx))]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+
+def _library_stamp(library: str) -> str:
+    """The variant's library as built (size, time), "" for a backend linked into libllama."""
+    if not library:
+        return ""
+    stat = Path(library).stat()
+    return f"{stat.st_size}:{stat.st_mtime_ns}"
 
 
 def cache_path() -> Path:
@@ -185,13 +195,13 @@ class _Probe:
 
 
 def choose_flash_attention(lib: Any, model: Any, path: Path, make_context: MakeContext,
-                           n_ctx: int, threads: int, variant: str,
+                           n_ctx: int, threads: int, backend: CpuBackend,
                            progress: Callable[[str], None] | None = None) -> bool | None:
     """Flash attention on (True) or off (False) for this model here, from the cache or a probe;
     None when the probe cannot run (the caller lets llama.cpp decide: "auto")."""
     version = str(getattr(lib, "__version__", "?"))
     try:
-        key = cache_key(path, variant, threads, version, n_ctx)
+        key = cache_key(path, backend, threads, version, n_ctx)
     except OSError:
         return None
     cached = cached_choice(key)

@@ -188,7 +188,7 @@ def load_gguf(
         raise ModelLoadError(_load_failure(path))
     try:
         loaded = _with_context(llama_cpp, model, path, name, source, context_length,
-                               n_threads, flash_attn, backend.variant, progress)
+                               n_threads, flash_attn, backend, progress)
     except BaseException:
         llama_cpp.llama_model_free(model)
         raise
@@ -227,7 +227,7 @@ def _context_params(llama_cpp: Any, n_ctx: int, n_seq: int, threads: int,
 
 def _with_context(llama_cpp: Any, model: Any, path: Path, name: str, source: str,
                   context_length: int | None, n_threads: int | None,
-                  flash_attn: bool | None, variant: str,
+                  flash_attn: bool | None, backend: CpuBackend,
                   progress: Progress | None) -> LlamaCppModel:
     trained = llama_cpp.llama_model_n_ctx_train(model)
     n_ctx = min(trained, context_length or DEFAULT_CONTEXT)
@@ -240,7 +240,7 @@ def _with_context(llama_cpp: Any, model: Any, path: Path, name: str, source: str
                 llama_cpp, min(probe_ctx, trained), n_seq, threads, flash), flash)
 
         flash_attn = choose_flash_attention(llama_cpp, model, path, probe_context, n_ctx,
-                                            threads, variant, progress)
+                                            threads, backend, progress)
     # The engine's sequences (the prefix pool's entries plus the running rows) share the KV
     # memory; flash attention skips the cells a row's mask hides (attention.py: chosen by
     # measurement).
@@ -257,7 +257,7 @@ def _with_context(llama_cpp: Any, model: Any, path: Path, name: str, source: str
             "context (context_length)")
     try:
         loaded = _assemble(llama_cpp, model, ctx, path, name, source, n_ctx, threads,
-                           kv_per_token, variant)
+                           kv_per_token, backend.variant)
     except BaseException:
         llama_cpp.llama_free(ctx)
         raise
