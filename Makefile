@@ -79,14 +79,14 @@ gpu-wheels: $(STAMP)
 # another: the installer, CI). On x86-64 ggml's CPU backend is built as run-time loadable
 # variants (GGML_BACKEND_DL + GGML_CPU_ALL_VARIANTS), one library per instruction-set level:
 # LLAMA_CPU_VARIANTS picks which of ggml's (packaging/llama-cpp/cpu-variants.patch adds the
-# choice and installs them beside libllama; flash-attention-avx2.patch gives the AVX2 variants
-# a faster flash attention over an F16 KV cache). engine/runtimes/llamacpp/cpu_backend.py
-# loads the best one the CPU runs, smoke-run in a child process first (AMX faults on VMs that
-# advertise it: that variant is skipped there). Other architectures take ggml's generic build. The wheel is
-# cached per version, flags and patch outside the tree, so a change rebuilds and a second
-# clone does not.
+# choice and installs them beside libllama; flash-attention-f16-kv.patch gives the AVX2 and
+# AVX-512 variants a faster flash attention over an F16 KV cache).
+# engine/runtimes/llamacpp/cpu_backend.py loads the best one the CPU runs, smoke-run in a
+# child process first (AMX faults on VMs that advertise it: that variant is skipped there).
+# Other architectures take ggml's generic build. The wheel is cached per version, flags and
+# patches outside the tree, so a change rebuilds and a second clone does not.
 LLAMA_CPP_VERSION ?= 0.3.36
-LLAMA_PATCHES  := $(addprefix packaging/llama-cpp/,cpu-variants.patch flash-attention-avx2.patch)
+LLAMA_PATCHES  := $(addprefix packaging/llama-cpp/,cpu-variants.patch flash-attention-f16-kv.patch)
 # x86-64 (SSE2 only: the floor), haswell (x86-64-v3: AVX2, FMA, F16C, BMI2), alderlake (+ AVX-VNNI),
 # skylakex (AVX-512), cascadelake (+ VNNI), icelake (+ VBMI, VNNI), zen4 (+ BF16),
 # sapphirerapids (+ AMX). ggml's other x86 variants (sse42, sandybridge, ivybridge, piledriver,

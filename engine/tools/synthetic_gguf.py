@@ -43,15 +43,15 @@ def tokenizer_fields(vocab: int) -> list[tuple[str, Any, Any, Any]]:
 
 
 def write_f16(path: Path, arch: str, hidden: int, ffn: int, layers: int, vocab: int,
-              seed: int = 0) -> Path:
-    """An F16 file at `path` of `arch` ("llama" | "gemma3") with random weights; `vocab` 0 keeps
-    the bundled 49,152 tokens."""
+              seed: int = 0, head_dim: int = HEAD_DIM) -> Path:
+    """An F16 file at `path` of `arch` ("llama" | "gemma3") with random weights, hidden //
+    head_dim attention heads; `vocab` 0 keeps the bundled 49,152 tokens."""
     from gguf import GGUFWriter
 
     rng = np.random.default_rng(seed)
     fields = tokenizer_fields(vocab)
     n_vocab = len(next(v for k, v, _, _ in fields if k == "tokenizer.ggml.tokens"))
-    heads = hidden // HEAD_DIM
+    heads = hidden // head_dim
     kv_heads = max(1, heads // 4)
     writer = GGUFWriter(str(path), arch)
     writer.add_name(f"synthetic-{arch}-{hidden}x{layers}")
@@ -61,8 +61,8 @@ def write_f16(path: Path, arch: str, hidden: int, ffn: int, layers: int, vocab: 
     writer.add_feed_forward_length(ffn)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_key_length(HEAD_DIM)
-    writer.add_value_length(HEAD_DIM)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(10000.0)
     if arch == "gemma3":
@@ -81,17 +81,17 @@ def write_f16(path: Path, arch: str, hidden: int, ffn: int, layers: int, vocab: 
     for i in range(layers):
         block = f"blk.{i}"
         writer.add_tensor(f"{block}.attn_norm.weight", norm(hidden))
-        writer.add_tensor(f"{block}.attn_q.weight", matrix(heads * HEAD_DIM, hidden))
-        writer.add_tensor(f"{block}.attn_k.weight", matrix(kv_heads * HEAD_DIM, hidden))
-        writer.add_tensor(f"{block}.attn_v.weight", matrix(kv_heads * HEAD_DIM, hidden))
-        writer.add_tensor(f"{block}.attn_output.weight", matrix(hidden, heads * HEAD_DIM))
+        writer.add_tensor(f"{block}.attn_q.weight", matrix(heads * head_dim, hidden))
+        writer.add_tensor(f"{block}.attn_k.weight", matrix(kv_heads * head_dim, hidden))
+        writer.add_tensor(f"{block}.attn_v.weight", matrix(kv_heads * head_dim, hidden))
+        writer.add_tensor(f"{block}.attn_output.weight", matrix(hidden, heads * head_dim))
         writer.add_tensor(f"{block}.ffn_norm.weight", norm(hidden))
         writer.add_tensor(f"{block}.ffn_gate.weight", matrix(ffn, hidden))
         writer.add_tensor(f"{block}.ffn_up.weight", matrix(ffn, hidden))
         writer.add_tensor(f"{block}.ffn_down.weight", matrix(hidden, ffn))
         if arch == "gemma3":
-            writer.add_tensor(f"{block}.attn_q_norm.weight", norm(HEAD_DIM))
-            writer.add_tensor(f"{block}.attn_k_norm.weight", norm(HEAD_DIM))
+            writer.add_tensor(f"{block}.attn_q_norm.weight", norm(head_dim))
+            writer.add_tensor(f"{block}.attn_k_norm.weight", norm(head_dim))
             writer.add_tensor(f"{block}.post_attention_norm.weight", norm(hidden))
             writer.add_tensor(f"{block}.post_ffw_norm.weight", norm(hidden))
     writer.write_header_to_file()
