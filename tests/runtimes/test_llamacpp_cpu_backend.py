@@ -8,7 +8,7 @@ anything that loads llama.cpp in-process runs in a child (tests/support/child.py
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
@@ -26,6 +26,9 @@ from engine.runtimes.llamacpp.cpu_backend import (
 from engine.tools.synthetic_gguf import write_f16
 from tests.support.child import needs_llama_cpp, run_in_child
 from tests.support.fake_cpu_variants import SCORES, fake_probe_child, plan
+
+if TYPE_CHECKING:  # loading llama.cpp happens in children only
+    from engine.runtimes.llamacpp.model import LlamaCppModel
 
 
 def _files(tmp_path: Path, names: list[str] | None = None) -> dict[str, Path]:
@@ -149,7 +152,7 @@ def test_the_variant_smoke_tested_here_is_loaded_and_named() -> None:
         "sapphirerapids"))
 
 
-def _logits_after(loaded: Any, ids: list[int], steps: int) -> np.ndarray:
+def _logits_after(loaded: LlamaCppModel, ids: list[int], steps: int) -> np.ndarray:
     """The logits of `steps` single-token decode steps after a chat of ids, in a fresh KV."""
     from engine.runtimes.llamacpp.decode import BatchWriter
 
