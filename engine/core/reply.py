@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
+from engine.core import host_logits
 from engine.core.detok import (
     ByteDetokenizer,
     Detokenizer,
@@ -167,15 +168,15 @@ class Reply:
         draft, self.draft = self.draft, []
         drafter = self.drafter
         if not draft:  # a plain step: one row
-            token = self.take(rows[0])
+            token = self.take(host_logits.row(rows, 0))
             if token is not None and drafter is not None:
                 drafter.append(token)
             return token, 0
         probs = drafter.draft_probs if drafter is not None else None
         accepted, token = 0, None
         for j in range(rows.shape[0]):
-            token = self.take(rows[j], (draft[j], probs[j]) if probs and j < len(draft)
-                              else None)
+            proposal = (draft[j], probs[j]) if probs and j < len(draft) else None
+            token = self.take(host_logits.row(rows, j), proposal)
             if token is None:
                 break
             if drafter is not None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.core import host_logits
 from engine.errors import SamplingError
 from engine.params import SamplingParams
 
@@ -464,8 +465,10 @@ def greedy_token(logits: torch.Tensor) -> int:
     """The first of the most likely tokens, in one pass that also checks the logits (numpy's
     and torch's argmax both stop at a NaN). Logits elsewhere than in host memory stay there:
     only the token id comes back."""
-    if _in_place(logits):
+    host = host_logits.array(logits)
+    if host is None and _in_place(logits):
         host = logits.numpy(force=logits.requires_grad)
+    if host is not None:
         token = int(host.argmax())
         _checked(float(host[token]))
     else:
@@ -484,7 +487,11 @@ def host_array(tensor: torch.Tensor) -> np.ndarray:
     """The tensor as a numpy array on the host: a view (no copy) of a float32 or float64 tensor
     in host memory, else one float32 copy (bf16, half precision, a GPU's memory). numpy scans a
     vocabulary 4-7x faster than torch here (262,144 floats: argmax 33 us against 223 us); both
-    return the first of equal maxima."""
+    return the first of equal maxima. A view a runtime registered: its own array (torch's
+    conversion is slow right after a decode step: host_logits)."""
+    registered = host_logits.array(tensor)
+    if registered is not None:
+        return registered
     if _in_place(tensor):
         return tensor.numpy(force=tensor.requires_grad)
     return tensor.detach().float().cpu().numpy()

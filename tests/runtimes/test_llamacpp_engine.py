@@ -142,6 +142,35 @@ def test_greedy_tokens_match_llama_cpps_own_greedy() -> None:
     assert out["lookup"] == out["ours"]  # prompt-lookup speculation changes nothing greedy
 
 
+def _host_views_body() -> dict:
+    import numpy as np
+
+    from engine.core import host_logits
+
+    runtime = load_default()
+    loaded = runtime.model
+    _greedy(runtime, runtime.new_prefix_cache(1 << 30), chat_ids(loaded, PROMPT), tokens=4)
+    view = loaded.logits(1)
+    row = host_logits.row(view, 0)
+    buffer = np.ctypeslib.as_array(loaded.llama_cpp.llama_get_logits(loaded.ctx),
+                                   shape=(1, loaded.n_vocab))
+    out = {"same_row": row is host_logits.row(view, 0),
+           "reads_llama_cpps_buffer": bool(np.shares_memory(host_logits.array(row), buffer)),
+           "row_equals_torchs": bool(np.array_equal(host_logits.array(row), view[0].numpy()))}
+    loaded.close()
+    out["forgotten"] = host_logits.array(row) is None and host_logits.array(view) is None
+    return out
+
+
+@needs_llama_cpp
+def test_the_logits_view_is_registered_while_its_model_lives() -> None:
+    """The core reads a decode step's logits through host_logits (no torch indexing or
+    conversion in the step), from llama.cpp's own buffer, until the model closes."""
+    assert run_in_child(_host_views_body) == {
+        "same_row": True, "reads_llama_cpps_buffer": True, "row_equals_torchs": True,
+        "forgotten": True}
+
+
 def _cache_body() -> dict:
     from engine.params import ChatMessage
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.core import huge_pages
+from engine.core import host_logits, huge_pages
 from engine.core.memory import free_memory
 from engine.errors import ModelLoadError
 from engine.events import ModelInfo, SamplingDefaults
@@ -137,6 +137,7 @@ class LlamaCppModel:
         if view is None:
             array = np.ctypeslib.as_array(pointer, shape=(rows, self.n_vocab))
             view = self._views[(address, rows)] = torch.from_numpy(array)
+            host_logits.register(view, array)
         return view
 
     def close(self) -> None:
@@ -151,6 +152,8 @@ class LlamaCppModel:
         if self.model is not None:
             lib.llama_model_free(self.model)
             self.model = None
+        for view in self._views.values():
+            host_logits.forget(view)
         self._views.clear()
 
     def __del__(self) -> None:
