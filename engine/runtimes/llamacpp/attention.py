@@ -37,7 +37,7 @@ from typing import Any
 
 from engine.machine import cpu_fingerprint, read_json, write_json_entry
 from engine.model_files import cache_root
-from engine.runtimes.llamacpp.cpu_backend import CpuBackend
+from engine.runtimes.llamacpp.cpu_backend import CpuBackend, library_stamp
 
 log = logging.getLogger(__name__)
 
@@ -59,17 +59,9 @@ def cache_key(path: Path, backend: CpuBackend, threads: int, version: str, n_ctx
     llama-cpp-python, the probe's foreign cells): a new one measures again."""
     stat = path.stat()
     parts = [str(path.resolve()), str(stat.st_size), str(stat.st_mtime_ns), cpu_fingerprint(),
-             backend.variant, _library_stamp(backend.path), str(threads), version,
-             str(foreign_cells(n_ctx))]
+             backend.variant, library_stamp(Path(backend.path)) if backend.path else "",
+             str(threads), version, str(foreign_cells(n_ctx))]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
-
-
-def _library_stamp(library: str) -> str:
-    """The variant's library as built (size, time), "" for a backend linked into libllama."""
-    if not library:
-        return ""
-    stat = Path(library).stat()
-    return f"{stat.st_size}:{stat.st_mtime_ns}"
 
 
 def cache_path() -> Path:

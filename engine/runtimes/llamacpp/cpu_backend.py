@@ -343,10 +343,14 @@ def cache_key(files: dict[str, Path]) -> str:
     except importlib.metadata.PackageNotFoundError:  # a frozen app without its metadata
         version = "?"
     parts = [cpu_fingerprint(), version]
-    for name, path in sorted(files.items()):
-        stat = path.stat()
-        parts.append(f"{name}:{stat.st_size}:{stat.st_mtime_ns}")
+    parts += [f"{name}:{library_stamp(path)}" for name, path in sorted(files.items())]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+
+def library_stamp(path: Path) -> str:
+    """A library as built (size, modification time): a rebuild changes it."""
+    stat = path.stat()
+    return f"{stat.st_size}:{stat.st_mtime_ns}"
 
 
 def cache_path() -> Path:
