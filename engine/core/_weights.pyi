@@ -18,6 +18,10 @@ def pick(weights: npt.NDArray[np.float32], sums: npt.NDArray[np.float64], u: flo
 def top(logits: npt.NDArray[np.float32], /) -> float:
     """The largest logit, NaN if any is."""
 
+def top_k(logits: npt.NDArray[np.float32], k: int, ids: npt.NDArray[np.int64], /) -> int:
+    """The ids of the logits >= the k-th largest (1 <= k <= 256, at most their size), in order:
+    as many as fit written to ids; how many there are."""
+
 def reaching(weights: npt.NDArray[np.float32], target: float, /) -> tuple[float, float]:
     """The largest weight w whose weights >= w hold target, and the mass of those heavier."""
 

@@ -28,6 +28,8 @@ native_exp = native_weights and _weights.level() in VECTOR_LEVELS
 SAMPLE_SIZE = 4096  # top-k and top-p find their thresholds from a sample of this many logits
 BRACKET = 64  # top-p's selection keeps the sampled weights this many ranks either side
 BLOCK = 1024  # a draw sums the weights in blocks of this many first
+NATIVE_TOP_K = 256  # the native top-k keeps its head in a sorted array of at most this many
+TIES_ROOM = 64  # ids of logits tied with the k-th that fit without a second pass
 REJECTION_MIN_TOP_P = 0.5  # a top-p draw at or above this is checked, not cut (by_rejection)
 MAX_REJECTIONS = 64  # then the cut: each try is kept with probability >= top-p
 # 1 / T past float32's range (T below ~3e-39) would make the top token's 0 x inf a NaN
@@ -209,10 +211,18 @@ def exp_weights(logits: np.ndarray, top: float,
 
 
 def top_k_ids(logits: np.ndarray, k: int) -> np.ndarray:
-    """The ids of the k largest logits and of any tied with the k-th, ascending. A threshold
-    from a strided sample finds a few times k candidates in one pass; only they are
+    """The ids of the k largest logits and of any tied with the k-th, ascending. The native
+    pass (k up to NATIVE_TOP_K) reads only the chunks that could enter the head; numpy's: a
+    threshold from a strided sample finds a few times k candidates in one pass, only they are
     partitioned (np.argpartition over 262,144 logits took 0.3 ms)."""
     n = logits.size
+    if k <= NATIVE_TOP_K and _native_reads(logits):
+        ids = np.empty(k + TIES_ROOM, np.int64)
+        count = _weights.top_k(logits, k, ids)
+        if count > ids.size:  # many tied with the k-th: once more, with room for them all
+            ids = np.empty(count, np.int64)
+            count = _weights.top_k(logits, k, ids)
+        return ids[:count]
     stride = max(1, n // SAMPLE_SIZE)
     sample = np.sort(logits[::stride])[::-1]
     threshold = sample[min(sample.size - 1, k // stride + 2)]

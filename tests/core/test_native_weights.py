@@ -106,6 +106,40 @@ def test_every_copy_this_cpu_runs_finds_numpys_maximum(level: str) -> None:
 
 
 @pytest.mark.skipif(not sampling.native_weights, reason="engine/core/_weights.c not compiled")
+@pytest.mark.parametrize("level", ["avx512", "avx2", "portable"])
+def test_every_copy_this_cpu_runs_finds_numpys_top_k(level: str) -> None:
+    """The native top-k (the sampler view's head, top-k sampling) on every copy: the ids of the
+    logits at or above numpy's k-th largest, in order, whatever their order (ascending: every
+    chunk enters the head; descending: only the first), a chunk's worth of ties with the k-th,
+    a short last chunk, and all k (k = the size); as many as fit written, how many returned;
+    NaN never in the head."""
+    rng = np.random.default_rng(9)
+    flat = rng.standard_normal(50_003).astype(np.float32)
+    cases = [flat, np.sort(flat), np.sort(flat)[::-1].copy(), np.round(flat, 1),
+             np.full(300, 2.0, np.float32), rng.standard_normal(7).astype(np.float32)]
+    with running_level(level) as native:
+        for logits in cases:
+            for k in sorted(k for k in {1, 12, 40, 256, logits.size} if k <= min(256, logits.size)):
+                kth = np.sort(logits)[::-1][k - 1]
+                expected = np.flatnonzero(logits >= kth)
+                ids = np.empty(expected.size + 3, np.int64)
+                assert native.top_k(logits, k, ids) == expected.size
+                assert np.array_equal(ids[:expected.size], expected)
+                few = np.empty(1, np.int64)
+                assert native.top_k(logits, k, few) == expected.size
+                assert few[0] == expected[0]
+        with_nan = flat.copy()
+        with_nan[[0, 5, 49_000]] = np.nan
+        ids = np.empty(12, np.int64)
+        assert native.top_k(with_nan, 12, ids) == 12
+        assert not np.isnan(with_nan[ids]).any()
+        assert np.array_equal(np.sort(with_nan[ids]), np.sort(np.sort(flat[~np.isnan(
+            with_nan)])[-12:]))
+        with pytest.raises(ValueError, match="1 <= k <= 256"):
+            native.top_k(flat, 257, np.empty(300, np.int64))
+
+
+@pytest.mark.skipif(not sampling.native_weights, reason="engine/core/_weights.c not compiled")
 def test_an_unknown_level_is_refused() -> None:
     from engine.core import _weights
 
