@@ -576,6 +576,47 @@ static PyObject *keeps(PyObject *self, PyObject *args) {
     return PyBool_FromLong(kept);
 }
 
+/* A sampled token in one call: the maximum, the weights and their block sums, the draw, and
+ * top-p's check of it (top_p 1: none), as top, exp_weights, pick and keeps make them one by one
+ * (right after a decode step each call from Python costs 5-15 us, its code cold). A maximum that
+ * is not finite (NaN, an overflow, every token masked) stops there: index -1. */
+static PyObject *draw(PyObject *self, PyObject *args) {
+    Py_buffer logits, out, sums;
+    float inv_temperature, found = NAN;
+    double top_p, u;
+    Py_ssize_t block, index = -1;
+    int kept = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*fddw*w*n", &logits, &inv_temperature, &top_p, &u, &out,
+                          &sums, &block))
+        return NULL;
+    Py_ssize_t n = logits.len / (Py_ssize_t)sizeof(float);
+    int fits = n >= 1 && blocks_fit(&logits, &sums, block) && out.len == logits.len;
+    if (fits) {
+        const float *x = (const float *)logits.buf;
+        float *weights = (float *)out.buf;
+        double *block_sums = (double *)sums.buf;
+        Py_BEGIN_ALLOW_THREADS
+        found = running->top(x, n);
+        if (isfinite(found)) {
+            running->fn(x, weights, n, found, inv_temperature, block, block_sums);
+            index = pick_body(weights, n, block_sums, sums.len / (Py_ssize_t)sizeof(double),
+                              block, u);
+            kept = index >= 0 &&
+                   (top_p >= 1.0 || keeps_body(weights, n, index, block_sums, block, top_p));
+        }
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&logits);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&sums);
+    if (!fits) {
+        PyErr_SetString(PyExc_ValueError, "logits and out: " BLOCKS_MISFIT ", of one length");
+        return NULL;
+    }
+    return Py_BuildValue("(dnO)", (double)found, index, kept ? Py_True : Py_False);
+}
+
 static PyObject *level(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
@@ -620,6 +661,10 @@ static PyMethodDef methods[] = {
      "keeps(weights, index, sums, block, top_p) -> bool: whether top-p keeps weights[index]: "
      "the mass of the heavier weights and of the equal ones before it is short of top_p of the "
      "sums' total."},
+    {"draw", draw, METH_VARARGS,
+     "draw(logits, inv_temperature, top_p, u, out, sums, block) -> (top, index, kept): "
+     "top(logits); if finite, exp_weights into out and sums, pick(out, sums, u, block) and "
+     "keeps(out, index, sums, block, top_p) (kept where top_p >= 1); else index -1."},
     {"level", level, METH_NOARGS, "The instruction-set level the weights run on."},
     {"use", use, METH_O,
      "use(level) -> bool: run the weights on this level ('avx512', 'avx2', 'portable') if the "

@@ -36,6 +36,12 @@ def keeps(weights: npt.NDArray[np.float32], index: int, sums: npt.NDArray[np.flo
     lower indices (float32 lanes, float64 across) is short of top_p of the whole (`sums`: one
     float64 sum per block); read block by block until the verdict is sure."""
 
+def draw(logits: npt.NDArray[np.float32], inv_temperature: float, top_p: float, u: float,
+         out: npt.NDArray[np.float32], sums: npt.NDArray[np.float64], block: int,
+         /) -> tuple[float, int, bool]:
+    """top, exp_weights, pick and keeps in one call: the logits' maximum, the drawn index and
+    whether top-p keeps it (top_p >= 1: kept); index -1 where the maximum is not finite."""
+
 def level() -> str:
     """The instruction-set level the weights run on: 'avx512', 'avx2' or 'portable'."""
 

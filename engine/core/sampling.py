@@ -413,6 +413,8 @@ def sample(
     if params.greedy:  # an extreme penalty can overflow a logit: checked after it
         return Draw(greedy_token(logits), logits, None)
     host = host_array(logits)
+    if one_call(params, host):
+        return _drawn_in_one_call(logits, host, params, generator)
     top = _checked(maximum(host))
     if by_rejection(params, host.size):
         whole, index = top_p_by_rejection(host, params, top, generator)
@@ -430,6 +432,31 @@ def by_rejection(params: SamplingParams, vocab: int) -> bool:
             and params.min_p == 0.0 and vocab > 4 * BLOCK)
 
 
+def one_call(params: SamplingParams, host: np.ndarray) -> bool:
+    """Whether the native pass makes a sampled draw in one call (_drawn_in_one_call): the
+    plain distribution or top-p by rejection, over a long vocabulary the pass reads as it is."""
+    return (native_exp and host.size > 4 * BLOCK and _native_reads(host)
+            and params.temperature >= _NATIVE_MIN_TEMPERATURE
+            and (by_rejection(params, host.size)
+                 or (params.top_p, params.top_k, params.min_p) == (1.0, 0, 0.0)))
+
+
+def _drawn_in_one_call(logits: torch.Tensor, host: np.ndarray, params: SamplingParams,
+                       generator: Generator | None) -> Draw:
+    """What maximum, exp_weights, pick and top_p_keeps make, the same token from the same
+    numbers, in one native call (each call from Python cost 5-15 us right after a decode
+    step); a try top-p drops goes on as top_p_by_rejection's next."""
+    weights = np.empty_like(host)
+    sums = np.empty(-(-host.size // BLOCK), np.float64)
+    top, index, kept = _weights.draw(host, 1.0 / params.temperature, params.top_p,
+                                     uniform(generator), weights, sums, BLOCK)
+    top = _checked(top)
+    whole = Distribution(weights, None, sums, owed_top_p=params.top_p)
+    if not kept:
+        index = _draw_kept(whole, host, params, top, generator, MAX_REJECTIONS - 1)
+    return Draw(index, logits, whole)
+
+
 def top_p_by_rejection(logits: np.ndarray, params: SamplingParams, top: float,
                        generator: Generator | None) -> tuple[Distribution, int]:
     """A token drawn from the whole distribution, kept if top-p keeps it, else drawn again: the
@@ -439,13 +466,20 @@ def top_p_by_rejection(logits: np.ndarray, params: SamplingParams, top: float,
     the generator. Returns the whole distribution, top-p owed, and the token."""
     weights, sums = exp_weights(logits, top, params.temperature)
     whole = Distribution(weights, None, sums, owed_top_p=params.top_p)
-    blocks = _block_sums(weights) if sums is None else sums  # numpy's: once, not every try
-    for _ in range(MAX_REJECTIONS):
+    return whole, _draw_kept(whole, logits, params, top, generator, MAX_REJECTIONS)
+
+
+def _draw_kept(whole: Distribution, logits: np.ndarray, params: SamplingParams, top: float,
+               generator: Generator | None, tries: int) -> int:
+    """Up to `tries` draws from the whole distribution until top-p keeps one; then the cut's."""
+    weights = whole.weights
+    blocks = _block_sums(weights) if whole.block_sums is None else whole.block_sums
+    for _ in range(tries):  # numpy's block sums: made once, not every try
         index = pick(weights, uniform(generator), blocks)
         if top_p_keeps(weights, index, params.top_p, blocks):
-            return whole, index
+            return index
     cut = distribution(logits, params, top)  # rounding has left next to nothing kept
-    return whole, pick(cut.weights, uniform(generator), cut.block_sums)
+    return pick(cut.weights, uniform(generator), cut.block_sums)
 
 
 def top_p_keeps(weights: np.ndarray, index: int, top_p: float, block_sums: np.ndarray) -> bool:

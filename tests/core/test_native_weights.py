@@ -13,6 +13,7 @@ import torch
 
 from engine.core import sampling
 from engine.core.sampling import make_generator, sample_token, weights_kernel
+from engine.errors import SamplingError
 from engine.params import SamplingParams
 
 
@@ -43,6 +44,41 @@ def test_seeded_draws_on_a_large_vocabulary_are_the_same_on_both_kernels(
             assert native == [sample_token(logits, params, make_generator(seed))
                               for seed in range(60)]
         assert {5, 70_000, 200_001} <= set(native)
+
+
+@pytest.mark.skipif(not sampling.native_exp, reason="no vector copy of engine/core/_weights.c")
+def test_a_draw_in_one_native_call_is_the_draw_of_its_pieces(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sampled draw (plain, or top-p by rejection) in one native call draws the token its
+    pieces (maximum, weights, pick, top-p's check) draw from the same numbers: on a flat
+    distribution top-p 0.5 drops about half the first tries, which go on drawing from the
+    generator as before; logits no token can be drawn from are refused as before."""
+    rng = np.random.default_rng(3)
+    flat = torch.from_numpy(rng.standard_normal(262_144).astype(np.float32))
+    peaked = flat.clone()
+    peaked[[5, 70_000]] = torch.tensor([12.0, 11.0])
+    cases = [(flat, SamplingParams(temperature=0.7, top_p=0.5)),
+             (flat, SamplingParams(temperature=1.3)),
+             (peaked, SamplingParams(temperature=0.8, top_p=0.95))]
+    for logits, params in cases:
+        assert sampling.one_call(params, logits.numpy())
+        together = [sampling.sample(logits, params, make_generator(seed)) for seed in range(40)]
+        with monkeypatch.context() as in_pieces:
+            in_pieces.setattr(sampling, "one_call", lambda params, host: False)
+            apart = [sampling.sample(logits, params, make_generator(seed)) for seed in range(40)]
+        assert [d.token for d in together] == [d.token for d in apart]
+        for one, other in zip(together, apart, strict=True):
+            assert one.chosen is not None and other.chosen is not None
+            assert np.array_equal(one.chosen.weights, other.chosen.weights)
+            assert np.array_equal(one.chosen.block_sums, other.chosen.block_sums)
+            assert one.chosen.owed_top_p == other.chosen.owed_top_p == params.top_p
+    faulty = flat.clone()
+    faulty[100_000] = float("nan")
+    with pytest.raises(SamplingError, match="NaN"):
+        sampling.sample(faulty, SamplingParams(temperature=0.7, top_p=0.9), make_generator(1))
+    with pytest.raises(SamplingError, match="every token"):
+        sampling.sample(torch.full((262_144,), float("-inf")), SamplingParams(temperature=0.7),
+                        make_generator(1))
 
 
 @contextlib.contextmanager
