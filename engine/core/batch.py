@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from engine.core import host_logits
 from engine.core.ledger import ALT_CACHE_SUFFIX, CacheLease, KvLedger
 from engine.core.reply import Reply, ReplyJob
 from engine.core.schedule import MAX_BATCH
@@ -185,7 +186,7 @@ class BatchCore(ABC):
         for row in self.rows:
             fed = 1 + len(row.draft)
             try:
-                _, rejected = row.take_drafted(logits[at : at + fed])
+                _, rejected = row.take_drafted(host_logits.rows_of(logits, at, fed))
                 if rejected:
                     self._cut(row, rejected)
             except Exception as exc:

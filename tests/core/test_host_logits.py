@@ -48,6 +48,22 @@ def test_the_core_draws_each_row_from_that_rows_logits(registered: Registered) -
         assert sample(row, sampled, None).token == best
 
 
+def test_a_batch_steps_run_of_rows_is_registered_once(registered: Registered) -> None:
+    """A batch step takes each reply's rows (one, or a draft's run) through rows_of: the same
+    registered part every step, its rows reading the view's own memory, drawn from as their
+    rows of the view are."""
+    view, array = registered
+    part = host_logits.rows_of(view, 1, 2)
+    assert part is host_logits.rows_of(view, 1, 2)
+    assert torch.equal(part, view[1:3])
+    assert host_logits.rows_of(view, 2, 1) is not part
+    for j, best in enumerate((2, 11)):
+        row = host_logits.row(part, j)
+        assert row is host_logits.row(part, j)
+        assert np.shares_memory(host_logits.array(row), array[1 + j])
+        assert greedy_token(row) == best
+
+
 def test_an_unregistered_tensor_takes_torchs_way() -> None:
     tensor = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     assert host_logits.array(tensor) is None
@@ -56,13 +72,19 @@ def test_an_unregistered_tensor_takes_torchs_way() -> None:
     assert host_logits.array(row) is None
     assert np.array_equal(host_array(row), [4, 5, 6, 7])
     assert greedy_token(row) == 3
+    part = host_logits.rows_of(tensor, 1, 2)
+    assert torch.equal(part, tensor[1:3]) and host_logits.array(part) is None
 
 
 def test_a_forgotten_view_is_no_longer_known(registered: Registered) -> None:
     view, _ = registered
     row = host_logits.row(view, 1)
+    part = host_logits.rows_of(view, 0, 2)
+    part_row = host_logits.row(part, 1)
     host_logits.forget(view)
     assert host_logits.array(view) is None
     assert host_logits.array(row) is None
+    assert host_logits.array(part) is None and host_logits.array(part_row) is None
+    assert host_logits.rows_of(view, 0, 2) is not part
     assert host_logits.row(view, 1) is not row
     host_logits.forget(view)  # twice: nothing to drop
