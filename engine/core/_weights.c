@@ -323,8 +323,8 @@ static PyObject *top_k(PyObject *self, PyObject *args) {
     PyBuffer_Release(&logits);
     PyBuffer_Release(&ids);
     if (!fits) {
-        PyErr_SetString(PyExc_ValueError,
-                        "top_k needs float32 logits, int64 ids and 1 <= k <= 256 (and their size)");
+        PyErr_SetString(PyExc_ValueError, "top_k needs float32 logits, int64 ids and "
+                                          "1 <= k <= 256 (and their size)");
         return NULL;
     }
     return PyLong_FromSsize_t(count);
