@@ -258,6 +258,23 @@ static int blocks_fit(const Py_buffer *weights, const Py_buffer *sums, Py_ssize_
            sums->len == (n + block - 1) / block * (Py_ssize_t)sizeof(double);
 }
 
+/* Whether the pass's buffers fit: float32 logits and out of one length, a float64 sum per
+ * block. */
+static int pass_fits(const Py_buffer *logits, const Py_buffer *out, const Py_buffer *sums,
+                     Py_ssize_t block) {
+    return blocks_fit(logits, sums, block) && out->len == logits->len;
+}
+
+/* Release the pass's buffers, with the error where they did not fit; whether they did. */
+static int release_pass(Py_buffer *logits, Py_buffer *out, Py_buffer *sums, int fits) {
+    PyBuffer_Release(logits);
+    PyBuffer_Release(out);
+    PyBuffer_Release(sums);
+    if (!fits)
+        PyErr_SetString(PyExc_ValueError, "logits and out: " BLOCKS_MISFIT ", of one length");
+    return fits;
+}
+
 static PyObject *exp_weights(PyObject *self, PyObject *args) {
     Py_buffer logits, out, sums;
     float top, inv_temperature;
@@ -266,7 +283,7 @@ static PyObject *exp_weights(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*ffw*w*n", &logits, &top, &inv_temperature, &out, &sums,
                           &block))
         return NULL;
-    int fits = blocks_fit(&logits, &sums, block) && out.len == logits.len;
+    int fits = pass_fits(&logits, &out, &sums, block);
     if (fits) {
         Py_BEGIN_ALLOW_THREADS
         running->fn((const float *)logits.buf, (float *)out.buf,
@@ -274,13 +291,8 @@ static PyObject *exp_weights(PyObject *self, PyObject *args) {
                     (double *)sums.buf);
         Py_END_ALLOW_THREADS
     }
-    PyBuffer_Release(&logits);
-    PyBuffer_Release(&out);
-    PyBuffer_Release(&sums);
-    if (!fits) {
-        PyErr_SetString(PyExc_ValueError, "logits and out: " BLOCKS_MISFIT ", of one length");
+    if (!release_pass(&logits, &out, &sums, fits))
         return NULL;
-    }
     Py_RETURN_NONE;
 }
 
@@ -596,7 +608,7 @@ static PyObject *draw(PyObject *self, PyObject *args) {
                           &sums, &block))
         return NULL;
     Py_ssize_t n = logits.len / (Py_ssize_t)sizeof(float);
-    int fits = n >= 1 && blocks_fit(&logits, &sums, block) && out.len == logits.len;
+    int fits = n >= 1 && pass_fits(&logits, &out, &sums, block);
     if (fits) {
         const float *x = (const float *)logits.buf;
         float *weights = (float *)out.buf;
@@ -612,13 +624,8 @@ static PyObject *draw(PyObject *self, PyObject *args) {
         }
         Py_END_ALLOW_THREADS
     }
-    PyBuffer_Release(&logits);
-    PyBuffer_Release(&out);
-    PyBuffer_Release(&sums);
-    if (!fits) {
-        PyErr_SetString(PyExc_ValueError, "logits and out: " BLOCKS_MISFIT ", of one length");
+    if (!release_pass(&logits, &out, &sums, fits))
         return NULL;
-    }
     return Py_BuildValue("(dnO)", (double)found, index, kept ? Py_True : Py_False);
 }
 

@@ -79,6 +79,11 @@ def test_a_draw_in_one_native_call_is_the_draw_of_its_pieces(
     with pytest.raises(SamplingError, match="every token"):
         sampling.sample(torch.full((262_144,), float("-inf")), SamplingParams(temperature=0.7),
                         make_generator(1))
+    from engine.core import _weights
+
+    with pytest.raises(ValueError, match="of one length"):  # out shorter than the logits
+        _weights.draw(flat.numpy(), 1.0, 1.0, 0.5, np.empty(4096, np.float32),
+                      np.empty(256), 1024)
 
 
 @contextlib.contextmanager
