@@ -108,6 +108,7 @@ typedef float (*top_fn)(const float *, Py_ssize_t);
 #define TOP_K_MAX 256
 #define SCAN 128
 
+/* top_body without its NaN flag: a NaN must not hide the chunk's other logits. */
 INLINE float chunk_max(const float *x, Py_ssize_t n) {
     float m = -INFINITY;
 #pragma omp simd reduction(max : m)

@@ -432,13 +432,19 @@ def by_rejection(params: SamplingParams, vocab: int) -> bool:
             and params.min_p == 0.0 and vocab > 4 * BLOCK)
 
 
+def unfiltered(params: SamplingParams) -> bool:
+    """Whether no top-k, top-p or min-p filters the distribution."""
+    return (params.top_k, params.top_p, params.min_p) == (0, 1.0, 0.0)
+
+
 def one_call(params: SamplingParams, host: np.ndarray) -> bool:
-    """Whether the native pass makes a sampled draw in one call (_drawn_in_one_call): the
-    plain distribution or top-p by rejection, over a long vocabulary the pass reads as it is."""
-    return (native_exp and host.size > 4 * BLOCK and _native_reads(host)
-            and params.temperature >= _NATIVE_MIN_TEMPERATURE
-            and (by_rejection(params, host.size)
-                 or (params.top_p, params.top_k, params.min_p) == (1.0, 0, 0.0)))
+    """Whether the native pass makes a sampled draw in one call (_drawn_in_one_call): top-p by
+    rejection, or the plain distribution over a vocabulary long enough that pick walks its
+    block sums; logits the pass reads as they are."""
+    if not (native_exp and _native_reads(host)
+            and params.temperature >= _NATIVE_MIN_TEMPERATURE):
+        return False
+    return by_rejection(params, host.size) or (unfiltered(params) and host.size > 4 * BLOCK)
 
 
 def _drawn_in_one_call(logits: torch.Tensor, host: np.ndarray, params: SamplingParams,
@@ -557,10 +563,9 @@ def sampler_view(
     host = host_array(logits)
     k = min(k, host.size)
     temperature = params.temperature if params.temperature > 0 else 1.0
-    unfiltered = (params.top_k, params.top_p, params.min_p) == (0, 1.0, 0.0)
     # a draw without filters, or by rejection (top-p owed), was made from the plain
     # distribution itself
-    plain = (chosen if chosen is not None and (unfiltered or chosen.owed_top_p < 1.0)
+    plain = (chosen if chosen is not None and (unfiltered(params) or chosen.owed_top_p < 1.0)
              else distribution(host, SamplingParams(temperature=temperature)))
     head = top_k_ids(host, k)
     head = head[np.argsort(-plain.weights[head], kind="stable")][:k]
