@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.errors import PhasewiseError
+from engine.errors import PhasewiseError, one_line
 
 MAX_FILE_BYTES = 64 << 20  # larger files are not read (no model here has the context for one)
 OPEN_TAG = '<document name="{name}">'
@@ -95,7 +95,7 @@ def _pdf_text(name: str, data: bytes) -> str:
             raise DocumentError(f"{name} is an encrypted PDF")
         pages = [page.extract_text() or "" for page in reader.pages]
     except (PyPdfError, ValueError, KeyError, OSError) as exc:
-        raise DocumentError(f"{name} is not a readable PDF: {str(exc).splitlines()[0]}") from exc
+        raise DocumentError(f"{name} is not a readable PDF: {one_line(exc)}") from exc
     text = "\n\n".join(p.strip() for p in pages if p.strip())
     if not text:
         raise DocumentError(f"{name} has no text layer (a scanned PDF?): nothing to read")

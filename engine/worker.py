@@ -27,7 +27,7 @@ from engine.core.runtime import Runtime
 from engine.core.snapshots import DEFAULT_BUDGET_BYTES as DEFAULT_SNAPSHOT_BUDGET
 from engine.core.snapshots import KvShelf
 from engine.core.speculative import TokenProposer
-from engine.errors import ContextOverflowError, ModelLoadError, PhasewiseError
+from engine.errors import ContextOverflowError, ModelLoadError, PhasewiseError, one_line
 from engine.events import (
     DraftModelChanged,
     EngineEvent,
@@ -480,7 +480,7 @@ class Engine(EventSource, Backend):
             self._fail_load(str(exc), cmd)
             return
         except Exception as exc:
-            self._fail_load(f"cannot load {cmd.spec}: {exc}".splitlines()[0], cmd)
+            self._fail_load(f"cannot load {cmd.spec}: {one_line(exc)}", cmd)
             return
         old, self._runtime = self._runtime, runtime
         if self._draft is not None:  # it was checked against the old model's vocabulary
@@ -516,7 +516,7 @@ class Engine(EventSource, Backend):
                 self._fail_load(str(exc), cmd, draft=True)
                 return
             except Exception as exc:
-                self._fail_load(f"cannot load draft model {spec}: {exc}".splitlines()[0], cmd,
+                self._fail_load(f"cannot load draft model {spec}: {one_line(exc)}", cmd,
                                 draft=True)
                 return
             info = self._draft.info

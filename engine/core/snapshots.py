@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from engine.errors import one_line
+
 log = logging.getLogger("phasewise.snapshots")
 
 MAGIC = b"PWKV"
@@ -229,7 +231,7 @@ class KvShelf:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         except Exception as exc:  # a full disk, a runtime that cannot copy: the chat runs cold
-            log.warning("KV snapshot of a chat not written: %s", str(exc).splitlines()[0])
+            log.warning("KV snapshot of a chat not written: %s", one_line(exc))
             tmp.unlink(missing_ok=True)
 
     def _make_room(self, nbytes: int, keep: Path) -> None:

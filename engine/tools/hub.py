@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import IO, Any
 from urllib.parse import quote
 
-from engine.errors import PhasewiseError
+from engine.errors import PhasewiseError, one_line
 from engine.gguf_header import (
     GGUFHeader,
     TruncatedHeader,
@@ -620,8 +620,7 @@ def hub_error_line(exc: BaseException, what: str, page: str) -> str | None:
         status = exc.response.status_code if exc.response is not None else "an error"
         return f"{what}: the hub answered {status}; try again later"
     if isinstance(exc, httpx2.TransportError):
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return f"{what}: connection to the hub failed ({reason})"
+        return f"{what}: connection to the hub failed ({one_line(exc)})"
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return f"{what}: the disk is full"
     return None

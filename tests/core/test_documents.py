@@ -45,6 +45,20 @@ def test_what_cannot_be_attached_says_why_in_one_line(tmp_path: Path, name: str,
     assert "\n" not in str(caught.value)
 
 
+def test_a_pdf_error_without_words_is_named_by_its_kind(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import pypdf
+
+    def unreadable(_stream: object) -> None:
+        raise ValueError("")
+
+    monkeypatch.setattr(pypdf, "PdfReader", unreadable)
+    path = tmp_path / "odd.pdf"
+    path.write_bytes(b"%PDF-1.4\n")
+    with pytest.raises(DocumentError, match=r"^odd\.pdf is not a readable PDF: ValueError$"):
+        read_document(path)
+
+
 def test_a_missing_file_says_so(tmp_path: Path) -> None:
     with pytest.raises(DocumentError, match=r"cannot read gone\.txt"):
         read_document(tmp_path / "gone.txt")

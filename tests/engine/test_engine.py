@@ -14,6 +14,7 @@ from engine import (
     SamplerSnapshot,
     SamplingParams,
     TokenEmitted,
+    worker,
 )
 from engine.errors import PhasewiseError
 from engine.worker import Engine
@@ -139,6 +140,20 @@ def test_failed_load_keeps_the_old_model(tiny_engine: Engine, tmp_path) -> None:
         tiny_engine.load_model_sync(str(tmp_path / "missing"))
     assert tiny_engine.model_info == before
     assert tiny_engine.submit(ask("Hello")).wait(60).finish_reason == "length"
+
+
+def test_a_load_error_opening_with_a_blank_line_still_says_why(
+        tiny_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unexpected error whose text opens with a newline (multiprocessing's spawn error
+    does) is quoted by its first line with words, not as "cannot load X: "."""
+    def fails(spec: str, **_options: object) -> None:
+        raise RuntimeError("\n        An attempt has been made to start a new process\nmore")
+
+    monkeypatch.setattr(worker.runtimes, "load", fails)
+    with pytest.raises(PhasewiseError) as caught:
+        tiny_engine.load_model_sync("somewhere")
+    assert str(caught.value) == "cannot load somewhere: An attempt has been made to start a " \
+        "new process"
 
 
 def test_no_model_loaded_fails_clearly() -> None:
